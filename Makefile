@@ -1,0 +1,33 @@
+# Two commands for a new machine: `make demo` and `make test`. Each creates .venv when missing.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	# torchrec on CPU: the CPU fbgemm first, then torchrec without its CUDA fbgemm dependency.
+	$(PIP) install -q "fbgemm-gpu-cpu==1.8.0" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
+	$(PIP) install -q --no-deps "torchrec==1.9.2"
+	$(PIP) install -q -e ".[test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m torchpipe.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m torchpipe.bench all
+
+clean:
+	rm -rf $(VENV) build *.egg-info
