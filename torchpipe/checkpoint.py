@@ -40,3 +40,174 @@ def _set_flag(name: str) -> Iterator[None]:
         yield
     finally:
         setattr(_flags, name, previous)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpointing with RNG replay
+# --------------------------------------------------------------------------------------------
+import weakref  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional  # noqa: E402
+
+import torch  # noqa: E402
+import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
+
+from .devices import get_backend  # noqa: E402
+from .microbatch import Batch  # noqa: E402
+
+__all__ += ["checkpoint", "RNGGuard"]
+
+_generator_locks: "weakref.WeakKeyDictionary[torch.Generator, threading.Lock]" = weakref.WeakKeyDictionary()
+_generator_locks_guard = threading.Lock()
+
+
+def _lock_for(generator: torch.Generator) -> threading.Lock:
+    with _generator_locks_guard:
+        lock = _generator_locks.get(generator)
+        if lock is None:
+            lock = _generator_locks[generator] = threading.Lock()
+        return lock
+
+
+class RNGGuard:
+    """Makes a checkpointed partition's recompute draw the same random numbers as its forward.
+
+    Replay restores the generator state saved before the forward. That only works if nothing
+    else draws from the same generator *during* that forward, and partitions that share a
+    device share its generator while running on different threads. So when the generator is
+    shared, each forward of a checkpointing step (checkpointed or not: an unprotected draw
+    would interleave) runs under the generator's lock. A partition observed to leave the
+    generator untouched in a training-mode forward is marked RNG-free and skips the lock from
+    then on, so dropout-free partitions still pipeline.
+    """
+
+    def __init__(self, device: torch.device, shared: bool) -> None:
+        self.device = device
+        self.generator = get_backend(device).default_generator(device)
+        self.lock: Optional[threading.Lock] = _lock_for(self.generator) if shared else None
+        # Per training flag of the partition: None unknown, True uses RNG, False RNG-free.
+        self._uses_rng: Dict[bool, Optional[bool]] = {True: None, False: None}
+
+    def needs_replay(self, training: bool) -> bool:
+        return self._uses_rng[training] is not False
+
+    def forward_section(self, training: bool) -> "_ForwardSection":
+        """Context for one forward of a checkpointing step (holds the lock if shared)."""
+        return _ForwardSection(self, training)
+
+    def new_replay(self, training: bool) -> "_Replay":
+        return _Replay(self, training)
+
+
+class _ForwardSection:
+    __slots__ = ("guard", "training", "before", "locked")
+
+    def __init__(self, guard: RNGGuard, training: bool) -> None:
+        self.guard = guard
+        self.training = training
+        self.before: Optional[torch.Tensor] = None
+        self.locked = False
+
+    def __enter__(self) -> None:
+        guard = self.guard
+        if guard.lock is None or guard._uses_rng[self.training] is False:
+            return
+        guard.lock.acquire()
+        self.locked = True
+        if guard._uses_rng[self.training] is None:
+            self.before = guard.generator.get_state()
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        guard = self.guard
+        try:
+            if self.before is not None and exc_type is None:
+                guard._uses_rng[self.training] = not torch.equal(self.before, guard.generator.get_state())
+        finally:
+            if self.locked:
+                guard.lock.release()  # type: ignore[union-attr]
+
+
+class _Replay:
+    """The generator state of one checkpointed forward, and the contexts that use it."""
+
+    __slots__ = ("guard", "training", "state")
+
+    def __init__(self, guard: RNGGuard, training: bool) -> None:
+        self.guard = guard
+        self.training = training
+        self.state: Optional[torch.Tensor] = None
+
+    def forward_context(self) -> "_CheckpointContext":
+        return _CheckpointContext(self)
+
+    def recompute_context(self) -> "_RecomputeContext":
+        return _RecomputeContext(self)
+
+
+class _CheckpointContext:
+    __slots__ = ("replay", "previous")
+
+    def __init__(self, replay: _Replay) -> None:
+        self.replay = replay
+
+    def __enter__(self) -> None:
+        replay = self.replay
+        if replay.guard.needs_replay(replay.training):
+            replay.state = replay.guard.generator.get_state()
+        self.previous = _flags.checkpointing
+        _flags.checkpointing = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _flags.checkpointing = self.previous
+
+
+class _RecomputeContext:
+    __slots__ = ("replay", "previous", "saved", "locked")
+
+    def __init__(self, replay: _Replay) -> None:
+        self.replay = replay
+
+    def __enter__(self) -> None:
+        replay = self.replay
+        self.saved = None
+        self.locked = False
+        if replay.state is not None:
+            lock = replay.guard.lock
+            if lock is not None:
+                lock.acquire()
+                self.locked = True
+            generator = replay.guard.generator
+            self.saved = generator.get_state()
+            generator.set_state(replay.state)
+        self.previous = _flags.recomputing
+        _flags.recomputing = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _flags.recomputing = self.previous
+        try:
+            if self.saved is not None:
+                self.replay.guard.generator.set_state(self.saved)
+        finally:
+            if self.locked:
+                self.replay.guard.lock.release()  # type: ignore[union-attr]
+
+
+def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: _Replay) -> Batch:
+    """Run ``function`` on ``batch`` without keeping its activations; recompute them in backward.
+
+    Built on PyTorch's non-reentrant checkpoint (saved-tensor hooks), which recomputes on
+    demand during backward and supports tuple outputs and in-place layers. RNG replay and the
+    ``is_checkpointing``/``is_recomputing`` flags come from ``replay``'s contexts.
+    """
+    atomic = batch.atomic
+
+    def run(*values: Any) -> Any:
+        return function(values[0] if atomic else values)
+
+    output = _torch_checkpoint.checkpoint(
+        run,
+        *batch.values,
+        use_reentrant=False,
+        preserve_rng_state=False,
+        context_fn=lambda: (replay.forward_context(), replay.recompute_context()),
+    )
+    return Batch(output)

@@ -1,0 +1,257 @@
+"""Tests of torchpipe.balance: the optimal solver, the profilers, the sandbox, the errors."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from fractions import Fraction
+from typing import List, Sequence
+
+import pytest
+import torch
+from torch import nn
+
+from torchpipe.balance import balance_by_cost, balance_by_size, balance_by_time, blockpartition
+from torchpipe.balance.profile_size import profile_sizes
+
+CPU = torch.device("cpu")
+
+
+# -- solver ------------------------------------------------------------------------------
+
+
+def largest_block(costs: Sequence[float], blocks: List[List[int]]) -> Fraction:
+    return max(sum((Fraction(costs[i]) for i in block), Fraction(0)) for block in blocks)
+
+
+def brute_force_optimum(costs: Sequence[float], partitions: int) -> Fraction:
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), partitions - 1):
+        bounds = (0, *cuts, n)
+        blocks = [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+        value = largest_block(costs, blocks)
+        best = value if best is None else min(best, value)
+    assert best is not None
+    return best
+
+
+def check_shape(blocks: List[List[int]], n: int, partitions: int) -> None:
+    assert len(blocks) == partitions
+    assert all(blocks), "every block is non-empty"
+    assert [i for block in blocks for i in block] == list(range(n))
+
+
+def random_costs(rng: random.Random, n: int, kind: str) -> List[float]:
+    if kind == "int":
+        return [rng.choice([0, 0, 1, 2, 3, 7, 10]) for _ in range(n)]
+    if kind == "float":
+        return [rng.choice([0.0, rng.random(), rng.random() * 1e-3, 0.1, 0.2, 0.3])
+                for _ in range(n)]
+    return [rng.choice([0, 1, 0.5, 1e-9, 3.25]) for _ in range(n)]  # mixed int and float
+
+
+@pytest.mark.parametrize("kind", ["int", "float", "mixed"])
+def test_blockpartition_is_optimal_against_brute_force(kind: str) -> None:
+    rng = random.Random(kind)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        partitions = rng.randint(1, n)
+        costs = random_costs(rng, n, kind)
+        blocks = blockpartition(costs, partitions)
+        check_shape(blocks, n, partitions)
+        assert largest_block(costs, blocks) == brute_force_optimum(costs, partitions), (
+            costs, partitions, blocks)
+        assert blockpartition(costs, partitions) == blocks, "deterministic"
+
+
+def test_blockpartition_edge_cases() -> None:
+    assert blockpartition([3, 1, 2], 3) == [[0], [1], [2]]  # partitions == len
+    assert blockpartition([0, 0, 0, 0], 2) == [[0, 1, 2], [3]]  # all zero: latest last block
+    assert blockpartition([5, 0, 0, 0], 2) == [[0, 1, 2], [3]]
+    assert blockpartition([4], 1) == [[0]]
+    # Exact sums: 0.1 + 0.2 > 0.3 as floats and as exact rationals of those floats.
+    assert blockpartition([0.1, 0.2, 0.3], 2) == [[0, 1], [2]]
+    assert balance_by_cost([1, 1, 1, 1, 4], 2) == [4, 1]
+    assert balance_by_cost([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]
+
+
+def test_blockpartition_prefix_is_balanced_on_ties() -> None:
+    # Optimum is 10 (the last layer); the first blocks still split [1]*6 evenly.
+    assert balance_by_cost([1, 1, 1, 1, 1, 1, 10], 3) == [3, 3, 1]
+
+
+def test_blockpartition_is_fast_on_long_sequences() -> None:
+    rng = random.Random(0)
+    costs = [rng.random() for _ in range(600)]
+    began = time.perf_counter()
+    blocks = blockpartition(costs, 16)
+    assert time.perf_counter() - began < 5.0
+    check_shape(blocks, 600, 16)
+
+
+def test_blockpartition_errors() -> None:
+    with pytest.raises(ValueError, match=r"0 < 1"):
+        blockpartition([1, 2], 0)
+    with pytest.raises(ValueError, match=r"3 > 2"):
+        blockpartition([1, 2], 3)
+    with pytest.raises(ValueError, match="non-negative"):
+        blockpartition([1, -1], 1)
+    with pytest.raises(ValueError, match="finite"):
+        blockpartition([1, math.nan], 1)
+    with pytest.raises(ValueError, match="finite"):
+        blockpartition([math.inf, 1], 1)
+    with pytest.raises(TypeError):
+        blockpartition([1, "2"], 1)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        blockpartition([1, 2], 1.0)  # type: ignore[arg-type]
+
+
+# -- profilers ---------------------------------------------------------------------------
+
+
+class Sleep(nn.Module):
+    """Slow forward that holds no big tensors: the time profiler must isolate it."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x * 1
+
+
+class Widen(nn.Module):
+    """Output 50x larger than the input (a copy, not a view)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, 50)
+
+
+class Narrow(nn.Module):
+    """Back to the original width; ``sum`` saves nothing for backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.size(0), 50, -1).sum(1)
+
+
+class ExpSin(nn.Module):
+    """Keeps an intermediate: exp saves its result, sin saves its input (the same tensor)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.exp().sin()
+
+
+class AddPair(nn.Module):
+    """Takes and returns a tuple, as torchgpipe layers may."""
+
+    def forward(self, pair: tuple) -> tuple:
+        a, b = pair
+        return a + b, b
+
+
+def test_balance_by_time_isolates_a_slow_layer() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), Sleep(0.02), nn.Linear(8, 8), nn.ReLU())
+    balance = balance_by_time(3, model, torch.randn(4, 8), timeout=0.2)
+    assert balance == [2, 1, 2]
+
+
+def test_balance_by_size_isolates_a_memory_heavy_layer_on_cpu() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), Widen(), Narrow(), nn.Linear(8, 8),
+                          nn.Linear(8, 8))
+    balance = balance_by_size(3, model, torch.randn(64, 8), chunks=2)
+    assert balance == [2, 1, 3]
+
+
+def test_profile_sizes_counts_exactly_what_is_documented() -> None:
+    float_bytes = 4
+    linear_params = (8 * 8 + 8) * float_bytes
+    model = nn.Sequential(nn.Linear(8, 8), ExpSin(), nn.ReLU(inplace=True), nn.BatchNorm1d(8))
+    # batch 10 in 4 chunks: the largest micro-batch has ceil(10 / 4) == 3 samples.
+    sizes = profile_sizes(model, torch.randn(10, 8), 4, 3.0, CPU)
+    output = 3 * 8 * float_bytes
+    bn_params = 2 * 8 * float_bytes
+    bn_buffers = 2 * 8 * float_bytes + 8  # running mean, var; num_batches_tracked (int64)
+    assert sizes[0] == output + 3 * linear_params  # Linear saves its input and weight: not new
+    assert sizes[1] == 2 * output  # exp's result is kept for backward, and the output
+    assert sizes[2] == 0  # in place: shares the input's storage
+    # BN keeps its output and saved statistics (a mean and an inverse std per channel).
+    assert sizes[3] >= output + 3 * bn_params + bn_buffers
+    assert sizes[3] <= output + 3 * bn_params + bn_buffers + 2 * 8 * float_bytes
+
+
+def test_profilers_accept_tuples() -> None:
+    model = nn.Sequential(AddPair(), AddPair(), AddPair())
+    pair = (torch.randn(4, 2, requires_grad=True), torch.randn(4, 2))
+    assert balance_by_time(3, model, pair, timeout=0.01) == [1, 1, 1]
+    assert balance_by_size(3, model, pair) == [1, 1, 1]
+
+
+def make_user_model(training: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 3))
+    model.train(training)
+    model[1].train(not training)  # a mixed flag must survive too
+    return model
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "training": [m.training for m in model.modules()],
+    }
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_profiling_leaves_the_user_model_and_rng_untouched(training: bool) -> None:
+    model = make_user_model(training)
+    before = snapshot(model)
+    sample = torch.randn(8, 6, requires_grad=True)
+    rng_state = torch.get_rng_state()
+
+    balance_by_time(2, model, sample, timeout=0.01)
+    balance_by_size(2, model, sample, chunks=2)
+
+    after = snapshot(model)
+    assert after["training"] == before["training"]
+    assert before["state"].keys() == after["state"].keys()
+    for key, value in before["state"].items():
+        assert torch.equal(value, after["state"][key]), key  # bitwise, BN stats included
+    assert all(p.grad is None for p in model.parameters())
+    assert sample.grad is None
+    assert torch.equal(torch.get_rng_state(), rng_state)
+
+
+def test_argument_errors() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.ReLU())
+    x = torch.randn(4, 2)
+    for balance in (balance_by_time, balance_by_size):
+        with pytest.raises(ValueError, match=r"0 < 1"):
+            balance(0, model, x)
+        with pytest.raises(ValueError, match=r"5 > 4"):
+            balance(5, model, x)
+        with pytest.raises(TypeError, match="Sequential"):
+            balance(1, nn.Linear(2, 2), x)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="batch"):
+            balance(1, model, torch.randn(0, 2))
+    for timeout in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=f"timeout.*{timeout}"):
+            balance_by_time(2, model, x, timeout=timeout)
+    for chunks in (0, -2, 1.5):
+        with pytest.raises(ValueError, match=f"chunks.*{chunks}"):
+            balance_by_size(2, model, x, chunks=chunks)  # type: ignore[arg-type]
+    for scale in (-0.5, math.nan):
+        with pytest.raises(ValueError, match=f"param_scale.*{scale}"):
+            balance_by_size(2, model, x, param_scale=scale)
+
+
+def test_in_place_first_layer_does_not_write_into_the_sample() -> None:
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(3, 3))
+    for requires_grad in (False, True):
+        sample = torch.randn(4, 3).requires_grad_(requires_grad)
+        original = sample.detach().clone()
+        balance_by_time(2, model, sample, timeout=0.01)
+        balance_by_size(2, model, sample)
+        assert torch.equal(sample.detach(), original)

@@ -1,0 +1,232 @@
+"""Tests of DeferredBatchNorm: running statistics per mini-batch, normalisation per micro-batch."""
+from __future__ import annotations
+
+import copy
+from typing import List, Optional, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from torchpipe.batchnorm import DeferredBatchNorm, set_microbatches
+from torchpipe.checkpoint import _set_flag
+
+# (batch-norm class, shape of one sample): 1d without and with length, 2d, 3d.
+SHAPES: List[Tuple[type, Tuple[int, ...]]] = [
+    (nn.BatchNorm1d, (3,)),
+    (nn.BatchNorm1d, (3, 5)),
+    (nn.BatchNorm2d, (3, 4, 4)),
+    (nn.BatchNorm3d, (3, 2, 3, 3)),
+]
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+
+
+def make_batch_norms(kind: type, chunks: int, momentum: Optional[float] = 0.1,
+                     dtype: torch.dtype = torch.float32) -> Tuple[nn.Module, nn.Module, nn.Module]:
+    """A plain BN for the whole batch, a naive BN per micro-batch, and a deferred BN."""
+    torch.manual_seed(0)
+    plain = kind(3, momentum=momentum).to(dtype)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+        plain.bias.uniform_(-1, 1)
+    naive = copy.deepcopy(plain)
+    deferred = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(plain), chunks)
+    return plain, naive, deferred
+
+
+def random_batch(batch: int, sample_shape: Tuple[int, ...], dtype: torch.dtype,
+                 step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(batch, *sample_shape, generator=generator, dtype=dtype) * (2 + step)
+            + step - 1)
+
+
+def train_pipelined(deferred: nn.Module, x: torch.Tensor, chunks: int,
+                    recompute: bool = False) -> List[torch.Tensor]:
+    """Feed micro-batches in order as a pipeline would, optionally recomputing each one."""
+    microbatches = x.chunk(chunks)
+    set_microbatches(deferred, len(microbatches))
+    outputs = []
+    for microbatch in microbatches:
+        outputs.append(deferred(microbatch))
+        if recompute:
+            with _set_flag("recomputing"):
+                deferred(microbatch)
+    return outputs
+
+
+def assert_same_running_stats(a: nn.Module, b: nn.Module, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(a.running_mean, b.running_mean, **tolerance(dtype))
+    torch.testing.assert_close(a.running_var, b.running_var, **tolerance(dtype))
+    assert int(a.num_batches_tracked) == int(b.num_batches_tracked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("kind,sample_shape", SHAPES)
+def test_running_stats_equal_whole_batch_and_differ_from_naive(
+        kind: type, sample_shape: Tuple[int, ...], recompute: bool, dtype: torch.dtype) -> None:
+    chunks = 4
+    plain, naive, deferred = make_batch_norms(kind, chunks, dtype=dtype)
+    for step in range(3):
+        x = random_batch(16, sample_shape, dtype, step)
+        plain(x)
+        for microbatch in x.chunk(chunks):
+            naive(microbatch)
+        train_pipelined(deferred, x, chunks, recompute=recompute)
+
+    assert_same_running_stats(deferred, plain, dtype)
+    assert int(deferred.num_batches_tracked) == 3
+    assert int(naive.num_batches_tracked) == 12
+    assert not torch.allclose(naive.running_mean, plain.running_mean, rtol=1e-3, atol=1e-4)
+    assert not torch.allclose(naive.running_var, plain.running_var, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,sample_shape", SHAPES)
+def test_momentum_none_is_a_cumulative_average(kind: type, sample_shape: Tuple[int, ...]) -> None:
+    plain, _, deferred = make_batch_norms(kind, 2, momentum=None, dtype=torch.float64)
+    for step in range(4):
+        x = random_batch(8, sample_shape, torch.float64, step)
+        plain(x)
+        train_pipelined(deferred, x, 2)
+    assert deferred.momentum is None
+    assert_same_running_stats(deferred, plain, torch.float64)
+
+
+def test_non_divisible_batch_commits_once_with_fewer_microbatches() -> None:
+    plain, _, deferred = make_batch_norms(nn.BatchNorm2d, chunks=4, dtype=torch.float64)
+    # 10 samples in 4 chunks: 3, 3, 3, 1.
+    x = random_batch(10, (3, 4, 4), torch.float64, 0)
+    assert [len(c) for c in x.chunk(4)] == [3, 3, 3, 1]
+    plain(x)
+    train_pipelined(deferred, x, 4)
+    assert_same_running_stats(deferred, plain, torch.float64)
+    # 6 samples in "4" chunks: torch.chunk gives only 3. The step still commits.
+    x = random_batch(6, (3, 4, 4), torch.float64, 1)
+    assert len(x.chunk(4)) == 3
+    plain(x)
+    train_pipelined(deferred, x, 4)
+    assert_same_running_stats(deferred, plain, torch.float64)
+    assert int(deferred.num_batches_tracked) == 2
+
+
+@pytest.mark.parametrize("kind,sample_shape", SHAPES)
+def test_outputs_and_gradients_equal_plain_batch_norm_per_microbatch(
+        kind: type, sample_shape: Tuple[int, ...]) -> None:
+    chunks = 2
+    plain, _, deferred = make_batch_norms(kind, chunks)
+    x = random_batch(8, sample_shape, torch.float32, 0)
+    set_microbatches(deferred, chunks)
+    for microbatch in x.chunk(chunks):
+        reference = copy.deepcopy(plain)  # same parameters, normalises with its batch stats
+        input_ref = microbatch.clone().requires_grad_()
+        input_def = microbatch.clone().requires_grad_()
+        out_ref = reference(input_ref)
+        out_def = deferred(input_def)
+        torch.testing.assert_close(out_def, out_ref, rtol=0, atol=0)
+
+        upstream = torch.randn_like(out_ref)
+        out_ref.backward(upstream)
+        out_def.backward(upstream)
+        torch.testing.assert_close(input_def.grad, input_ref.grad)
+        torch.testing.assert_close(deferred.weight.grad, reference.weight.grad)
+        torch.testing.assert_close(deferred.bias.grad, reference.bias.grad)
+        deferred.zero_grad()
+
+
+def test_eval_mode_uses_running_stats() -> None:
+    plain, _, deferred = make_batch_norms(nn.BatchNorm2d, 4)
+    for step in range(3):
+        x = random_batch(12, (3, 4, 4), torch.float32, step)
+        plain(x)
+        train_pipelined(deferred, x, 4)
+    plain.eval()
+    deferred.eval()
+    before = copy.deepcopy(deferred.state_dict())
+    x = random_batch(5, (3, 4, 4), torch.float32, 9)
+    torch.testing.assert_close(deferred(x), plain(x))
+    for key, value in deferred.state_dict().items():
+        assert torch.equal(value, before[key]), "eval mode does not update statistics"
+
+
+def test_state_dict_round_trip_with_plain_batch_norm() -> None:
+    plain, _, deferred = make_batch_norms(nn.BatchNorm2d, 2)
+    for step in range(2):
+        train_pipelined(deferred, random_batch(8, (3, 4, 4), torch.float32, step), 2)
+    state = deferred.state_dict()
+    assert list(state) == list(nn.BatchNorm2d(3).state_dict())
+
+    fresh_plain = nn.BatchNorm2d(3)
+    fresh_plain.load_state_dict(state)
+    back = DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm2d(3), chunks=2)
+    back.load_state_dict(fresh_plain.state_dict())
+    for key, value in state.items():
+        assert torch.equal(fresh_plain.state_dict()[key], value)
+        assert torch.equal(back.state_dict()[key], value)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.norm = nn.BatchNorm2d(3)
+        self.inner = nn.Sequential(nn.BatchNorm2d(3, affine=False), nn.BatchNorm2d(3, bias=False))
+        self.untracked = nn.BatchNorm2d(3, track_running_stats=False)
+
+
+def test_conversion_replaces_nested_batch_norms_and_keeps_objects() -> None:
+    model = nn.Sequential(Block(), nn.BatchNorm1d(3))
+    model.eval()
+    model[0].norm.train()
+    norm = model[0].norm
+    weight, running_mean = norm.weight, norm.running_mean
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    converted = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=3)
+    assert converted is model
+    block = converted[0]
+    for layer in (block.norm, block.inner[0], block.inner[1], converted[1]):
+        assert isinstance(layer, DeferredBatchNorm)
+        assert layer.chunks == 3
+    assert not isinstance(block.untracked, DeferredBatchNorm)
+    assert block.norm.weight is weight and block.norm.running_mean is running_mean
+    assert block.norm.training and not converted[1].training and not block.inner[0].training
+    assert block.inner[0].weight is None and block.inner[1].bias is None
+    assert block.inner[1].weight is not None
+
+    # An optimizer built before the conversion still trains the converted model.
+    converted.train()
+    before = weight.detach().clone()
+    out = block.norm(torch.randn(6, 3, 2, 2)) * torch.randn(6, 3, 2, 2)
+    out.sum().backward()
+    optimizer.step()
+    assert not torch.equal(block.norm.weight, before)
+
+    # A batch norm passed directly is replaced; its input rank check is the source's.
+    single = DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm2d(3))
+    assert isinstance(single, DeferredBatchNorm)
+    with pytest.raises(ValueError, match="4D"):
+        single(torch.randn(4, 3, 5))
+
+
+def test_set_microbatches_drops_statistics_of_an_interrupted_step() -> None:
+    plain, _, deferred = make_batch_norms(nn.BatchNorm2d, 4, dtype=torch.float64)
+    interrupted = random_batch(8, (3, 2, 2), torch.float64, 5)
+    set_microbatches(deferred, 4)
+    deferred(interrupted[:2])  # the step fails after one micro-batch
+    x = random_batch(8, (3, 2, 2), torch.float64, 0)
+    plain(x)
+    train_pipelined(deferred, x, 4)
+    assert_same_running_stats(deferred, plain, torch.float64)
+
+
+def test_invalid_microbatch_counts() -> None:
+    model = DeferredBatchNorm.convert_deferred_batch_norm(nn.Sequential(nn.BatchNorm1d(2)))
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=repr(bad)):
+            set_microbatches(model, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="0"):
+        DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(2), chunks=0)

@@ -1,0 +1,118 @@
+"""Per-layer memory profile: bytes a layer keeps on its device while a micro-batch trains.
+
+The cost of layer ``i`` is::
+
+    activation_bytes(i) + param_scale * parameter_bytes(i) + buffer_bytes(i)
+
+* ``activation_bytes``: bytes that the forward of ONE micro-batch leaves allocated until
+  backward, measured on the largest micro-batch, i.e. the first ``ceil(batch / chunks)``
+  samples of the input (dimension 0 of every input tensor). How it is measured:
+
+  - on an accelerator (CUDA, NPU, ...): the allocator's ``memory_allocated`` after the
+    forward (output alive) minus before it, as torchgpipe does. The input and the layer are
+    already on the device, so only new allocations count.
+  - on CPU, which has no allocator statistics: the bytes of every distinct storage among the
+    layer's outputs and the tensors autograd saves for backward (captured with
+    ``torch.autograd.graph.saved_tensors_hooks``), excluding storages of the layer's input,
+    parameters and buffers, which exist anyway. Each storage counts whole and once (views
+    and in-place results share storage). Transient temporaries freed during the forward are
+    not counted, on either device.
+
+* ``parameter_bytes``: bytes of the layer's distinct parameter storages, scaled by
+  ``param_scale`` for the gradient and the optimizer state (2 = weights + gradients).
+* ``buffer_bytes``: bytes of the layer's buffers (e.g. batch-norm running statistics), once:
+  they get neither gradients nor optimizer state.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Set
+
+import torch
+from torch import Tensor, nn
+
+from torchpipe.balance.device_sync import allocated_bytes, has_allocator_statistics
+from torchpipe.balance.layer_call import (Activation, call_layer, partition_input, tensors_of,
+                                          to_device)
+from torchpipe.balance.sandbox import layerwise_sandbox
+
+__all__ = ["profile_sizes", "microbatch_of"]
+
+
+def profile_sizes(module: nn.Sequential, input: Activation, chunks: int, param_scale: float,
+                  device: torch.device) -> List[int]:
+    """Bytes each layer of ``module`` costs on ``device`` (see the module docstring)."""
+    value = to_device(microbatch_of(input, chunks), device)
+    sizes: List[int] = []
+    for layer in layerwise_sandbox(module, device):
+        value = partition_input(value)
+        if has_allocator_statistics(device):
+            output, activation = _forward_measured_by_allocator(layer, value, device)
+        else:
+            output, activation = _forward_measured_by_autograd(layer, value)
+        parameters = _storage_bytes(layer.parameters())
+        buffers = _storage_bytes(layer.buffers())
+        sizes.append(int(activation + param_scale * parameters + buffers))
+        value = output
+        del layer, output
+    return sizes
+
+
+def microbatch_of(input: Activation, chunks: int) -> Activation:
+    """The largest micro-batch a batch splits into: its first ``ceil(batch / chunks)`` samples."""
+    tensors = tensors_of(input)
+    batch = tensors[0].size(0)
+    size = math.ceil(batch / chunks)
+    if isinstance(input, Tensor):
+        return input[:size]
+    return tuple(x[:size] for x in tensors)
+
+
+def _forward_measured_by_allocator(layer: nn.Module, value: Activation,
+                                   device: torch.device) -> tuple[Activation, int]:
+    before = allocated_bytes(device)
+    output = call_layer(layer, value)
+    return output, allocated_bytes(device) - before
+
+
+def _forward_measured_by_autograd(layer: nn.Module, value: Activation) -> tuple[Activation, int]:
+    kept: Dict[int, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        _remember_storage(kept, tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = call_layer(layer, value)
+    for tensor in tensors_of(output):
+        _remember_storage(kept, tensor)
+
+    existing: Set[int] = set()
+    for tensor in (*tensors_of(value), *layer.parameters(), *layer.buffers()):
+        existing.update(_storage_entry(tensor))
+    return output, sum(size for key, size in kept.items() if key not in existing)
+
+
+def _storage_entry(tensor: Tensor) -> Dict[int, int]:
+    """``{storage address: storage bytes}`` for a tensor; empty if it has no plain storage."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # e.g. sparse or wrapper subclasses
+        return {}
+    return {storage.data_ptr(): storage.nbytes()} if storage.nbytes() else {}
+
+
+def _remember_storage(kept: Dict[int, int], tensor: Tensor) -> None:
+    key = _storage_entry(tensor)
+    if key:
+        kept.update(key)
+    elif tensor.numel():
+        # No storage to identify: count the tensor's own bytes under a unique key.
+        kept[-id(tensor)] = tensor.numel() * tensor.element_size()
+
+
+def _storage_bytes(tensors: Iterable[Tensor]) -> int:
+    seen: Dict[int, int] = {}
+    for tensor in tensors:
+        seen.update(_storage_entry(tensor))
+    return sum(seen.values())

@@ -1,0 +1,220 @@
+"""Batch norm whose running statistics follow the mini-batch, not each micro-batch.
+
+A pipeline splits a mini-batch into micro-batches. A plain ``BatchNorm`` would update its
+running statistics once per micro-batch with that micro-batch's statistics, so after
+training the running statistics differ from those of the un-pipelined model.
+:class:`DeferredBatchNorm` normalises each micro-batch with its own statistics in training
+(as any pipeline must: the forward of micro-batch 0 cannot wait for micro-batch 7), but
+accumulates the statistics of all micro-batches of a mini-batch and updates
+``running_mean``, ``running_var`` and ``num_batches_tracked`` once, with the statistics of
+the whole mini-batch -- exactly what a plain batch norm run on the whole batch does.
+
+Per step, the pipe calls :func:`set_microbatches` with the number of micro-batches the
+mini-batch was actually split into (a batch smaller than ``chunks`` gives fewer), so that the
+update happens after the last one. Forwards under checkpoint recomputation are not counted.
+
+Threading: a layer belongs to one partition, whose micro-batches run one after another on one
+worker thread (recomputation, on the autograd thread, does not touch the accumulators), so
+the accumulators need no lock.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Type, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from torchpipe.checkpoint import is_recomputing
+
+__all__ = ["DeferredBatchNorm", "set_microbatches"]
+
+TModule = TypeVar("TModule", bound=nn.Module)
+
+# Input ranks each plain batch norm accepts; a converted layer keeps its source's check.
+_INPUT_DIMS: Dict[Type[_BatchNorm], Tuple[int, ...]] = {
+    nn.BatchNorm1d: (2, 3),
+    nn.BatchNorm2d: (4,),
+    nn.BatchNorm3d: (5,),
+}
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """Batch norm that updates its running statistics once per mini-batch of micro-batches.
+
+    Training forward: normalise the micro-batch with its own mean and biased variance (same
+    output and gradients as a plain batch norm on that micro-batch), and, unless recomputing
+    for a checkpoint, merge its count, mean and sum of squared deviations into the pending
+    mini-batch statistics. After ``microbatches`` micro-batches the pending statistics are
+    committed exactly as ``_BatchNorm`` would commit those of the whole batch: unbiased
+    variance with the whole-batch count, ``momentum`` as the exponential factor, or the
+    cumulative average ``1 / num_batches_tracked`` when ``momentum`` is ``None``.
+
+    Statistics are merged with Chan et al.'s pairwise update (count, mean, M2) in at least
+    float32, which is the sum / sum-of-squares accumulation without its cancellation error.
+
+    Eval forward: the running statistics, as usual. ``state_dict`` keys are those of
+    ``nn.BatchNorm*d``; the pending statistics are transient and not saved.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 affine: bool = True, chunks: int = 1, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None, *, bias: bool = True) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats=True,
+                         device=device, dtype=dtype, bias=bias)
+        _check_microbatches(chunks)
+        self.chunks = chunks
+        self.microbatches = chunks
+        self.input_dims: Optional[Tuple[int, ...]] = None
+        self._reset_pending()
+
+    # -- per-step API -------------------------------------------------------------------
+
+    def set_microbatches(self, microbatches: int) -> None:
+        """Commit after ``microbatches`` micro-batches from now on; drop pending statistics.
+
+        Why drop: the pipe calls this before each step, and statistics left pending by a step
+        that failed halfway must not leak into the next one.
+        """
+        _check_microbatches(microbatches)
+        self.microbatches = microbatches
+        self._reset_pending()
+
+    # -- nn.Module ----------------------------------------------------------------------
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if self.input_dims is not None:
+            if input.dim() not in self.input_dims:
+                expected = " or ".join(f"{d}D" for d in self.input_dims)
+                raise ValueError(f"expected {expected} input (got {input.dim()}D input)")
+        elif input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if not self.training:
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
+                                self.bias, training=False, momentum=0.0, eps=self.eps)
+        # Normalise first: it rejects a micro-batch with one value per channel before that
+        # micro-batch could corrupt the pending statistics.
+        output = F.batch_norm(input, None, None, self.weight, self.bias, training=True,
+                              momentum=0.0, eps=self.eps)
+        if not is_recomputing():
+            self._accumulate(input)
+            if self._pending_microbatches >= self.microbatches:
+                self._commit()
+        return output
+
+    # -- statistics ---------------------------------------------------------------------
+
+    def _reset_pending(self) -> None:
+        self._pending_microbatches = 0
+        self._pending_count = 0
+        self._pending_mean: Optional[Tensor] = None
+        self._pending_m2: Optional[Tensor] = None
+
+    def _accumulate(self, input: Tensor) -> None:
+        """Merge one micro-batch's (count, mean, M2) into the pending mini-batch statistics."""
+        reduce_dims = [0, *range(2, input.dim())]
+        count = input.numel() // input.size(1)
+        with torch.no_grad():
+            values = input.detach()
+            if values.dtype != torch.float64:
+                values = values.float()
+            variance, mean = torch.var_mean(values, dim=reduce_dims, correction=0)
+            m2 = variance * count
+            if self._pending_mean is None or self._pending_m2 is None:
+                self._pending_mean, self._pending_m2 = mean, m2
+            else:
+                total = self._pending_count + count
+                delta = mean - self._pending_mean
+                self._pending_mean = self._pending_mean + delta * (count / total)
+                self._pending_m2 = (self._pending_m2 + m2
+                                    + delta * delta * (self._pending_count * count / total))
+        self._pending_count += count
+        self._pending_microbatches += 1
+
+    def _commit(self) -> None:
+        """Update the running statistics with the pending mini-batch, as ``_BatchNorm`` does."""
+        assert self._pending_mean is not None and self._pending_m2 is not None
+        count = self._pending_count  # > 1: F.batch_norm refused smaller micro-batches
+        with torch.no_grad():
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+            else:
+                factor = self.momentum
+            unbiased_var = self._pending_m2 / (count - 1)
+            mean = self._pending_mean.to(self.running_mean.dtype)
+            self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+            self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var.dtype),
+                                                  alpha=factor)
+        self._reset_pending()
+
+    # -- conversion ---------------------------------------------------------------------
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: TModule, chunks: int = 1) -> TModule:
+        """Return ``module`` with every batch norm that tracks running stats made deferred.
+
+        Nested ``BatchNorm1d/2d/3d`` (any ``_BatchNorm`` with ``track_running_stats``) are
+        replaced in place in their parents; a batch norm passed directly is returned
+        replaced. The replacement keeps the SAME ``Parameter`` objects (``weight``, ``bias``)
+        and the same buffer tensors, so an optimizer built before the conversion still
+        updates the converted model, and its ``training`` flag. An existing
+        ``DeferredBatchNorm`` is kept and its ``chunks`` updated.
+        """
+        _check_microbatches(chunks)
+        if isinstance(module, DeferredBatchNorm):
+            module.chunks = chunks
+            module.set_microbatches(chunks)
+            return module
+        if isinstance(module, _BatchNorm) and module.track_running_stats:
+            return cls._from_batch_norm(module, chunks)  # type: ignore[return-value]
+        for name, child in module.named_children():
+            converted = cls.convert_deferred_batch_norm(child, chunks)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+    @classmethod
+    def _from_batch_norm(cls, source: _BatchNorm, chunks: int) -> "DeferredBatchNorm":
+        if isinstance(source, LazyModuleMixin) and source.has_uninitialized_params():
+            raise ValueError(f"cannot convert an uninitialized {type(source).__name__}: "
+                             "run one forward first to set num_features")
+        assert source.running_mean is not None
+        # Built on "meta" (no memory): every tensor is replaced by the source's own below.
+        deferred = cls(source.num_features, source.eps, source.momentum, source.affine, chunks,
+                       device=torch.device("meta"), dtype=source.running_mean.dtype,
+                       bias=source.bias is not None)
+        if source.affine:
+            deferred.weight = source.weight
+            deferred.bias = source.bias
+        deferred.running_mean = source.running_mean
+        deferred.running_var = source.running_var
+        deferred.num_batches_tracked = source.num_batches_tracked
+        deferred.input_dims = next(
+            (dims for kind, dims in _INPUT_DIMS.items() if isinstance(source, kind)), None)
+        deferred.train(source.training)
+        return deferred
+
+
+def set_microbatches(module: nn.Module, microbatches: int) -> None:
+    """Tell every :class:`DeferredBatchNorm` in ``module`` how many micro-batches this step has.
+
+    The pipe calls it before each step with the number of micro-batches the mini-batch was
+    actually split into, which is fewer than ``chunks`` for a small last batch. It also drops
+    statistics left pending by an interrupted step.
+    """
+    _check_microbatches(microbatches)
+    for layer in module.modules():
+        if isinstance(layer, DeferredBatchNorm):
+            layer.set_microbatches(microbatches)
+
+
+def _check_microbatches(microbatches: int) -> None:
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(
+            f"the number of micro-batches must be a positive int, got {microbatches!r}")

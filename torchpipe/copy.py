@@ -1,0 +1,79 @@
+"""Hand a micro-batch from one partition's stream (and device) to the next.
+
+On an accelerator every worker computes on its own stream. The producer records an event
+after its output; the consumer makes its stream (or, across devices, its copy stream) wait
+for that event instead of the whole producer stream, copies on the copy stream, and marks
+every tensor with ``record_stream`` so that the caching allocator does not reuse memory that
+another stream still reads. On the CPU all of this is a no-op and tensors pass unchanged.
+Copies use ``Tensor.to``, so autograd routes gradients back to the producer's device.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from .devices import Backend, get_backend
+from .microbatch import Batch
+
+__all__ = ["mark_ready", "receive"]
+
+
+def mark_ready(backend: Backend, stream: Any) -> Any:
+    """Record an event on the producer's ``stream`` after its output (None on the CPU)."""
+    if backend.type == "cpu":
+        return None
+    event = backend.new_event()
+    backend.record_event(event, stream)
+    return event
+
+
+def receive(
+    batch: Batch,
+    ready_event: Any,
+    device: torch.device,
+    stream: Any,
+    copy_stream_for: Callable[[torch.device], Any],
+) -> Batch:
+    """Make ``batch`` usable on ``stream`` of ``device``, copying across devices if needed.
+
+    ``ready_event`` is the producer's :func:`mark_ready` event. ``copy_stream_for(d)`` gives
+    the consumer's copy stream on device ``d``; a cross-device copy runs with the copy streams
+    of both devices current, as PyTorch's device-to-device copy uses both.
+    """
+    backend = get_backend(device)
+    if all(t.device == device for t in batch.tensors()):
+        if ready_event is not None:
+            backend.wait_event(stream, ready_event)
+        if backend.type != "cpu":
+            for tensor in batch.tensors():
+                backend.record_stream(tensor, stream)
+        return batch
+
+    target_copy = copy_stream_for(device)
+    waited = False
+
+    def copy(tensor: Tensor) -> Tensor:
+        nonlocal waited
+        if tensor.device == device:
+            return tensor
+        source_backend = get_backend(tensor.device)
+        if source_backend.type == "cpu":
+            with backend.use_stream(target_copy):
+                return tensor.to(device, non_blocking=backend.type != "cpu")
+        source_copy = copy_stream_for(tensor.device)
+        if ready_event is not None and not waited:
+            source_backend.wait_event(source_copy, ready_event)
+            waited = True
+        with source_backend.use_stream(source_copy), backend.use_stream(target_copy):
+            moved = tensor.to(device, non_blocking=backend.type != "cpu")
+        source_backend.record_stream(tensor, source_copy)
+        return moved
+
+    moved_batch = batch.map_tensors(copy)
+    backend.wait_stream(stream, target_copy)
+    if backend.type != "cpu":
+        for tensor in moved_batch.tensors():
+            backend.record_stream(tensor, stream)
+    return moved_batch

@@ -1,0 +1,255 @@
+"""One backend interface for cpu, cuda and npu devices.
+
+Everything above this module (copies, workers, the runtime) speaks to devices only through
+:class:`Backend`, so that the same pipeline code runs on CPU, where streams and events are
+no-ops, and on accelerators, where every worker computes on its own stream. ``torch_npu`` is
+optional: asking for an ``npu`` device without it raises :class:`BackendUnavailableError`
+with the install hint, instead of an obscure import error deep in a worker thread.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from typing import Any, ContextManager, Dict, Iterator, Optional, Union
+
+import torch
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "CPUBackend",
+    "AcceleratorBackend",
+    "CPUStream",
+    "get_backend",
+    "register_backend",
+    "use_backend",
+    "as_device",
+]
+
+DeviceLike = Union[torch.device, str, int]
+
+
+class BackendUnavailableError(RuntimeError):
+    """Raised when a device type is requested whose runtime library is not installed."""
+
+
+class CPUStream:
+    """The stream of a CPU device: work runs in program order, so it needs no synchronisation."""
+
+    __slots__ = ()
+    device = torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return "CPUStream()"
+
+
+CPU_STREAM = CPUStream()
+
+
+class Backend:
+    """Streams, events and copies of one device type.
+
+    Subclasses implement the accelerator calls; the defaults describe a device with a single
+    in-order stream (the CPU), where every synchronisation is a no-op.
+    """
+
+    type: str = "cpu"
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def check(self, device: torch.device) -> None:
+        """Raise a clear error if ``device`` cannot be used (missing library, bad index)."""
+
+    def current_stream(self, device: torch.device) -> Any:
+        return CPU_STREAM
+
+    def new_stream(self, device: torch.device) -> Any:
+        return CPU_STREAM
+
+    def use_stream(self, stream: Any) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def use_device(self, device: torch.device) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def wait_stream(self, waiting: Any, waited: Any) -> None:
+        """Make ``waiting`` wait for the work queued on ``waited`` so far."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the allocator that ``tensor`` is in use on ``stream`` (never for CPU tensors)."""
+
+    def new_event(self) -> Any:
+        return None
+
+    def record_event(self, event: Any, stream: Any) -> None:
+        pass
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        pass
+
+    def synchronize(self, device: torch.device) -> None:
+        pass
+
+    def default_generator(self, device: torch.device) -> torch.Generator:
+        """The generator that random ops on ``device`` draw from (for RNG replay)."""
+        return torch.default_generator
+
+
+class CPUBackend(Backend):
+    """The CPU: one in-order stream, nothing to synchronise."""
+
+    type = "cpu"
+
+
+class AcceleratorBackend(Backend):
+    """A CUDA-like device driven through a ``torch.<type>`` module (``torch.cuda``, ``torch.npu``).
+
+    ``import_name`` is imported on first use: ``torch_npu`` registers ``torch.npu`` that way.
+    """
+
+    def __init__(self, type: str, import_name: Optional[str] = None, install_hint: str = "") -> None:
+        self.type = type
+        self._import_name = import_name
+        self._install_hint = install_hint
+        self._module: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def module(self) -> Any:
+        if self._module is None:
+            with self._lock:
+                if self._module is None:
+                    if self._import_name is not None:
+                        try:
+                            importlib.import_module(self._import_name)
+                        except Exception as exc:  # ImportError, or OSError from missing CANN libraries
+                            raise BackendUnavailableError(
+                                f"device type {self.type!r} needs the package {self._import_name!r}, "
+                                f"which failed to import ({type(exc).__name__}: {exc}). {self._install_hint}"
+                            ) from exc
+                    module = getattr(torch, self.type, None)
+                    if module is None:
+                        raise BackendUnavailableError(
+                            f"torch has no {self.type!r} backend module; {self._install_hint}"
+                        )
+                    self._module = module
+        return self._module
+
+    def is_available(self) -> bool:
+        try:
+            return bool(self.module.is_available())
+        except BackendUnavailableError:
+            return False
+
+    def device_count(self) -> int:
+        return int(self.module.device_count()) if self.is_available() else 0
+
+    def check(self, device: torch.device) -> None:
+        module = self.module
+        if not module.is_available():
+            raise BackendUnavailableError(
+                f"device {str(device)!r} was requested but no {self.type} device is available "
+                f"on this machine. {self._install_hint}"
+            )
+        index = device.index if device.index is not None else 0
+        count = module.device_count()
+        if index >= count:
+            raise BackendUnavailableError(
+                f"device {str(device)!r} was requested but only {count} {self.type} device(s) exist"
+            )
+
+    def current_stream(self, device: torch.device) -> Any:
+        return self.module.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return self.module.Stream(device)
+
+    def use_stream(self, stream: Any) -> ContextManager[None]:
+        return self.module.stream(stream)
+
+    def use_device(self, device: torch.device) -> ContextManager[None]:
+        return self.module.device(device)
+
+    def wait_stream(self, waiting: Any, waited: Any) -> None:
+        if waiting is not waited:
+            waiting.wait_stream(waited)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        if tensor.device.type == self.type:
+            tensor.record_stream(stream)
+
+    def new_event(self) -> Any:
+        return self.module.Event()
+
+    def record_event(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self, device: torch.device) -> None:
+        self.module.synchronize(device)
+
+    def default_generator(self, device: torch.device) -> torch.Generator:
+        index = device.index if device.index is not None else self.module.current_device()
+        return self.module.default_generators[index]
+
+
+_NPU_HINT = (
+    "Install Ascend's CANN toolkit and the torch_npu build that matches this torch "
+    "(pip install torchpipe's 'npu' extra from the checkout), or use 'cpu'/'cuda' devices."
+)
+
+_backends: Dict[str, Backend] = {
+    "cpu": CPUBackend(),
+    "cuda": AcceleratorBackend("cuda", install_hint="Install a CUDA build of torch."),
+    "npu": AcceleratorBackend("npu", import_name="torch_npu", install_hint=_NPU_HINT),
+}
+
+
+def as_device(device: DeviceLike) -> torch.device:
+    """Normalise ``device`` and reject unknown device strings with a clear ValueError."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"invalid device {device!r}: expected e.g. 'cpu', 'cuda:0' or 'npu:0'") from exc
+
+
+def get_backend(device: DeviceLike) -> Backend:
+    """The backend that serves ``device``'s type."""
+    device_type = as_device(device).type
+    try:
+        return _backends[device_type]
+    except KeyError:
+        raise BackendUnavailableError(
+            f"no backend for device type {device_type!r}; known types: {sorted(_backends)}"
+        ) from None
+
+
+def register_backend(device_type: str, backend: Backend) -> Optional[Backend]:
+    """Install ``backend`` for ``device_type``; returns the one it replaces (tests use fakes)."""
+    previous = _backends.get(device_type)
+    _backends[device_type] = backend
+    return previous
+
+
+@contextlib.contextmanager
+def use_backend(device_type: str, backend: Backend) -> Iterator[Backend]:
+    """Temporarily serve ``device_type`` with ``backend`` (a fake backend in tests)."""
+    previous = register_backend(device_type, backend)
+    try:
+        yield backend
+    finally:
+        if previous is None:
+            del _backends[device_type]
+        else:
+            register_backend(device_type, previous)

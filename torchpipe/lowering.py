@@ -1,0 +1,124 @@
+"""Lower a schedule plan into a runtime program for a list of partitions.
+
+This is the only bridge between the planning layer (actions such as ``2F5``) and the runtime
+(jobs with dependencies): every job is made from exactly one action of the plan, on the
+worker that the plan names, in the plan's order. So the plan that ``plan.table()`` prints is
+the plan that runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .checkpoint import RNGGuard, checkpoint
+from .copy import mark_ready, receive
+from .dependency import first_grad_tensor, join
+from .devices import Backend, get_backend
+from .microbatch import Batch
+from .runtime import Program
+from .workers import Worker
+
+__all__ = ["StageRunner", "ForwardContext", "lower_forward"]
+
+
+class StageRunner:
+    """What one partition needs to run an action: its module, device, streams and RNG guard."""
+
+    def __init__(self, index: int, partition: nn.Module, device: torch.device, worker: Worker, rng_shared: bool) -> None:
+        self.index = index
+        self.partition = partition
+        self.device = device
+        self.backend: Backend = get_backend(device)
+        self.worker = worker
+        self.stream = worker.stream
+        self._copy_streams: Dict[torch.device, Any] = {}
+        self.rng = RNGGuard(device, shared=rng_shared)
+
+    def copy_stream_for(self, device: torch.device) -> Any:
+        """This stage's stream for incoming copies on ``device`` (created on first use)."""
+        stream = self._copy_streams.get(device)
+        if stream is None:
+            stream = self._copy_streams[device] = get_backend(device).new_stream(device)
+        return stream
+
+
+class ForwardContext:
+    """Per-step data of a forward pass: the micro-batches and how to treat them."""
+
+    __slots__ = ("batches", "input_events", "checkpoint_stop", "order", "rng_sections", "last_output")
+
+    def __init__(self, batches: List[Batch], input_events: List[Any], checkpoint_stop: int, order: bool, num_stages: int) -> None:
+        self.batches = batches
+        self.input_events = input_events
+        self.checkpoint_stop = checkpoint_stop
+        self.order = order
+        # Checkpointing replays RNG: then forwards on a shared generator must not interleave draws.
+        self.rng_sections = checkpoint_stop > 0
+        self.last_output: List[Optional[Tensor]] = [None] * num_stages
+
+
+def _join_batch(batch: Batch, after: Tensor) -> Batch:
+    """Join the first floating-point tensor of ``batch`` after ``after`` (see dependency.py)."""
+    values = list(batch.values)
+    for i, value in enumerate(values):
+        if isinstance(value, Tensor) and value.is_floating_point():
+            values[i] = join(value, after)
+            return Batch(values[0] if batch.atomic else tuple(values))
+    return batch
+
+
+def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContext, Tuple[Any, ...]], Any]:
+    index = stage.index
+    partition = stage.partition
+    device, stream = stage.device, stage.stream
+    backend = stage.backend
+    copy_stream_for = stage.copy_stream_for
+    on_cpu = backend.type == "cpu"
+
+    def run(ctx: ForwardContext, inputs: Tuple[Any, ...]) -> Tuple[Batch, Any]:
+        if inputs:
+            batch, event = inputs[0]
+        else:
+            batch, event = ctx.batches[microbatch], ctx.input_events[microbatch]
+            ctx.batches[microbatch] = None  # type: ignore[call-overload]  # the pipeline owns it now
+        if not on_cpu or event is not None or any(t.device != device for t in batch.tensors()):
+            batch = receive(batch, event, device, stream, copy_stream_for)
+        if ctx.order:
+            previous = ctx.last_output[index]
+            if previous is not None:
+                batch = _join_batch(batch, previous)
+        if microbatch < ctx.checkpoint_stop:
+            training = partition.training
+            with stage.rng.forward_section(training):
+                output = checkpoint(partition, batch, stage.rng.new_replay(training))
+        elif ctx.rng_sections:
+            with stage.rng.forward_section(partition.training):
+                output = batch.call(partition)
+        else:
+            output = batch.call(partition)
+        if ctx.order:
+            ctx.last_output[index] = first_grad_tensor(output.values)
+        return output, (None if on_cpu else mark_ready(backend, stream))
+
+    return run
+
+
+def lower_forward(plan: Any, stages: Sequence[StageRunner]) -> Program:
+    """A program that runs the F actions of ``plan``; the last stage's outputs are kept."""
+    program = Program(plan.num_workers)
+    last = plan.num_stages - 1
+    for worker, actions in enumerate(plan.worker_actions):
+        for action in actions:
+            if action.kind != "F":
+                raise ValueError(f"lower_forward got a {action.kind} action ({action}); expected a forward-only plan")
+            program.add(
+                worker,
+                action,
+                _forward_job(stages[action.stage], action.microbatch),
+                deps=plan.dependencies(action),
+                label=f"stage {action.stage} F mb {action.microbatch}",
+                keep=action.stage == last,
+            )
+    return program.freeze()

@@ -1,0 +1,108 @@
+"""Split an ``nn.Sequential`` into partitions and check that it can be split at all."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .devices import as_device
+
+__all__ = ["verify_module", "verify_balance", "split_module", "infer_placement", "BalanceError"]
+
+
+class BalanceError(ValueError):
+    """The balance does not describe a split of the module."""
+
+
+def verify_module(module: nn.Module) -> None:
+    """Reject what a pipeline cannot run: non-Sequential modules, shared children or parameters."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}")
+    named_children = list(module.named_children())
+    if len(named_children) != len({id(child) for _, child in named_children}):
+        raise ValueError("module with duplicate children is not supported: the same layer object appears twice")
+    seen = {}
+    for name, child in named_children:
+        for param in child.parameters():
+            owner = seen.setdefault(id(param), name)
+            if owner != name:
+                raise ValueError(
+                    "module with duplicate parameters on distinct children is not supported "
+                    f"(children {owner!r} and {name!r} share a parameter)"
+                )
+
+
+def verify_balance(balance: Sequence[int], num_layers: int) -> List[int]:
+    """Check that ``balance`` is a list of positive ints summing to ``num_layers``."""
+    try:
+        values = list(balance)
+    except TypeError:
+        raise BalanceError(f"balance must be a sequence of positive integers, got {balance!r}") from None
+    if not values:
+        raise BalanceError("balance is empty: expected at least one partition size")
+    if any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in values):
+        raise BalanceError(f"all balance numbers must be positive integers (balance: {values})")
+    if sum(values) != num_layers:
+        raise BalanceError(
+            f"module and sum of balance have different length (module: {num_layers}, sum of balance: {sum(values)})"
+        )
+    return values
+
+
+def _device_of(module: nn.Module) -> Optional[torch.device]:
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device
+    return None
+
+
+def infer_placement(module: nn.Sequential) -> Tuple[List[int], List[torch.device]]:
+    """Group consecutive children by the device their parameters already live on.
+
+    Children without parameters or buffers join the group of the child before them (the
+    first ones join the first placed child). Raises ValueError naming the child if one child
+    spreads over several devices.
+    """
+    devices: List[Optional[torch.device]] = []
+    for name, child in module.named_children():
+        tensors = list(child.parameters()) + list(child.buffers())
+        found = {t.device for t in tensors}
+        if len(found) > 1:
+            raise ValueError(f"child {name!r} has tensors on several devices {sorted(map(str, found))}")
+        devices.append(found.pop() if found else None)
+    placed = [d for d in devices if d is not None]
+    if not placed:
+        return [len(devices)], [torch.device("cpu")]
+    current = placed[0]
+    balance: List[int] = []
+    groups: List[torch.device] = []
+    for device in devices:
+        device = device or current
+        if groups and device == groups[-1]:
+            balance[-1] += 1
+        else:
+            groups.append(device)
+            balance.append(1)
+        current = device
+    return balance, groups
+
+
+def split_module(
+    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
+) -> Tuple[List[nn.Sequential], List[Tuple[str, nn.Module]]]:
+    """Move the children into one ``nn.Sequential`` per partition, on its device.
+
+    Returns the partitions and the children's original ``(name, layer)`` pairs, so that the
+    pipeline can keep the Sequential's parameter names.
+    """
+    named = list(module.named_children())
+    partitions: List[nn.Sequential] = []
+    start = 0
+    for size, device in zip(balance, devices):
+        layers = OrderedDict(named[start : start + size])
+        partition = nn.Sequential(layers)
+        partition.to(as_device(device))
+        partitions.append(partition)
+        start += size
+    return partitions, named

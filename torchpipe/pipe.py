@@ -1,0 +1,257 @@
+"""``Pipe``: GPipe pipeline parallelism for an ``nn.Sequential``, on worker threads.
+
+A drop-in successor to torchgpipe's ``GPipe`` (and fairscale's / PyTorch's retired ``Pipe``):
+``Pipe(model, balance, devices=..., chunks=...)(x)`` returns what ``model(x)`` returns, and
+backward through the output gives the same gradients. Each partition runs on its own worker
+thread, also when several partitions share a device, so pipelining happens on CPU too.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from queue import SimpleQueue
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
+
+import torch
+from torch import Tensor, nn
+
+from .copy import mark_ready
+from .devices import DeviceLike, as_device, get_backend
+from .lowering import ForwardContext, StageRunner, lower_forward
+from .microbatch import Batch, TensorOrTensors, gather, scatter
+from .partition import infer_placement, split_module, verify_balance, verify_module
+from .runtime import Program, Runtime, StepRecord
+from .schedule import Plan, build
+from .workers import ThreadBudget, Worker, spawn_workers, stop_workers
+
+__all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+_BALANCE_HINT = (
+    "pass balance=[...] (layers per partition), place the children on devices first, or compute "
+    "a balance with torchpipe.balance.balance_by_time(partitions, module, sample) or "
+    "torchpipe.balance.balance_by_size(partitions, module, sample)"
+)
+
+
+class MovingDenied(TypeError):
+    """Raised when a ``Pipe`` is moved with ``.to()``, ``.cuda()`` or ``.cpu()``: it owns placement."""
+
+
+def _check_chunks(chunks: Any) -> int:
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
+        raise ValueError(f"number of chunks must be a positive integer, got {chunks!r}")
+    return chunks
+
+
+def _check_checkpoint(mode: Any) -> str:
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never' (got {mode!r})")
+    return cast(str, mode)
+
+
+def _resolve_devices(devices: Optional[Sequence[DeviceLike]], partitions: int) -> List[torch.device]:
+    if devices is None:
+        cuda = get_backend("cuda")
+        if cuda.is_available():
+            devices = [torch.device("cuda", i) for i in range(cuda.device_count())]
+        else:
+            return [torch.device("cpu")] * partitions
+    resolved = [as_device(d) for d in devices]
+    if len(resolved) < partitions:
+        raise IndexError(
+            f"too few devices to hold given partitions (devices: {len(resolved)}, partitions: {partitions})"
+        )
+    resolved = resolved[:partitions]
+    for device in resolved:
+        get_backend(device).check(device)
+    return resolved
+
+
+class Pipe(nn.Module):
+    """Wraps an ``nn.Sequential`` to run it as a GPipe pipeline over worker threads.
+
+    Args:
+        module: the ``nn.Sequential`` to split.
+        balance: layers per partition. ``None`` groups consecutive children by the device
+            they already live on (the constructor form of PyTorch's retired ``Pipe``).
+        devices: one device per partition (repeats allowed; CPU partitions share ``'cpu'``).
+            Defaults to every CUDA device, or ``'cpu'`` for every partition without CUDA.
+        chunks: micro-batches per mini-batch.
+        checkpoint: ``'always'``, ``'except_last'`` (default) or ``'never'``.
+        deferred_batch_norm: track BatchNorm statistics over the whole mini-batch.
+        intra_op_threads: intra-op threads per CPU worker (default: the cores divided evenly).
+
+    The parameter names stay those of ``module`` (``pipe.state_dict()`` loads into the
+    original model and back). Workers start once and are reused; ``close()`` (or ``with``,
+    or garbage collection) stops them.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Optional[Iterable[int]] = None,
+        *,
+        devices: Optional[Sequence[DeviceLike]] = None,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+        intra_op_threads: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        # Validate everything before touching the module: errors leave no state behind.
+        chunks = _check_chunks(chunks)
+        checkpoint = _check_checkpoint(checkpoint)
+        verify_module(module)
+        budget = ThreadBudget(intra_op_threads)
+        if balance is None:
+            if devices is not None:
+                raise ValueError(f"balance is required when devices are given: {_BALANCE_HINT}")
+            balance_list, device_list = infer_placement(module)
+            if len(balance_list) == 1:
+                raise ValueError(
+                    "balance is required: the module's children are all on one device, so there is "
+                    f"nothing to split by placement; {_BALANCE_HINT}"
+                )
+        else:
+            balance_list = verify_balance(balance, len(module))
+            device_list = _resolve_devices(devices, len(balance_list))
+
+        if deferred_batch_norm:
+            from .batchnorm import DeferredBatchNorm
+
+            module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
+
+        partitions, named = split_module(module, balance_list, device_list)
+        for name, layer in named:
+            self.add_module(name, layer)
+        self.balance: List[int] = list(balance_list)
+        self.devices: List[torch.device] = list(device_list)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
+        object.__setattr__(self, "partitions", nn.ModuleList(partitions))
+
+        out_queue: "SimpleQueue[Any]" = SimpleQueue()
+        workers = spawn_workers(device_list, out_queue, name="torchpipe-stage", budget=budget)
+        self._workers: List[Worker] = workers
+        self._runtime = Runtime(workers, out_queue)
+        counts: Dict[torch.device, int] = {}
+        for device in device_list:
+            counts[device] = counts.get(device, 0) + 1
+        self._stages = [
+            StageRunner(i, partition, device, worker, rng_shared=counts[device] > 1)
+            for i, (partition, device, worker) in enumerate(zip(partitions, device_list, workers))
+        ]
+        self._programs: Dict[Tuple[str, int], Program] = {}
+        self._finalizer = weakref.finalize(self, stop_workers, list(workers))
+
+    # ------------------------------------------------------------------ Sequential-like access
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        layers = [layer for partition in self.partitions for layer in partition]
+        return layers[index]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for partition in self.partitions:
+            yield from partition
+
+    # ------------------------------------------------------------------ placement is ours
+    def cuda(self, device: Any = None) -> "Pipe":  # type: ignore[override]
+        raise MovingDenied("denied to move parameters and buffers, because Pipe should manage device placement")
+
+    def cpu(self) -> "Pipe":  # type: ignore[override]
+        raise MovingDenied("denied to move parameters and buffers, because Pipe should manage device placement")
+
+    def to(self, *args: Any, **kwargs: Any) -> "Pipe":  # type: ignore[override]
+        # Deny device moves; dtype casts (pipe.to(torch.float64)) are fine.
+        if "device" in kwargs or "tensor" in kwargs:
+            raise MovingDenied("denied to move parameters and buffers, because Pipe should manage device placement")
+        if args:
+            first = args[0]
+            if isinstance(first, (torch.device, int, str, Tensor)):
+                raise MovingDenied("denied to move parameters and buffers, because Pipe should manage device placement")
+        return super().to(*args, **kwargs)
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, num_microbatches: Optional[int] = None, schedule: str = "gpipe", **options: Any) -> Plan:
+        """The schedule plan a step with ``num_microbatches`` (default ``chunks``) runs."""
+        m = self.chunks if num_microbatches is None else num_microbatches
+        return build(schedule, len(self.partitions), m, **options)
+
+    def _forward_program(self, num_microbatches: int) -> Program:
+        key = ("forward", num_microbatches)
+        program = self._programs.get(key)
+        if program is None:
+            plan = build("gpipe", len(self.partitions), num_microbatches, backward=False)
+            program = self._programs[key] = lower_forward(plan, self._stages)
+        return program
+
+    @property
+    def last_step(self) -> Optional[StepRecord]:
+        """Timings of the most recent step: ``bubble_ratio``, ``chrome_trace()``."""
+        return self._runtime.last_step
+
+    # ------------------------------------------------------------------ running
+    def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
+        """Run ``input`` through the pipeline: micro-batches, worker threads, gathered output."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this Pipe is closed")
+        batches = scatter(input, self.chunks)
+        m = len(batches)
+        if self.training and torch.is_grad_enabled():
+            stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        else:
+            stop = 0
+        if self.deferred_batch_norm:
+            from .batchnorm import DeferredBatchNorm
+
+            for layer in self.modules():
+                if isinstance(layer, DeferredBatchNorm):
+                    layer.set_microbatches(m)
+        input_events = [self._input_event(b) for b in batches]
+        context = ForwardContext(batches, input_events, stop, torch.is_grad_enabled() and m > 1, len(self._stages))
+        program = self._forward_program(m)
+        device_types = sorted({d.type for d in self.devices})
+        results = self._runtime.run(program, context, device_types)
+        ordered = [results[key] for key in sorted(results, key=lambda action: action.microbatch)]
+        return gather(self._hand_back(ordered))
+
+    def _input_event(self, batch: Batch) -> Any:
+        for tensor in batch.tensors():
+            backend = get_backend(tensor.device)
+            if backend.type != "cpu":
+                return mark_ready(backend, backend.current_stream(tensor.device))
+        return None
+
+    def _hand_back(self, results: List[Tuple[Batch, Any]]) -> List[Batch]:
+        """Make the last stage's outputs safe to use on the caller's current stream."""
+        device = self.devices[-1]
+        backend = get_backend(device)
+        outputs = []
+        for batch, event in results:
+            if event is not None:
+                current = backend.current_stream(device)
+                backend.wait_event(current, event)
+                for tensor in batch.tensors():
+                    backend.record_stream(tensor, current)
+            outputs.append(batch)
+        return outputs
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop and join the worker threads (idempotent). The Pipe cannot run afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "Pipe":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def extra_repr(self) -> str:
+        devices = ", ".join(str(d) for d in self.devices)
+        return f"balance={self.balance}, devices=[{devices}], chunks={self.chunks}, checkpoint={self.checkpoint!r}"

@@ -1,0 +1,392 @@
+"""The runtime: executes a :class:`Program` of jobs on worker threads.
+
+A program is the lowered form of a plan: per worker, an ordered list of jobs, each naming the
+jobs whose results it needs. The runtime queues every job of a step up front, in plan order,
+so no scheduling thread sits between two jobs: a job waits only for its own dependencies,
+and the worker that finishes a job hands its result straight to the consumer. This is what
+keeps the per-task cost low (torchgpipe's scheduler thread takes a round trip per task and a
+barrier per clock cycle).
+
+Failure handling: the first exception of any job, on any worker, aborts the step. Every wait
+on a dependency wakes up on abort, the remaining jobs of the step are skipped, the runtime
+waits until each worker has passed the step's last job (so no stale work leaks into the next
+step), and the caller gets the original exception with its traceback. A ``KeyboardInterrupt``
+in the caller's thread while it waits aborts the step the same way.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from queue import SimpleQueue
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .workers import Report, Task, Worker
+
+__all__ = ["Program", "Runtime", "StepRecord", "ThreadState", "StepAborted"]
+
+JobFunction = Callable[[Any, Tuple[Any, ...]], Any]
+
+
+class StepAborted(Exception):
+    """Internal: a job was skipped because its step was aborted."""
+
+
+_SKIPPED = object()
+
+
+@dataclass
+class _Job:
+    index: int
+    worker: int
+    key: Hashable
+    label: str
+    function: JobFunction
+    dep_keys: Tuple[Hashable, ...]
+    deps: Tuple[int, ...] = ()
+    keep: bool = False
+
+
+class Program:
+    """Per-worker ordered jobs with dependencies, ready to run on a :class:`Runtime`.
+
+    ``add(worker, key, function, deps=..., label=...)`` appends a job to ``worker``'s list;
+    ``deps`` are the keys of jobs (on any worker, added before or after) whose results the job
+    receives, in order, as ``function(context, inputs)``. ``keep=True`` keeps a job's result
+    for the caller after the step; other results are dropped once their last consumer took
+    them, so activations are not held longer than the plan needs.
+    """
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.jobs: List[_Job] = []
+        self.worker_jobs: List[List[_Job]] = [[] for _ in range(num_workers)]
+        self._index: Dict[Hashable, int] = {}
+        self._frozen = False
+
+    def add(
+        self,
+        worker: int,
+        key: Hashable,
+        function: JobFunction,
+        deps: Sequence[Hashable] = (),
+        *,
+        label: str = "",
+        keep: bool = False,
+    ) -> None:
+        if self._frozen:
+            raise RuntimeError("program is frozen")
+        if not 0 <= worker < self.num_workers:
+            raise ValueError(f"worker {worker} out of range for a program of {self.num_workers} workers")
+        if key in self._index:
+            raise ValueError(f"duplicate job key {key!r}")
+        job = _Job(len(self.jobs), worker, key, label or str(key), function, tuple(deps), keep=keep)
+        self._index[key] = job.index
+        self.jobs.append(job)
+        self.worker_jobs[worker].append(job)
+
+    def index(self, key: Hashable) -> int:
+        return self._index[key]
+
+    def freeze(self) -> "Program":
+        """Resolve dependencies and prove the program cannot deadlock."""
+        if self._frozen:
+            return self
+        for job in self.jobs:
+            try:
+                job.deps = tuple(self._index[k] for k in job.dep_keys)
+            except KeyError as exc:
+                raise ValueError(f"job {job.label!r} depends on unknown job {exc.args[0]!r}") from None
+        self._check_executable()
+        self.consumers = [0] * len(self.jobs)
+        for job in self.jobs:
+            for dep in job.deps:
+                self.consumers[dep] += 1
+        self._frozen = True
+        return self
+
+    def _check_executable(self) -> None:
+        done = [False] * len(self.jobs)
+        cursor = [0] * self.num_workers
+        remaining = len(self.jobs)
+        while remaining:
+            progressed = False
+            for w, jobs in enumerate(self.worker_jobs):
+                while cursor[w] < len(jobs) and all(done[d] for d in jobs[cursor[w]].deps):
+                    done[jobs[cursor[w]].index] = True
+                    cursor[w] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                stuck = [jobs[cursor[w]].label for w, jobs in enumerate(self.worker_jobs) if cursor[w] < len(jobs)]
+                raise ValueError(f"program would deadlock: every worker waits ({', '.join(stuck)})")
+
+
+class ThreadState:
+    """The caller's thread-local state that each job must run under.
+
+    Grad mode, inference mode, autocast and whether a profiler records: all thread-local in
+    PyTorch, so a worker thread would otherwise silently run with its own defaults.
+    """
+
+    __slots__ = ("grad_enabled", "inference", "autocast", "profiling")
+
+    def __init__(self, device_types: Sequence[str]) -> None:
+        self.grad_enabled = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.autocast: List[Tuple[str, torch.dtype, bool]] = []
+        for device_type in device_types:
+            if torch.is_autocast_enabled(device_type):
+                self.autocast.append(
+                    (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
+                )
+        self.profiling = bool(torch.autograd.profiler._is_profiler_enabled)
+
+    def contexts(self, label: str) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.inference:
+            stack.enter_context(torch.inference_mode())
+        for device_type, dtype, cache in self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        if self.profiling:
+            stack.enter_context(torch.profiler.record_function(label))
+        return stack
+
+    @property
+    def plain(self) -> bool:
+        return not (self.inference or self.autocast or self.profiling)
+
+
+@dataclass
+class StepRecord:
+    """Start and end time of every job of one step, for the bubble and a Chrome trace."""
+
+    labels: List[str]
+    workers: List[int]
+    worker_names: List[str]
+    starts: List[float]
+    ends: List[float]
+    wall_start: float
+    wall_end: float
+
+    @property
+    def makespan(self) -> float:
+        """Seconds from the first job's start to the last job's end."""
+        ran = [i for i, s in enumerate(self.starts) if s >= 0]
+        if not ran:
+            return 0.0
+        return max(self.ends[i] for i in ran) - min(self.starts[i] for i in ran)
+
+    def busy(self) -> List[float]:
+        busy = [0.0] * len(self.worker_names)
+        for w, s, e in zip(self.workers, self.starts, self.ends):
+            if s >= 0:
+                busy[w] += e - s
+        return busy
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Share of worker time spent idle between the step's first start and last end."""
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy()) / (len(self.worker_names) * span)
+
+    def chrome_trace(self) -> Dict[str, Any]:
+        """The step as Chrome trace events (open in chrome://tracing or Perfetto)."""
+        events: List[Dict[str, Any]] = []
+        for w, name in enumerate(self.worker_names):
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": w, "args": {"name": name}})
+        origin = min((s for s in self.starts if s >= 0), default=self.wall_start)
+        for label, w, s, e in zip(self.labels, self.workers, self.starts, self.ends):
+            if s < 0:
+                continue
+            events.append(
+                {"ph": "X", "name": label, "pid": 0, "tid": w, "ts": (s - origin) * 1e6, "dur": (e - s) * 1e6}
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+
+
+class _Step:
+    """The mutable state of one running step: result slots, abort flag, timings."""
+
+    def __init__(self, program: Program, context: Any, state: ThreadState) -> None:
+        n = len(program.jobs)
+        self.context = context
+        self.state = state
+        self.values: List[Any] = [None] * n
+        self.remaining_consumers = list(program.consumers)
+        self.locks = [threading.Lock() for _ in range(n)]
+        for lock in self.locks:
+            lock.acquire()
+        self.done = [False] * n
+        self.keep = [job.keep for job in program.jobs]
+        self.guard = threading.Lock()
+        self.aborted = False
+        self.error: Optional[BaseException] = None
+        self.starts = [-1.0] * n
+        self.ends = [-1.0] * n
+
+    def set(self, index: int, value: Any) -> None:
+        with self.guard:
+            if self.aborted:
+                return
+            self.values[index] = value
+            self.done[index] = True
+            self.locks[index].release()
+
+    def take(self, index: int) -> Any:
+        lock = self.locks[index]
+        lock.acquire()
+        lock.release()
+        if self.aborted:
+            raise StepAborted
+        value = self.values[index]
+        with self.guard:
+            self.remaining_consumers[index] -= 1
+            if self.remaining_consumers[index] == 0 and not self.keep[index]:
+                self.values[index] = None
+        return value
+
+    def abort(self, error: Optional[BaseException]) -> None:
+        with self.guard:
+            if self.error is None and error is not None:
+                self.error = error
+            if self.aborted:
+                return
+            self.aborted = True
+            for i, lock in enumerate(self.locks):
+                if not self.done[i]:
+                    self.done[i] = True
+                    lock.release()
+
+
+class Runtime:
+    """Runs programs on a fixed list of workers, one step at a time.
+
+    Steps from several caller threads are serialised (each waits for the previous one). A
+    job that calls back into the same runtime from a worker thread gets a RuntimeError
+    instead of a deadlock.
+    """
+
+    def __init__(self, workers: Sequence[Worker], out_queue: "SimpleQueue[Report]") -> None:
+        self.workers = list(workers)
+        self.out_queue = out_queue
+        self._lock = threading.Lock()
+        self._step: Optional[_Step] = None
+        self._tasks: Dict[int, Tuple[List[Task], List[Task]]] = {}
+        self.last_step: Optional[StepRecord] = None
+        self._worker_threads = {w.thread.ident for w in self.workers}
+
+    def _tasks_for(self, program: Program) -> List[List[Task]]:
+        cached = self._tasks.get(id(program))
+        if cached is not None and cached[0] is program:  # type: ignore[comparison-overlap]
+            return cached[1]  # type: ignore[return-value]
+        per_worker: List[List[Task]] = []
+        for jobs in program.worker_jobs:
+            tasks = [Task(self._compute_for(job), None, job.label) for job in jobs]
+            if tasks:
+                tasks[-1].finalize = _worker_finished
+            per_worker.append(tasks)
+        if len(self._tasks) >= 32:  # programs are cached by their owner; keep this map bounded
+            self._tasks.clear()
+        self._tasks[id(program)] = (program, per_worker)  # type: ignore[assignment]
+        return per_worker
+
+    def _compute_for(self, job: _Job) -> Callable[[], Any]:
+        runtime = self
+        index, deps, function, label = job.index, job.deps, job.function, job.label
+
+        def compute() -> Any:
+            step = runtime._step
+            assert step is not None
+            if step.aborted:
+                return _SKIPPED
+            try:
+                inputs = tuple(step.take(d) for d in deps)
+            except StepAborted:
+                return _SKIPPED
+            state = step.state
+            torch._C._set_grad_enabled(state.grad_enabled)
+            start = time.perf_counter()
+            if state.plain:
+                value = function(step.context, inputs)
+            else:
+                with state.contexts(label):
+                    value = function(step.context, inputs)
+            step.ends[index] = time.perf_counter()
+            step.starts[index] = start
+            step.set(index, value)
+            return None
+
+        return compute
+
+    def run(self, program: Program, context: Any, device_types: Sequence[str] = ("cpu",)) -> Dict[Hashable, Any]:
+        """Run one step of ``program``; returns the results of its ``keep`` jobs by key.
+
+        Raises the first exception any job raised, after every worker has left the step.
+        """
+        if threading.get_ident() in self._worker_threads:
+            raise RuntimeError("a pipeline stage called its own pipeline: re-entrant calls would deadlock")
+        if len(program.worker_jobs) != len(self.workers):
+            raise ValueError(
+                f"program has {len(program.worker_jobs)} workers, runtime has {len(self.workers)}"
+            )
+        program.freeze()
+        with self._lock:
+            return self._run_locked(program, context, ThreadState(device_types))
+
+    def _run_locked(self, program: Program, context: Any, state: ThreadState) -> Dict[Hashable, Any]:
+        step = _Step(program, context, state)
+        self._step = step
+        wall_start = time.perf_counter()
+        active = 0
+        for worker, tasks in zip(self.workers, self._tasks_for(program)):
+            if tasks:
+                active += 1
+                put = worker.in_queue.put
+                for task in tasks:
+                    put(task)
+        interrupt: Optional[BaseException] = None
+        get = self.out_queue.get
+        while active:
+            try:
+                ok, task, payload = get()
+            except BaseException as exc:  # KeyboardInterrupt while waiting: abort, then drain
+                interrupt = interrupt or exc
+                step.abort(exc)
+                continue
+            if task.finalize is _worker_finished:
+                active -= 1
+            if not ok:
+                if not isinstance(payload, StepAborted):
+                    step.abort(payload)
+            elif task.finalize is not None and task.finalize is not _worker_finished:
+                task.finalize(payload)
+        wall_end = time.perf_counter()
+        self._step = None
+        self.last_step = StepRecord(
+            labels=[job.label for job in program.jobs],
+            workers=[job.worker for job in program.jobs],
+            worker_names=[w.name for w in self.workers],
+            starts=step.starts,
+            ends=step.ends,
+            wall_start=wall_start,
+            wall_end=wall_end,
+        )
+        error = step.error if step.error is not None else interrupt
+        if error is not None:
+            raise error.with_traceback(error.__traceback__)
+        return {job.key: step.values[job.index] for job in program.jobs if job.keep}
+
+
+def _worker_finished(result: Any) -> None:
+    """Marker finalize of each worker's last task in a step."""

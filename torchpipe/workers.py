@@ -1,0 +1,285 @@
+"""Worker threads: the only place where pipeline work runs.
+
+A :class:`Worker` owns one thread, an ``in_queue`` of :class:`Task` objects and (for a device
+worker) one device and compute stream. Tasks run in the order they were queued. A task's
+``compute`` runs on the worker thread; if it has a ``finalize``, the result travels back
+through ``out_queue`` and ``finalize`` runs on the scheduling thread. A task without
+``finalize`` only reports when it fails, which keeps the per-task cost to one queue hop.
+
+Host workers are device-less threads (no device, no stream) for host-side work such as
+embedding lookups; :class:`HostPool` groups them. :class:`ThreadBudget` caps the intra-op
+threads each worker may start, so that N workers do not oversubscribe the machine's cores.
+Workers catch ``BaseException``: a ``KeyboardInterrupt`` raised inside a stage reaches the
+caller instead of killing the thread silently and hanging the pipeline.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .devices import Backend, get_backend
+
+__all__ = [
+    "Task",
+    "Worker",
+    "HostPool",
+    "ThreadBudget",
+    "spawn_workers",
+    "Report",
+]
+
+# (ok, task, result-or-exception) as put on an out_queue.
+Report = Tuple[bool, "Task", Any]
+
+_STOP = object()
+
+
+class Task:
+    """A unit of work for one worker.
+
+    ``compute`` runs on the worker thread, inside the worker's device and stream.
+    ``finalize``, when given, runs on the scheduling thread with ``compute``'s result.
+    ``label`` names the task in errors, profiler traces and step records ("stage 2 F mb 5").
+    """
+
+    __slots__ = ("compute", "finalize", "label")
+
+    def __init__(
+        self,
+        compute: Callable[[], Any],
+        finalize: Optional[Callable[[Any], None]] = None,
+        label: str = "",
+    ) -> None:
+        self.compute = compute
+        self.finalize = finalize
+        self.label = label
+
+    def __repr__(self) -> str:
+        return f"Task({self.label!r})"
+
+
+@dataclass(frozen=True)
+class ThreadBudget:
+    """How many intra-op threads each worker thread may use.
+
+    ``None`` splits the machine's cores evenly among the workers that share them (at least 1
+    each). The cap is applied with ``torch.set_num_threads`` (per thread for OpenMP builds)
+    and threadpoolctl's OpenMP limit, both of which are thread-local.
+    """
+
+    intra_op_threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        value = self.intra_op_threads
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"intra_op_threads must be a positive int or None, got {value!r}")
+
+    def threads_per_worker(self, workers_sharing_cores: int) -> int:
+        if self.intra_op_threads is not None:
+            return self.intra_op_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // max(1, workers_sharing_cores))
+
+
+def _limit_intra_op_threads(threads: int) -> Any:
+    """Cap this thread's intra-op parallelism; returns the limiter to keep alive."""
+    torch.set_num_threads(threads)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - threadpoolctl is a declared dependency
+        return None
+    return threadpool_limits(limits=threads, user_api="openmp")
+
+
+class Worker:
+    """One thread with an ``in_queue``; optionally bound to a device and a compute stream."""
+
+    def __init__(
+        self,
+        name: str,
+        out_queue: "queue.SimpleQueue[Report]",
+        device: Optional[torch.device] = None,
+        *,
+        stream: Any = None,
+        intra_op_threads: Optional[int] = None,
+    ) -> None:
+        self.name = name
+        self.device = device
+        self.backend: Optional[Backend] = get_backend(device) if device is not None else None
+        if self.backend is not None and device is not None:
+            self.backend.check(device)
+            if stream is None:
+                stream = self.backend.new_stream(device)
+        self.stream = stream
+        self.in_queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.out_queue = out_queue
+        self.intra_op_threads = intra_op_threads
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def put(self, task: Task) -> None:
+        """Queue ``task``; tasks run in the order they are put."""
+        self.in_queue.put(task)
+
+    def stop(self, join: bool = True, timeout: Optional[float] = None) -> None:
+        """Ask the thread to exit after the tasks already queued, and (by default) join it."""
+        if self._thread.is_alive():
+            self.in_queue.put(_STOP)
+            if join and threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
+
+    def _run(self) -> None:
+        limiter = _limit_intra_op_threads(self.intra_op_threads) if self.intra_op_threads else None
+        backend, device, stream = self.backend, self.device, self.stream
+        if backend is not None and device is not None:
+            with backend.use_device(device), backend.use_stream(stream):
+                self._loop()
+        else:
+            self._loop()
+        del limiter
+
+    def _loop(self) -> None:
+        get, put = self.in_queue.get, self.out_queue.put
+        while True:
+            task = get()
+            if task is _STOP:
+                return
+            try:
+                result = task.compute()
+            except BaseException as exc:  # noqa: B902 - KeyboardInterrupt must reach the caller too
+                put((False, task, exc))
+                del exc
+                continue
+            if task.finalize is not None:
+                put((True, task, result))
+            del task, result
+
+
+def spawn_workers(
+    devices: Sequence[Optional[torch.device]],
+    out_queue: "queue.SimpleQueue[Report]",
+    *,
+    name: str = "torchpipe",
+    budget: ThreadBudget = ThreadBudget(),
+) -> List[Worker]:
+    """One worker per entry of ``devices`` (repeats allowed: one thread per partition).
+
+    Workers on the CPU (and host workers, ``None``) share the cores, so the budget divides
+    the cores among them; accelerator workers keep a single intra-op thread each.
+    """
+    cpu_sharers = sum(1 for d in devices if d is None or d.type == "cpu")
+    per_cpu_worker = budget.threads_per_worker(cpu_sharers)
+    workers = []
+    try:
+        for index, device in enumerate(devices):
+            on_cpu = device is None or device.type == "cpu"
+            workers.append(
+                Worker(
+                    f"{name}-{index}",
+                    out_queue,
+                    device,
+                    intra_op_threads=per_cpu_worker if on_cpu else 1,
+                )
+            )
+    except BaseException:
+        for worker in workers:
+            worker.stop()
+        raise
+    return workers
+
+
+def stop_workers(workers: Sequence[Worker]) -> None:
+    """Stop and join every worker (idempotent)."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.in_queue.put(_STOP)
+    for worker in workers:
+        if threading.current_thread() is not worker.thread:
+            worker.thread.join()
+
+
+class HostPool:
+    """A fixed group of device-less worker threads for host-side work.
+
+    Host tasks (embedding lookups and updates, swap planning) need no device or stream, but
+    must not oversubscribe the cores that device workers also use, so the pool is sized by
+    its own :class:`ThreadBudget`. ``submit`` returns a :class:`concurrent.futures.Future`;
+    tasks given the same ``key`` run in submission order on the same thread, which is how
+    callers get ordering (a shared pool alone is not an ordering).
+    """
+
+    def __init__(
+        self,
+        num_threads: int = 1,
+        *,
+        name: str = "torchpipe-host",
+        budget: ThreadBudget = ThreadBudget(intra_op_threads=1),
+    ) -> None:
+        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
+            raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+        self._out: "queue.SimpleQueue[Report]" = queue.SimpleQueue()
+        threads = budget.threads_per_worker(num_threads)
+        self.workers = [Worker(f"{name}-{i}", self._out, None, intra_op_threads=threads) for i in range(num_threads)]
+        self._next = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, stop_workers, list(self.workers))
+
+    @property
+    def num_threads(self) -> int:
+        return len(self.workers)
+
+    def worker_for(self, key: Optional[int] = None) -> Worker:
+        """The worker that runs tasks of ``key`` (round-robin when ``key`` is None)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("HostPool is closed")
+            if key is None:
+                key = self._next
+                self._next += 1
+        return self.workers[key % len(self.workers)]
+
+    def submit(self, fn: Callable[..., Any], *args: Any, key: Optional[int] = None, label: str = "") -> "Future[Any]":
+        """Run ``fn(*args)`` on a host thread; exceptions (any BaseException) land in the future."""
+        from concurrent.futures import Future
+
+        future: "Future[Any]" = Future()
+
+        def compute() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: B902
+                future.set_exception(exc)
+
+        self.worker_for(key).put(Task(compute, label=label or getattr(fn, "__name__", "host task")))
+        return future
+
+    def close(self) -> None:
+        """Finish queued tasks, then stop and join every thread."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "HostPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+from concurrent.futures import Future  # noqa: E402  (type name used in annotations above)
