@@ -1,1 +1,25 @@
-"""torchpipe."""
+"""torchpipe: pipeline-parallel PyTorch training as tasks on worker threads, in one process.
+
+``Pipe`` runs an ``nn.Sequential`` as a GPipe pipeline (torchgpipe's API, more schedules);
+``torchpipe.schedule`` holds the plans as data; ``torchpipe.balance`` computes partitions;
+``torchpipe.rec`` and ``torchpipe.train`` serve host-embedding-cache training.
+"""
+from .checkpoint import is_checkpointing, is_recomputing
+from .devices import BackendUnavailableError
+from .microbatch import Batch
+from .pipe import CHECKPOINT_MODES, MovingDenied, Pipe
+from .workers import HostPool, Task, ThreadBudget
+
+__all__ = [
+    "Pipe",
+    "MovingDenied",
+    "CHECKPOINT_MODES",
+    "is_checkpointing",
+    "is_recomputing",
+    "BackendUnavailableError",
+    "Batch",
+    "HostPool",
+    "Task",
+    "ThreadBudget",
+]
+__version__ = "0.1.0"

@@ -221,6 +221,14 @@ def as_device(device: DeviceLike) -> torch.device:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:
+        device_type = device.split(":", 1)[0] if isinstance(device, str) else None
+        backend = _backends.get(device_type) if device_type else None
+        if isinstance(backend, AcceleratorBackend):
+            backend.module  # raises BackendUnavailableError with the install hint
+            try:
+                return torch.device(device)
+            except (RuntimeError, TypeError):
+                pass
         raise ValueError(f"invalid device {device!r}: expected e.g. 'cpu', 'cuda:0' or 'npu:0'") from exc
 
 

@@ -69,6 +69,34 @@ def _join_batch(batch: Batch, after: Tensor) -> Batch:
     return batch
 
 
+def _starts_in_place(partition: nn.Module) -> bool:
+    """Whether the partition's first layer overwrites its input (``ReLU(inplace=True)`` and kin)."""
+    for module in partition.modules():
+        if not list(module.children()):
+            return bool(getattr(module, "inplace", False))
+    return False
+
+
+def _on_private_copy(partition: nn.Module) -> Callable[[Any], Any]:
+    """Checkpointing saves the partition input for recompute; an in-place first layer would
+    overwrite that saved input, so such a partition computes on a private copy."""
+
+    def run(value: Any) -> Any:
+        copied = Batch(value).map_tensors(lambda t: t.clone() if t.is_floating_point() else t)
+        return partition(copied.value)
+
+    return run
+
+
+def _check_input_untouched(stage: StageRunner, batch: Batch, versions: Tuple[int, ...]) -> None:
+    if tuple(t._version for t in batch.tensors()) != versions:
+        raise RuntimeError(
+            f"partition {stage.index} modified its input in place while being checkpointed, so "
+            "its recompute would start from the wrong values; make that layer out-of-place "
+            "(e.g. inplace=False) or use checkpoint='never'"
+        )
+
+
 def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContext, Tuple[Any, ...]], Any]:
     index = stage.index
     partition = stage.partition
@@ -76,6 +104,7 @@ def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContex
     backend = stage.backend
     copy_stream_for = stage.copy_stream_for
     on_cpu = backend.type == "cpu"
+    checkpointed_function = _on_private_copy(partition) if _starts_in_place(partition) else partition
 
     def run(ctx: ForwardContext, inputs: Tuple[Any, ...]) -> Tuple[Batch, Any]:
         if inputs:
@@ -91,8 +120,10 @@ def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContex
                 batch = _join_batch(batch, previous)
         if microbatch < ctx.checkpoint_stop:
             training = partition.training
+            versions = tuple(t._version for t in batch.tensors())
             with stage.rng.forward_section(training):
-                output = checkpoint(partition, batch, stage.rng.new_replay(training))
+                output = checkpoint(checkpointed_function, batch, stage.rng.new_replay(training))
+            _check_input_untouched(stage, batch, versions)
         elif ctx.rng_sections:
             with stage.rng.forward_section(partition.training):
                 output = batch.call(partition)

@@ -1,0 +1,300 @@
+"""Pipe gives the outputs and gradients of the plain nn.Sequential (transparency)."""
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import torchpipe
+import torchpipe.profiling
+from torchpipe import MovingDenied, Pipe, is_checkpointing, is_recomputing
+
+
+def make_model(width=8, depth=6, dropout=0.0):
+    layers = []
+    for i in range(depth):
+        layers.append(nn.Linear(width, width))
+        if i % 2 == 1:
+            layers.append(nn.ReLU())
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers)
+
+
+def grads(module):
+    return {name: p.grad.clone() for name, p in module.named_parameters()}
+
+
+def run_both(model, balance, chunks, checkpoint, x, **kwargs):
+    reference = copy.deepcopy(model)
+    with Pipe(model, balance, chunks=chunks, checkpoint=checkpoint, **kwargs) as pipe:
+        out = pipe(x)
+        out.pow(2).sum().backward()
+        expected = reference(x)
+        expected.pow(2).sum().backward()
+        return out, expected, grads(pipe), grads(reference)
+
+
+def test_bitwise_for_one_chunk_without_checkpointing():
+    model = make_model()
+    x = torch.randn(12, 8)
+    out, expected, got, want = run_both(model, [3, 2, 2, 2], 1, "never", x)
+    assert torch.equal(out, expected)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("balance", [[9], [1, 8], [3, 3, 3], [1, 1, 1, 6], [2, 2, 2, 2, 1]])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_outputs_and_every_gradient_match(balance, chunks, checkpoint):
+    model = make_model()
+    x = torch.randn(10, 8, requires_grad=False)  # 10 does not divide by 3, 4 or 7
+    out, expected, got, want = run_both(model, balance, chunks, checkpoint, x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_input_gradient_matches():
+    model = make_model()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with Pipe(model, [3, 3, 3], chunks=3) as pipe:
+        pipe(x).sum().backward()
+    reference(x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_batch_smaller_than_chunks():
+    model = make_model()
+    x = torch.randn(2, 8)
+    out, expected, got, want = run_both(model, [4, 5], 8, "except_last", x)
+    torch.testing.assert_close(out, expected)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+
+
+class TupleLinear(nn.Module):
+    """Takes and returns (tensor, tensor, flag): tuples and non-tensor values travel through."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, inputs):
+        x, y, flag = inputs
+        assert flag == "keep"
+        return self.a(x) + y, self.b(y) * x, flag
+
+
+def test_tuple_inputs_and_outputs():
+    model = nn.Sequential(TupleLinear(), TupleLinear(), TupleLinear())
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(7, 4), torch.randn(7, 4)
+    with Pipe(model, [1, 1, 1], chunks=3) as pipe:
+        out = pipe((x, y, "keep"))
+        (out[0].sum() + out[1].sum()).backward()
+    expected = reference((x, y, "keep"))
+    (expected[0].sum() + expected[1].sum()).backward()
+    assert out[2] == "keep"
+    torch.testing.assert_close(out[0], expected[0])
+    torch.testing.assert_close(out[1], expected[1])
+    for (name, p), (_, q) in zip(pipe.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_in_place_layers_at_partition_boundaries():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8))
+    for checkpoint in ("always", "never"):
+        out, expected, got, want = run_both(copy.deepcopy(model), [1, 2, 2], 3, checkpoint, torch.randn(9, 8))
+        torch.testing.assert_close(out, expected)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name])
+
+
+def test_no_grad_and_eval_mode():
+    model = make_model(dropout=0.5)
+    reference = copy.deepcopy(model).eval()
+    x = torch.randn(10, 8)
+    with Pipe(model, [5, 5, 5], chunks=4) as pipe:
+        pipe.eval()
+        with torch.no_grad():
+            out = pipe(x)
+        assert not out.requires_grad
+        torch.testing.assert_close(out, reference(x))
+        out = pipe(x)  # eval with grad: no dropout, no checkpointing needed
+        assert out.requires_grad
+        torch.testing.assert_close(out, reference(x))
+
+
+def test_checkpoint_flags_and_recompute_only_for_checkpointed_microbatches():
+    seen = []
+
+    class Spy(nn.Module):
+        def forward(self, x):
+            seen.append((x.shape[0], is_checkpointing(), is_recomputing()))
+            return torch.tanh(x)  # saves a tensor, so backward needs the recompute
+
+    model = nn.Sequential(nn.Linear(4, 4), Spy())
+    with Pipe(model, [1, 1], chunks=3, checkpoint="except_last") as pipe:
+        out = pipe(torch.randn(6, 4))
+        forward_calls = list(seen)
+        out.sum().backward()
+    assert sorted(forward_calls) == sorted([(2, True, False), (2, True, False), (2, False, False)])
+    assert sorted(seen[len(forward_calls):]) == [(2, False, True), (2, False, True)]
+
+
+class RecordDropout(nn.Dropout):
+    """Dropout that records each output with the phase it ran in."""
+
+    def __init__(self, p, log):
+        super().__init__(p)
+        self.log = log
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.log.append(("recompute" if is_recomputing() else "forward", x.shape[0], out.detach().clone()))
+        return out
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_dropout_is_replayed_identically_on_recompute(checkpoint):
+    # Four CPU partitions share one generator and draw concurrently; each recompute must
+    # still see the masks of its own forward.
+    logs = [[] for _ in range(4)]
+    layers = []
+    for log in logs:
+        # Dropout first: recompute stops early after the last saved tensor, so a trailing
+        # dropout's hook would not run again.
+        layers += [RecordDropout(0.5, log), nn.Linear(64, 64)]
+    model = nn.Sequential(*layers)
+    x = torch.randn(64, 64)
+    with Pipe(model, [2, 2, 2, 2], chunks=8, checkpoint=checkpoint) as pipe:
+        for _ in range(3):
+            for log in logs:
+                log.clear()
+            pipe(x).sum().backward()
+            for log in logs:
+                forward = [entry for entry in log if entry[0] == "forward"]
+                recompute = [entry for entry in log if entry[0] == "recompute"]
+                expected_recomputes = 8 if checkpoint == "always" else 7
+                assert len(recompute) == expected_recomputes
+                # Match each recompute with a forward of the same micro-batch (same order per partition).
+                for (_, _, again) in recompute:
+                    assert any(torch.equal(again, first) for (_, _, first) in forward)
+
+
+def test_dropout_gradients_match_the_masks_the_forward_used():
+    first_log, second_log = [], []
+    model = nn.Sequential(
+        nn.Linear(16, 16), RecordDropout(0.5, first_log), nn.Linear(16, 16), RecordDropout(0.5, second_log)
+    )
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    with Pipe(model, [2, 2], chunks=2, checkpoint="always") as pipe:
+        pipe(x).sum().backward()
+
+    def forward_masks(log):
+        return [entry[2] != 0 for entry in log if entry[0] == "forward"]
+
+    # Rebuild the forward per micro-batch with the masks the pipeline's forward drew.
+    for mb, chunk in enumerate(x.chunk(2)):
+        h = reference[0](chunk) * forward_masks(first_log)[mb] * 2
+        out = reference[2](h) * forward_masks(second_log)[mb] * 2
+        out.sum().backward()
+    for (name, p), (_, q) in zip(pipe.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_sequential_like_access_and_names():
+    model = make_model(depth=4)
+    names = [name for name, _ in model.named_children()]
+    keys = list(model.state_dict().keys())
+    layers = list(model)
+    with Pipe(model, [2, 2, 2], chunks=2) as pipe:
+        assert len(pipe) == len(layers)
+        assert pipe[0] is layers[0] and pipe[-1] is layers[-1]
+        assert list(pipe) == layers
+        assert [name for name, _ in pipe.named_children()] == names
+        assert list(pipe.state_dict().keys()) == keys
+        assert pipe.balance == [2, 2, 2]
+        assert pipe.chunks == 2 and pipe.checkpoint == "except_last"
+        assert [len(p) for p in pipe.partitions] == [2, 2, 2]
+        assert pipe.devices == [torch.device("cpu")] * 3
+        nn.Sequential(*copy.deepcopy(layers)).load_state_dict(pipe.state_dict())
+
+
+def test_moving_is_denied_but_dtype_casts_work():
+    with Pipe(make_model(depth=2), [1, 2]) as pipe:
+        for move in (lambda: pipe.cuda(), lambda: pipe.cpu(), lambda: pipe.to("cpu"), lambda: pipe.to(torch.device("cpu")), lambda: pipe.to(device="cpu")):
+            with pytest.raises(MovingDenied):
+                move()
+        pipe.to(torch.float64)
+        assert pipe(torch.randn(3, 8, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_workers_are_created_once_and_reused():
+    with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
+        threads = {w.thread.ident for w in pipe._workers}
+        for _ in range(3):
+            pipe(torch.randn(4, 8)).sum().backward()
+        assert {w.thread.ident for w in pipe._workers} == threads
+        assert len(threads) == 3
+
+
+def test_every_partition_runs_on_its_own_thread_on_cpu():
+    seen = {}
+
+    class Where(nn.Module):
+        def __init__(self, index):
+            super().__init__()
+            self.index = index
+
+        def forward(self, x):
+            import threading
+
+            seen.setdefault(self.index, set()).add(threading.get_ident())
+            return x
+
+    model = nn.Sequential(*[Where(i) for i in range(4)])
+    with Pipe(model, [1, 1, 1, 1], chunks=4) as pipe:
+        pipe(torch.randn(8, 2))
+    idents = [next(iter(seen[i])) for i in range(4)]
+    assert all(len(seen[i]) == 1 for i in range(4))
+    assert len(set(idents)) == 4
+
+
+def test_step_record_and_chrome_trace(tmp_path):
+    with Pipe(make_model(), [3, 3, 3], chunks=4) as pipe:
+        pipe(torch.randn(8, 8))
+        record = pipe.last_step
+        assert len(record.labels) == 12
+        assert "stage 2 F mb 3" in record.labels
+        assert 0.0 <= record.bubble_ratio < 1.0
+        trace = record.chrome_trace()
+        names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+        assert names == set(record.labels)
+        path = tmp_path / "step.json"
+        record.save_chrome_trace(str(path))
+        assert path.stat().st_size > 0
+
+
+def test_profiler_sees_labelled_tasks_from_worker_threads():
+    with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
+        with torchpipe.profiling.profile() as prof:
+            pipe(torch.randn(4, 8)).sum().backward()
+    names = {event.name for event in prof.events()}
+    assert "stage 0 F mb 0" in names and "stage 2 F mb 1" in names
+
+
+def test_autocast_state_reaches_workers():
+    with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = pipe(torch.randn(4, 8))
+        assert out.dtype == torch.bfloat16
+        assert pipe(torch.randn(4, 8)).dtype == torch.float32

@@ -1,0 +1,117 @@
+"""Validate a KeyedJaggedTensor and deduplicate its keys per table (the local dedup level).
+
+Why a separate step: validation must happen before any cache or table state changes, and
+the dedup result (unique keys, restore index, bag offsets) is all that planning, swapping
+and pooling need, so a pipeline can run it on a host worker ahead of the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
+from .errors import RecInputError
+
+__all__ = ["TableLayout", "TableBatch", "BatchKeys", "prepare_batch", "table_layouts"]
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """What the collection needs to know about one table."""
+
+    name: str
+    num_rows: int
+    dim: int
+    feature_names: tuple[str, ...]
+    pooling: str  # 'sum' or 'mean'
+
+
+@dataclass(eq=False)
+class TableBatch:
+    """One table's share of a batch: bags of all its features, keys deduplicated.
+
+    ``inverse[p]`` is the index into ``unique_keys`` of key position ``p``; bags are
+    feature-major (``num_features * batch_size`` bags) with ``offsets`` of length bags + 1.
+    """
+
+    layout: TableLayout
+    unique_keys: torch.Tensor
+    inverse: torch.Tensor
+    offsets: torch.Tensor
+    batch_size: int
+
+
+@dataclass(eq=False)
+class BatchKeys:
+    """The validated, per-table deduplicated keys of one batch."""
+
+    tables: dict[str, TableBatch]
+    batch_size: int
+
+
+def table_layouts(tables: list[EmbeddingBagConfig]) -> list[TableLayout]:
+    """Layouts from TorchRec configs; checks names and pooling types we support."""
+    layouts: list[TableLayout] = []
+    seen_tables: set[str] = set()
+    seen_features: set[str] = set()
+    for config in tables:
+        if config.name in seen_tables:
+            raise ValueError(f"duplicate table name {config.name!r}")
+        seen_tables.add(config.name)
+        features = tuple(config.feature_names) or (config.name,)
+        for feature in features:
+            if feature in seen_features:
+                raise ValueError(f"feature {feature!r} is used by two tables; not supported")
+            seen_features.add(feature)
+        if config.pooling == PoolingType.SUM:
+            pooling = "sum"
+        elif config.pooling == PoolingType.MEAN:
+            pooling = "mean"
+        else:
+            raise ValueError(f"table {config.name!r}: pooling {config.pooling} not supported (SUM, MEAN)")
+        layouts.append(TableLayout(config.name, int(config.num_embeddings), int(config.embedding_dim),
+                                   features, pooling))
+    return layouts
+
+
+def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKeys:
+    """Check ``kjt`` against ``layouts`` and dedup keys per table; raises `RecInputError`."""
+    if not isinstance(kjt, KeyedJaggedTensor):
+        raise RecInputError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
+    expected = [f for layout in layouts for f in layout.feature_names]
+    given = list(kjt.keys())
+    unknown = [f for f in given if f not in expected]
+    if unknown:
+        raise RecInputError(f"unknown feature names {unknown}; the tables have features {expected}")
+    missing = [f for f in expected if f not in given]
+    if missing:
+        raise RecInputError(f"features {missing} are missing from the batch")
+    if kjt.values().dtype not in (torch.int32, torch.int64):
+        raise RecInputError(f"feature values must be int32 or int64 keys, got {kjt.values().dtype}")
+    if kjt.weights_or_none() is not None:
+        raise RecInputError("weighted KeyedJaggedTensors are not supported")
+    features = kjt.to_dict()
+    batch_size = kjt.stride()
+    tables: dict[str, TableBatch] = {}
+    for layout in layouts:
+        values: list[torch.Tensor] = []
+        lengths: list[torch.Tensor] = []
+        for feature in layout.feature_names:
+            jagged = features[feature]
+            keys = jagged.values().to(torch.int64)
+            if keys.numel() and (int(keys.min()) < 0 or int(keys.max()) >= layout.num_rows):
+                bad = keys[(keys < 0) | (keys >= layout.num_rows)]
+                raise RecInputError(
+                    f"feature {feature!r} (table {layout.name!r}) has keys out of range "
+                    f"[0, {layout.num_rows}): e.g. {bad[:5].tolist()}")
+            values.append(keys)
+            lengths.append(jagged.lengths().to(torch.int64))
+        all_keys = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        all_lengths = torch.cat(lengths)
+        offsets = torch.zeros(all_lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(all_lengths, 0, out=offsets[1:])
+        unique_keys, inverse = torch.unique(all_keys, sorted=True, return_inverse=True)
+        tables[layout.name] = TableBatch(layout, unique_keys, inverse, offsets, batch_size)
+    return BatchKeys(tables, batch_size)

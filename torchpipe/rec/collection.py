@@ -1,0 +1,305 @@
+"""`CachedEmbeddingBagCollection`: a TorchRec-compatible EBC whose tables live on the host.
+
+Each table is a `HostEmbeddingTable` (rows with their optimizer state) and a device slot
+tensor managed by an `EmbeddingCache`. One batch goes through separate steps so that a
+pipeline can run them on different threads for consecutive batches:
+
+``prepare`` (validate + dedup, host) -> ``plan`` (slots, evictions, protection, host
+ticket; serial, batch order) -> ``gather_out`` (device) -> ``write_back`` (host) ->
+``fetch_in`` (host, waits for earlier write-backs of its keys) -> ``scatter_in`` (device,
+after this batch's ``gather_out``) -> ``forward(features, plan)`` (fused update in
+backward) -> ``release`` (after backward). ``forward(features)`` runs them all.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+
+from .batch_keys import BatchKeys, TableLayout, prepare_batch, table_layouts
+from .cache import CacheStats, EmbeddingCache
+from .errors import StaleBatchError
+from .fused_lookup import fused_pooled_lookup
+from .host_table import HostEmbeddingTable
+from .optim import SGD, RowOptimizer
+from .swap_plan import SwapPlan
+
+__all__ = ["CachedEmbeddingBagCollection", "BatchPlan"]
+
+
+@dataclass(eq=False)
+class BatchPlan:
+    """The swap plans of one batch, one per table, plus its keys and step progress."""
+
+    seq: int
+    keys: BatchKeys
+    tables: dict[str, SwapPlan]
+    gathered: bool = field(default=False)
+    written: bool = field(default=False)
+    scattered: bool = field(default=False)
+    released: bool = field(default=False)
+
+
+def weight_key(table: str) -> str:
+    """The state_dict key of a table, as in `torchrec.EmbeddingBagCollection`."""
+    return f"embedding_bags.{table}.weight"
+
+
+class CachedEmbeddingBagCollection(nn.Module):
+    """An EBC (KJT in, KeyedTensor out, sum/mean pooling) training through a device row cache.
+
+    ``cache_rows``: slots per table (an int for all, or ``{table: rows}``). The optimizer
+    is fused (`torchpipe.rec.optim`): rows are updated in backward, there are no dense
+    grads. `state_dict` holds the full tables under EBC keys, so checkpoints move to and
+    from a plain `torchrec.EmbeddingBagCollection`. Training equals the full-table
+    `FullTableEmbeddingBagCollection` bitwise, step for step.
+    """
+
+    def __init__(self, tables: list[EmbeddingBagConfig], cache_rows: int | dict[str, int],
+                 device: torch.device | str | None = None, optimizer: RowOptimizer | None = None,
+                 policy: str = "lru", pin_memory: bool | None = None,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.optimizer = optimizer if optimizer is not None else SGD()
+        self.layouts: list[TableLayout] = table_layouts(tables)
+        self._configs = tables
+        self.hosts: dict[str, HostEmbeddingTable] = {}
+        self.caches: dict[str, EmbeddingCache] = {}
+        self.slots: dict[str, torch.Tensor] = {}
+        for config, layout in zip(tables, self.layouts):
+            rows = cache_rows[layout.name] if isinstance(cache_rows, dict) else cache_rows
+            width = self.optimizer.state_width(layout.dim)
+            weight = weights[layout.name] if weights is not None and layout.name in weights else None
+            if weight is None:
+                weight = torch.empty(layout.num_rows, layout.dim)
+                if config.init_fn is not None:
+                    with torch.no_grad():
+                        config.init_fn(weight)
+            host = HostEmbeddingTable(layout.num_rows, layout.dim, width, pin_memory=pin_memory, weight=weight,
+                                      state=self.optimizer.init_state(layout.num_rows, layout.dim))
+            cache = EmbeddingCache(layout.num_rows, rows, policy, layout.name)
+            self.hosts[layout.name] = host
+            self.caches[layout.name] = cache
+            self.slots[layout.name] = torch.zeros(cache.cache_rows, layout.dim + width, device=self.device)
+        self._plan_lock = threading.Lock()
+        self._plan_seq = 0
+        self._sync_plan: BatchPlan | None = None
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+
+    # -- per-batch steps ---------------------------------------------------------------
+    def prepare(self, features: KeyedJaggedTensor) -> BatchKeys:
+        """Validate ``features`` and dedup its keys per table; raises `RecInputError`. No state changes."""
+        return prepare_batch(features, self.layouts)
+
+    def plan(self, keys: BatchKeys) -> BatchPlan:
+        """Plan every table's swap and protect the batch's keys; call in batch order.
+
+        Raises `CacheTooSmallError` before any state changes (all tables are checked first).
+        """
+        with self._plan_lock:
+            for name, batch in keys.tables.items():
+                self.caches[name].check_fits(batch.unique_keys)
+            plans: dict[str, SwapPlan] = {}
+            for name, batch in keys.tables.items():
+                plan = self.caches[name].plan_swap(batch.unique_keys)
+                plan.ticket = self.hosts[name].reserve_write(plan.swap_out_keys)
+                plans[name] = plan
+            batch_plan = BatchPlan(self._plan_seq, keys, plans)
+            self._plan_seq += 1
+            return batch_plan
+
+    def gather_out(self, plan: BatchPlan) -> dict[str, torch.Tensor]:
+        """Device step: copy the evicted rows (with state) out of their slots, to host memory."""
+        rows = {name: self.slots[name].index_select(0, p.swap_out_slots.to(self.device)).cpu()
+                for name, p in plan.tables.items()}
+        plan.gathered = True
+        return rows
+
+    def write_back(self, plan: BatchPlan, rows: dict[str, torch.Tensor]) -> None:
+        """Host step: write the evicted rows to the host tables, landing this batch's tickets."""
+        for name, p in plan.tables.items():
+            self.hosts[name].update(p.swap_out_keys, rows[name], p.ticket)
+        plan.written = True
+
+    def fetch_in(self, plan: BatchPlan) -> dict[str, torch.Tensor]:
+        """Host step: read the incoming rows, after every earlier batch's write-back of them."""
+        return {name: self.hosts[name].lookup(p.swap_in_keys, p.ticket) for name, p in plan.tables.items()}
+
+    def scatter_in(self, plan: BatchPlan, rows: dict[str, torch.Tensor]) -> None:
+        """Device step: put the incoming rows into their slots; needs this batch's `gather_out` first."""
+        if not plan.gathered:
+            raise RuntimeError("scatter_in before gather_out would overwrite rows being evicted")
+        for name, p in plan.tables.items():
+            self.slots[name].index_copy_(0, p.swap_in_slots.to(self.device), rows[name].to(self.device))
+        plan.scattered = True
+
+    def swap(self, plan: BatchPlan) -> None:
+        """All four swap steps of one batch, in order."""
+        out_rows = self.gather_out(plan)
+        self.write_back(plan, out_rows)
+        self.scatter_in(plan, self.fetch_in(plan))
+
+    def forward(self, features: KeyedJaggedTensor | None, plan: BatchPlan | None = None) -> KeyedTensor:
+        """Pooled embeddings of a batch; the optimizer updates its rows in backward.
+
+        With ``plan``: the batch must be swapped in; the caller `release`\\ s it after backward.
+        Without: runs prepare, plan, swap, and releases in backward (or now, without grad).
+        """
+        if plan is None:
+            return self._forward_sync(features)
+        if not plan.scattered:
+            raise RuntimeError(f"batch {plan.seq} is not swapped in yet")
+        if plan.released:
+            raise StaleBatchError(f"batch {plan.seq} was already released")
+        return self._lookup(plan, release_after_backward=False)
+
+    def release(self, plan: BatchPlan) -> None:
+        """End the protection of the batch's keys (after its backward, or when dropping it)."""
+        if plan.released:
+            raise RuntimeError(f"batch {plan.seq} released twice")
+        plan.released = True
+        for name, p in plan.tables.items():
+            self.caches[name].release(p)
+
+    def _lookup(self, plan: BatchPlan, release_after_backward: bool) -> KeyedTensor:
+        names = list(plan.tables)
+
+        def before_update() -> None:
+            if plan.released:
+                raise StaleBatchError(f"backward of batch {plan.seq} after its slots were released")
+
+        def after_update() -> None:
+            if release_after_backward:
+                self.release(plan)
+
+        return fused_pooled_lookup(self._anchor, [self.slots[n] for n in names],
+                                   [plan.tables[n].slots_of_keys.to(self.device) for n in names],
+                                   [plan.keys.tables[n] for n in names], self.optimizer,
+                                   before_update, after_update)
+
+    def _forward_sync(self, features: KeyedJaggedTensor | None) -> KeyedTensor:
+        if features is None:
+            raise ValueError("forward needs features or a plan")
+        keys = self.prepare(features)
+        self._release_sync_plan()
+        plan = self.plan(keys)
+        try:
+            self.swap(plan)
+            out = self._lookup(plan, release_after_backward=True)
+        except BaseException:
+            self.release(plan)
+            raise
+        if out.values().requires_grad:
+            self._sync_plan = plan
+        else:
+            self.release(plan)
+        return out
+
+    def _release_sync_plan(self) -> None:
+        """Drop a synchronous batch whose backward never ran (its graph goes stale)."""
+        plan, self._sync_plan = self._sync_plan, None
+        if plan is not None and not plan.released:
+            self.release(plan)
+
+    # -- whole-table operations --------------------------------------------------------
+    def in_flight(self) -> int:
+        """Slots protected by unreleased batches, over all tables."""
+        return sum(cache.protected_slots() for cache in self.caches.values())
+
+    def pending_writes(self) -> int:
+        """Host write-backs reserved but not landed, over all tables."""
+        return sum(host.pending_writes() for host in self.hosts.values())
+
+    def flush(self) -> None:
+        """Write every cached row and its optimizer state back to the host tables.
+
+        The cache keeps its rows (both copies are equal afterwards). Needs a drained
+        pipeline: raises if batches are still in flight.
+        """
+        self._release_sync_plan()
+        if self.in_flight() or self.pending_writes():
+            raise RuntimeError(f"flush with batches in flight: {self.in_flight()} protected slots, "
+                               f"{self.pending_writes()} pending write-backs; drain the pipeline first")
+        for name, cache in self.caches.items():
+            keys, slots = cache.cached()
+            self.hosts[name].update(keys, self.slots[name].index_select(0, slots.to(self.device)).cpu())
+
+    def _refresh_slots(self) -> None:
+        """Reload every cached row from the host (after the host tables were overwritten)."""
+        for name, cache in self.caches.items():
+            keys, slots = cache.cached()
+            self.slots[name].index_copy_(0, slots.to(self.device), self.hosts[name].lookup(keys).to(self.device))
+
+    def full_weight(self, table: str) -> torch.Tensor:
+        """A copy of the whole table's embeddings, flushed."""
+        self.flush()
+        return self.hosts[table].weight.clone()
+
+    def optimizer_state(self, table: str) -> torch.Tensor:
+        """A copy of the whole table's optimizer state ``[num_rows, state_width]``, flushed."""
+        self.flush()
+        return self.hosts[table].state.clone()
+
+    def load_optimizer_state(self, table: str, state: torch.Tensor) -> None:
+        """Overwrite a table's optimizer state (host and cached rows)."""
+        self.flush()
+        self.hosts[table].state.copy_(state)
+        self._refresh_slots()
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """Hit/miss counters and swap volume per table."""
+        return {name: cache.stats for name, cache in self.caches.items()}
+
+    def abort(self, exc: BaseException) -> None:
+        """Wake every thread waiting in a host-table lookup with `CacheAbortedError` from ``exc``."""
+        for host in self.hosts.values():
+            host.abort(exc)
+
+    def clear_abort(self) -> None:
+        """Make the collection usable again after `abort`."""
+        for host in self.hosts.values():
+            host.clear_abort()
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._configs
+
+    # -- checkpoints (full tables under EBC keys) --------------------------------------
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        self.flush()
+        for name, host in self.hosts.items():
+            destination[prefix + weight_key(name)] = host.weight.clone()
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        mine = {prefix + weight_key(name): name for name in self.hosts}
+        loads: dict[str, torch.Tensor] = {}
+        for key, name in mine.items():
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            expected = tuple(self.hosts[name].weight.shape)
+            if tuple(value.shape) != expected:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                                  f"the table has shape {expected}.")
+                continue
+            loads[name] = value
+        if strict:
+            for key in state_dict:
+                if key.startswith(prefix) and key not in mine and "." in key[len(prefix):]:
+                    head = key[len(prefix):].split(".", 1)[0]
+                    if head not in self._modules:
+                        unexpected_keys.append(key)
+        if loads:
+            self.flush()
+            for name, value in loads.items():
+                self.hosts[name].weight.copy_(value.detach())
+            self._refresh_slots()

@@ -1,0 +1,122 @@
+"""Fused sparse row optimizers whose state lives in the row, next to the embedding.
+
+A row of a table is ``[embedding (dim) | optimizer state (state_width(dim))]``. Keeping
+the state in the row is what lets the cache swap a row and its state as one unit, and
+what makes a cached row self-contained: no global table-wide counter is needed to update
+it. Every rule uses only elementwise +, -, *, / and sqrt (correctly rounded in IEEE), so
+the same rows and gradients give bitwise the same result whether the rows came from
+cache slots or from a full table.
+
+Updates are applied to the *unique* rows of a batch; the caller sums the gradients of
+duplicate keys first (two-level dedup).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RowOptimizer", "SGD", "RowWiseAdagrad", "Adam"]
+
+
+class RowOptimizer:
+    """A sparse optimizer that updates whole rows ``[emb | state]`` in one fused step."""
+
+    #: names of the state columns, in order, for readers of `optimizer_state`.
+    def state_names(self, dim: int) -> list[str]:
+        return []
+
+    def state_width(self, dim: int) -> int:
+        """Columns of state stored after the embedding in each row."""
+        return len(self.state_names(dim))
+
+    def init_state(self, num_rows: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The state of a row never updated yet."""
+        return torch.zeros(num_rows, self.state_width(dim), dtype=dtype)
+
+    def apply(self, rows: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+        """Return the updated rows (``[n, dim + state_width]``) for deduplicated ``grad`` ``[n, dim]``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SGD(RowOptimizer):
+    """Plain SGD: ``w -= lr * g``. No state."""
+
+    lr: float = 0.01
+
+    def state_names(self, dim: int) -> list[str]:
+        return []
+
+    def apply(self, rows: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+        out = rows.clone()
+        out[:, :dim] = rows[:, :dim] - grad * self.lr
+        return out
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad(RowOptimizer):
+    """Row-wise Adagrad as FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row.
+
+    ``G += mean(g * g)``; ``w -= g * (lr / (sqrt(G) + eps))``. State: ``[G]``.
+    """
+
+    lr: float = 0.01
+    eps: float = 1e-8
+
+    def state_names(self, dim: int) -> list[str]:
+        return ["sum_sq_mean"]
+
+    def apply(self, rows: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+        out = rows.clone()
+        acc = rows[:, dim:dim + 1] + (grad * grad).mean(dim=1, keepdim=True)
+        multiplier = self.lr / (torch.sqrt(acc) + self.eps)
+        out[:, :dim] = rows[:, :dim] - grad * multiplier
+        out[:, dim:dim + 1] = acc
+        return out
+
+
+@dataclass(frozen=True)
+class Adam(RowOptimizer):
+    """Lazy Adam with a **per-row** step: rows not in the batch are not touched.
+
+    Why per-row: a row's moments only decay when the row is updated, so its bias
+    correction must count its own updates, not the global step (torch's SparseAdam and
+    FBGEMM's TBE Adam use the global step instead; we do not). The step is stored as the
+    running powers ``beta1**t`` and ``beta2**t`` (products of correctly rounded
+    multiplies, never ``pow``), so the rule is bitwise reproducible. State:
+    ``[m (dim) | v (dim) | beta1**t | beta2**t]``, ``2 * dim + 2`` columns, powers start at 1.
+
+    ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``; ``w -= lr * (m/(1-b1**t)) /
+    (sqrt(v/(1-b2**t)) + eps)``.
+    """
+
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def state_names(self, dim: int) -> list[str]:
+        return [f"m{i}" for i in range(dim)] + [f"v{i}" for i in range(dim)] + ["beta1_pow", "beta2_pow"]
+
+    def init_state(self, num_rows: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        state = torch.zeros(num_rows, self.state_width(dim), dtype=dtype)
+        state[:, 2 * dim:] = 1.0
+        return state
+
+    def apply(self, rows: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+        out = rows.clone()
+        w = rows[:, :dim]
+        m = rows[:, dim:2 * dim] * self.beta1 + grad * (1.0 - self.beta1)
+        v = rows[:, 2 * dim:3 * dim] * self.beta2 + (grad * grad) * (1.0 - self.beta2)
+        b1_pow = rows[:, 3 * dim:3 * dim + 1] * self.beta1
+        b2_pow = rows[:, 3 * dim + 1:3 * dim + 2] * self.beta2
+        m_hat = m / (1.0 - b1_pow)
+        v_hat = v / (1.0 - b2_pow)
+        out[:, :dim] = w - (m_hat * self.lr) / (torch.sqrt(v_hat) + self.eps)
+        out[:, dim:2 * dim] = m
+        out[:, 2 * dim:3 * dim] = v
+        out[:, 3 * dim:3 * dim + 1] = b1_pow
+        out[:, 3 * dim + 1:3 * dim + 2] = b2_pow
+        return out

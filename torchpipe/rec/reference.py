@@ -1,0 +1,59 @@
+"""`FullTableEmbeddingBagCollection`: all rows on the device, same fused rule, no cache.
+
+The ground truth the cache is compared with (tests, benchmarks, the train pipelines):
+it uses the same validation, dedup, pooling and optimizer code, on full tables.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+
+from .batch_keys import prepare_batch, table_layouts
+from .fused_lookup import fused_pooled_lookup
+from .optim import SGD, RowOptimizer
+
+__all__ = ["FullTableEmbeddingBagCollection"]
+
+
+class FullTableEmbeddingBagCollection(nn.Module):
+    """A fused-optimizer EBC holding full tables ``[num_rows, dim + state_width]`` on ``device``."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], device: torch.device | str | None = None,
+                 optimizer: RowOptimizer | None = None, weights: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.optimizer = optimizer if optimizer is not None else SGD()
+        self.layouts = table_layouts(tables)
+        self.rows: dict[str, torch.Tensor] = {}
+        for config, layout in zip(tables, self.layouts):
+            weight = weights[layout.name] if weights is not None and layout.name in weights else None
+            if weight is None:
+                weight = torch.empty(layout.num_rows, layout.dim)
+                if config.init_fn is not None:
+                    with torch.no_grad():
+                        config.init_fn(weight)
+            state = self.optimizer.init_state(layout.num_rows, layout.dim)
+            self.rows[layout.name] = torch.cat([weight, state], dim=1).to(self.device)
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings; the optimizer updates the batch's unique rows in backward."""
+        keys = prepare_batch(features, self.layouts)
+        names = list(keys.tables)
+        return fused_pooled_lookup(self._anchor, [self.rows[n] for n in names],
+                                   [keys.tables[n].unique_keys.to(self.device) for n in names],
+                                   [keys.tables[n] for n in names], self.optimizer)
+
+    def full_weight(self, table: str) -> torch.Tensor:
+        """A copy of the table's embeddings."""
+        dim = self.rows[table].shape[1] - self.optimizer.state_width(self._dim(table))
+        return self.rows[table][:, :dim].cpu().clone()
+
+    def optimizer_state(self, table: str) -> torch.Tensor:
+        """A copy of the table's optimizer state."""
+        return self.rows[table][:, self._dim(table):].cpu().clone()
+
+    def _dim(self, table: str) -> int:
+        return next(layout.dim for layout in self.layouts if layout.name == table)

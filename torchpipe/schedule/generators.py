@@ -1,0 +1,161 @@
+"""Schedule generators: pure functions from (stages, micro-batches, options) to a Plan.
+
+Each generator only decides per-worker *order*; timing, validation and rendering are
+shared, so every schedule is checked and printed the same way.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from .action import BACKWARD, FORWARD, INPUT_GRAD, Action
+from .greedy import fill_weight_grads, greedy_order
+from .plan import Plan
+
+__all__ = ["SCHEDULES", "build"]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _gpipe(p: int, m: int, *, backward: bool = True) -> Plan:
+    """Fill-drain: all forwards, then all backwards in reverse micro-batch order."""
+    lists = []
+    for s in range(p):
+        acts = [Action(s, FORWARD, i) for i in range(m)]
+        if backward:
+            acts += [Action(s, BACKWARD, i) for i in reversed(range(m))]
+        lists.append(tuple(acts))
+    return Plan("gpipe", p, m, tuple(range(p)), tuple(lists))
+
+
+def _one_f_one_b(p: int, m: int) -> Plan:
+    """PipeDream-flush: ``p - 1 - s`` warm-up forwards, then alternate F and B, then drain.
+
+    Stage ``s`` never holds more than ``p - s`` micro-batches, against ``m`` for GPipe.
+    """
+    lists = []
+    for s in range(p):
+        warmup = min(p - 1 - s, m)
+        acts = [Action(s, FORWARD, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            acts += [Action(s, FORWARD, warmup + i), Action(s, BACKWARD, i)]
+        acts += [Action(s, BACKWARD, i) for i in range(m - warmup, m)]
+        lists.append(tuple(acts))
+    return Plan("1f1b", p, m, tuple(range(p)), tuple(lists))
+
+
+def _interleaved(num_stages: int, m: int, *, virtual_stages: int = 2) -> Plan:
+    """Megatron interleaved 1F1B: ``v`` model chunks per worker, stage ``s`` on worker ``s % p``.
+
+    Micro-batches go in groups of ``p`` (``m < p`` is one group; with ``v > 1`` any other
+    ``m`` that is not a multiple of ``p`` raises ValueError, as Megatron's order can
+    deadlock there); within a group a worker runs chunk 0 for all of them, then chunk 1.
+    Backwards go chunk ``v - 1`` first. The bubble shrinks by ``v`` against 1F1B when
+    ``m`` is a multiple of ``p``.
+    """
+    v = _positive_int("virtual_stages", virtual_stages)
+    if num_stages % v:
+        raise ValueError(
+            f"interleaved-1f1b needs num_stages to be a multiple of virtual_stages "
+            f"(num_stages = workers * virtual_stages), got num_stages={num_stages}, virtual_stages={v}"
+        )
+    p = num_stages // v
+    if v > 1 and m > p and m % p:
+        raise ValueError(
+            f"interleaved-1f1b with virtual_stages={v} needs num_microbatches to be a multiple of "
+            f"the number of workers ({p}) or at most {p}, got num_microbatches={m}"
+        )
+    group = min(p, m)
+    order: list[tuple[int, int]] = []  # (chunk, micro-batch) in forward order
+    for first in range(0, m, group):
+        mbs = range(first, min(first + group, m))
+        order += [(c, i) for c in range(v) for i in mbs]
+    back: list[tuple[int, int]] = []
+    for first in range(0, m, group):
+        mbs = range(first, min(first + group, m))
+        back += [(c, i) for c in reversed(range(v)) for i in mbs]
+    total = m * v
+    lists = []
+    for r in range(p):
+        # Megatron's warm-up; with v == 1 it is exactly 1F1B's ``p - 1 - r``.
+        warmup = min((v - 1) * group + 2 * (p - 1 - r) if v > 1 else p - 1 - r, total)
+        fwd = [Action(c * p + r, FORWARD, i) for c, i in order]
+        bwd = [Action(c * p + r, BACKWARD, i) for c, i in back]
+        acts = fwd[:warmup]
+        for k in range(total - warmup):
+            acts += [fwd[warmup + k], bwd[k]]
+        acts += bwd[total - warmup:]
+        lists.append(tuple(acts))
+    return Plan("interleaved-1f1b", num_stages, m, tuple(s % p for s in range(num_stages)), tuple(lists))
+
+
+def _zb_h1(p: int, m: int) -> Plan:
+    """Zero-bubble H1 (Qi et al. 2023): 1F1B with the backward split into I and W.
+
+    I is on the critical path (the previous stage waits for it) so it runs as soon as it
+    can; W waits for idle time. Stage ``s`` keeps 1F1B's limit of ``p - s`` micro-batches
+    in flight (released by W), so peak activation memory equals 1F1B's, while the bubble
+    drops to about a third under equal F/I/W costs.
+    """
+    critical = [
+        [a if a.kind == FORWARD else Action(a.stage, INPUT_GRAD, a.microbatch) for a in acts]
+        for acts in _one_f_one_b(p, m).worker_actions
+    ]
+    return fill_weight_grads("zb-h1", p, m, tuple(range(p)), critical, limits=(p,) * p)
+
+
+def _zb_v(num_stages: int, m: int) -> Plan:
+    """Zero-bubble V (Qi et al. 2024): ``2p`` stages on ``p`` workers in a V shape.
+
+    Worker ``w`` owns stages ``w`` and ``2p - 1 - w``, so worker 0 computes both the first
+    stage and the loss. Each worker holds at most ``2p`` (stage, micro-batch)
+    activations; a stage here is half a 1F1B stage, so that is the memory of 1F1B's
+    first stage. The order is chosen greedily (see ``greedy.greedy_order``); the bubble
+    is near zero under equal F/I/W costs.
+    """
+    if num_stages % 2:
+        raise ValueError(f"zb-v needs an even num_stages (2 per worker), got {num_stages}")
+    p = num_stages // 2
+    placement = tuple(s if s < p else num_stages - 1 - s for s in range(num_stages))
+    return greedy_order("zb-v", num_stages, m, placement, limits=(2 * p,) * p)
+
+
+_GENERATORS: dict[str, Callable[..., Plan]] = {
+    "gpipe": _gpipe,
+    "1f1b": _one_f_one_b,
+    "interleaved-1f1b": _interleaved,
+    "zb-h1": _zb_h1,
+    "zb-v": _zb_v,
+}
+
+SCHEDULES: tuple[str, ...] = tuple(_GENERATORS)
+"""Names accepted by ``build``."""
+
+
+def build(name: str, num_stages: int, num_microbatches: int, **options: Any) -> Plan:
+    """Generate a schedule by name; the result is validated before it is returned.
+
+    Options: ``gpipe`` takes ``backward=False`` for a forward-only plan;
+    ``interleaved-1f1b`` takes ``virtual_stages=v`` with ``num_stages = workers * v``;
+    ``zb-v`` uses ``num_stages = 2 * workers``.
+    """
+    if name not in _GENERATORS:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
+    p = _positive_int("num_stages", num_stages)
+    m = _positive_int("num_microbatches", num_microbatches)
+    generator = _GENERATORS[name]
+    params = inspect.signature(generator).parameters.values()
+    accepted = [prm.name for prm in params if prm.kind is prm.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TypeError(f"schedule {name!r} does not take option(s) {unknown}; it takes {accepted or 'none'}")
+    plan = generator(p, m, **options)
+    plan.validate()
+    return plan

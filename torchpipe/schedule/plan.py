@@ -1,0 +1,180 @@
+"""``Plan``: per-worker ordered action lists, the one object that is printed *and* run.
+
+The runtime executes ``worker_actions`` in order and waits on ``dependencies``; the table,
+the chrome trace and the simulator read the very same lists, so the printed schedule
+cannot differ from the executed one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from .action import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
+from .errors import InvalidPlanError
+
+if TYPE_CHECKING:
+    from .simulate import Costs, Simulation
+
+__all__ = ["Plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule as data: which worker runs which action, in which order.
+
+    ``stage_to_worker[s]`` is the worker that owns stage ``s`` (several virtual stages may
+    share a worker, Megatron style ``s % num_workers``); ``worker_actions[w]`` is the
+    execution order on worker ``w``. Build one with ``build(...)`` or
+    ``Plan.from_lists(...)``; call ``validate()`` before trusting a hand-made one.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    stage_to_worker: tuple[int, ...]
+    worker_actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        # Accept lists for convenience but store tuples so the plan stays immutable/hashable.
+        object.__setattr__(self, "stage_to_worker", tuple(self.stage_to_worker))
+        object.__setattr__(self, "worker_actions", tuple(tuple(acts) for acts in self.worker_actions))
+        for name in ("num_stages", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"Plan {name} must be an int, got {value!r}")
+        for acts in self.worker_actions:
+            for act in acts:
+                if not isinstance(act, Action):
+                    raise TypeError(f"Plan worker_actions must hold Action objects, got {act!r}")
+
+    # ----------------------------------------------------------------- structure
+    @property
+    def num_workers(self) -> int:
+        """Number of workers (threads/devices); may be fewer than stages when interleaved."""
+        return len(self.worker_actions)
+
+    def actions(self) -> Iterator[Action]:
+        """All actions, worker by worker, each worker in execution order."""
+        for acts in self.worker_actions:
+            yield from acts
+
+    def worker_of(self, action: Action) -> int:
+        """The worker that owns ``action``'s stage (where the runtime must run it)."""
+        return self.stage_to_worker[action.stage]
+
+    def stages_of(self, worker: int) -> tuple[int, ...]:
+        """Stages owned by ``worker``, ascending: the partitions that worker must hold."""
+        return tuple(s for s, w in enumerate(self.stage_to_worker) if w == worker)
+
+    @cached_property
+    def _action_set(self) -> frozenset[Action]:
+        return frozenset(self.actions())
+
+    def __contains__(self, action: object) -> bool:
+        return action in self._action_set
+
+    @property
+    def has_backward(self) -> bool:
+        """False for a forward-only plan (``Pipe.forward``: autograd does the backward)."""
+        return any(a.is_backward for a in self._action_set)
+
+    def dependencies(self, action: Action) -> tuple[Action, ...]:
+        """Actions that must finish before ``action`` starts, besides its worker predecessor.
+
+        Rules: F(s,m) <- F(s-1,m); B(s,m) and I(s,m) <- F(s,m) and the input-gradient
+        step of (s+1,m), which is I(s+1,m) when that stage is split in this plan, else
+        B(s+1,m); W(s,m) <- I(s,m). The loss is part of the last stage's F.
+        """
+        s, m = action.stage, action.microbatch
+        if action.kind == FORWARD:
+            return (Action(s - 1, FORWARD, m),) if s > 0 else ()
+        if action.kind == WEIGHT_GRAD:
+            return (Action(s, INPUT_GRAD, m),)
+        deps = [Action(s, FORWARD, m)]
+        if s + 1 < self.num_stages:
+            split = Action(s + 1, INPUT_GRAD, m)
+            deps.append(split if split in self._action_set else Action(s + 1, BACKWARD, m))
+        return tuple(deps)
+
+    # ----------------------------------------------------------------- derived plans
+    def forward_only(self) -> "Plan":
+        """Same plan with only the F actions, same order (autograd runs the backward)."""
+        return Plan(
+            name=self.name,
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            stage_to_worker=self.stage_to_worker,
+            worker_actions=tuple(tuple(a for a in acts if a.kind == FORWARD) for acts in self.worker_actions),
+        )
+
+    @classmethod
+    def from_lists(
+        cls,
+        name: str,
+        lists: Sequence[Sequence[Action | str]],
+        *,
+        num_stages: int | None = None,
+        num_microbatches: int | None = None,
+        stage_to_worker: Sequence[int] | None = None,
+    ) -> "Plan":
+        """Build and validate a hand-written plan; actions may be given as text ("1B3").
+
+        Sizes default to what the lists mention; stages default to Megatron placement,
+        stage ``s`` on worker ``s % len(lists)``.
+        """
+        worker_actions = tuple(
+            tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts) for acts in lists
+        )
+        everything = [a for acts in worker_actions for a in acts]
+        if num_stages is None:
+            num_stages = max((a.stage for a in everything), default=-1) + 1
+            if stage_to_worker is not None:
+                num_stages = max(num_stages, len(stage_to_worker))
+        if num_microbatches is None:
+            num_microbatches = max((a.microbatch for a in everything), default=-1) + 1
+        if stage_to_worker is None:
+            if not worker_actions:
+                raise InvalidPlanError(f"plan {name!r} has no workers")
+            stage_to_worker = tuple(s % len(worker_actions) for s in range(num_stages))
+        plan = cls(name, num_stages, num_microbatches, tuple(stage_to_worker), worker_actions)
+        plan.validate()
+        return plan
+
+    # ----------------------------------------------------------------- checks & views
+    def validate(self) -> None:
+        """Raise ``InvalidPlanError`` naming the first bad action; see ``validate.py``."""
+        from .validate import validate
+
+        validate(self)
+
+    def simulate(self, costs: "Costs" = None, *, comm: float = 0.0) -> "Simulation":
+        """Timed list-scheduling of the plan; see ``simulate.py`` for the cost forms."""
+        from .simulate import simulate
+
+        return simulate(self, costs, comm=comm)
+
+    def table(self, costs: "Costs" = None, *, comm: float = 0.0) -> str:
+        """Time table (one row per worker, ``.`` for idle slots) from the simulation."""
+        from .render import table
+
+        return table(self, costs, comm=comm)
+
+    def chrome_trace(self, costs: "Costs" = None, *, comm: float = 0.0, us_per_unit: float = 1.0) -> dict[str, Any]:
+        """Chrome/Perfetto trace (``chrome://tracing``) of the simulated plan."""
+        from .render import chrome_trace
+
+        return chrome_trace(self, costs, comm=comm, us_per_unit=us_per_unit)
+
+    def save_png(self, path: str, costs: "Costs" = None, *, comm: float = 0.0) -> None:
+        """Gantt chart of the simulated plan; needs matplotlib (ImportError otherwise)."""
+        from .render import save_png
+
+        save_png(self, path, costs, comm=comm)
+
+    def __str__(self) -> str:
+        rows = [f"{self.name}: {self.num_stages} stages, {self.num_microbatches} micro-batches, "
+                f"{self.num_workers} workers"]
+        for w, acts in enumerate(self.worker_actions):
+            rows.append(f"  w{w}: " + " ".join(map(str, acts)))
+        return "\n".join(rows)

@@ -1,0 +1,176 @@
+"""Timed list scheduling of a plan: makespan, bubble, busy time, peak activations.
+
+Each worker runs its list in order; an action starts when its worker is free and its
+dependencies have ended. This is exactly how the runtime executes a plan, so the
+simulated timeline is what an ideal runtime achieves with the given costs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+from .action import BACKWARD, FORWARD, INPUT_GRAD, KINDS, WEIGHT_GRAD, Action
+from .errors import ScheduleDeadlockError
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["Costs", "DEFAULT_COSTS", "Simulation", "resolve_costs", "simulate"]
+
+Costs = Union[None, Mapping[str, Union[float, Sequence[float]]], Callable[[Action], float]]
+"""None (unit defaults), kind -> cost or per-stage costs, or a function of the action."""
+
+DEFAULT_COSTS: Mapping[str, float] = {FORWARD: 1.0, INPUT_GRAD: 1.0, WEIGHT_GRAD: 1.0, BACKWARD: 2.0}
+"""Unit costs: a backward is twice a forward, split evenly into I and W (B = I + W)."""
+
+TimelineEntry = tuple[int, Action, float, float]
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """Result of ``Plan.simulate``: the numbers used to compare schedules.
+
+    ``timeline`` holds ``(worker, action, start, end)`` sorted by start then worker;
+    ``peak_activations[w]`` counts (stage, micro-batch) pairs whose F has run on worker
+    ``w`` and whose backward (B, or W when split) has not finished yet.
+    """
+
+    makespan: float
+    bubble_ratio: float
+    busy: tuple[float, ...]
+    peak_activations: tuple[int, ...]
+    timeline: tuple[TimelineEntry, ...]
+
+    def span(self, action: Action) -> tuple[float, float]:
+        """``(start, end)`` of ``action``; KeyError if the plan does not contain it."""
+        for _, act, start, end in self.timeline:
+            if act == action:
+                return start, end
+        raise KeyError(f"action {action} is not in the simulated plan")
+
+
+def resolve_costs(costs: Costs, num_stages: int) -> Callable[[Action], float]:
+    """Normalise every accepted cost form into one function, rejecting bad values early."""
+    if costs is None:
+        costs = DEFAULT_COSTS
+    if callable(costs):
+        fn = costs
+    elif isinstance(costs, Mapping):
+        unknown = set(costs) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown action kinds in costs: {sorted(unknown)}; expected {KINDS}")
+        table: dict[str, tuple[float, ...]] = {}
+        for kind in (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD):  # B may derive from I + W
+            value = costs.get(kind)
+            if value is None and kind == BACKWARD and INPUT_GRAD in costs and WEIGHT_GRAD in costs:
+                i, w = table[INPUT_GRAD], table[WEIGHT_GRAD]
+                table[kind] = tuple(a + b for a, b in zip(i, w))
+                continue
+            if value is None:
+                value = DEFAULT_COSTS[kind]
+            if isinstance(value, (int, float)):
+                table[kind] = (float(value),) * num_stages
+            else:
+                per_stage = tuple(float(v) for v in value)
+                if len(per_stage) != num_stages:
+                    raise ValueError(
+                        f"costs[{kind!r}] has {len(per_stage)} entries for {num_stages} stages"
+                    )
+                table[kind] = per_stage
+
+        def fn(action: Action) -> float:
+            return table[action.kind][action.stage]
+    else:
+        raise TypeError(f"costs must be None, a mapping or a callable, got {type(costs).__name__}")
+
+    def checked(action: Action) -> float:
+        value = float(fn(action))
+        if not value >= 0.0:  # also rejects NaN
+            raise ValueError(f"cost of action {action} must be >= 0, got {value}")
+        return value
+
+    return checked
+
+
+def simulate(plan: "Plan", costs: Costs = None, *, comm: float = 0.0) -> Simulation:
+    """Simulate ``plan``; ``comm`` is added when a dependency crosses workers.
+
+    Raises ``InvalidPlanError`` for a malformed plan and ``ScheduleDeadlockError`` when
+    no worker can make progress.
+    """
+    from .validate import check_structure
+
+    check_structure(plan)
+    if not comm >= 0.0:
+        raise ValueError(f"comm must be >= 0, got {comm}")
+    cost = resolve_costs(costs, plan.num_stages)
+    deps = {a: plan.dependencies(a) for a in plan.actions()}
+    end: dict[Action, float] = {}
+    free = [0.0] * plan.num_workers
+    busy = [0.0] * plan.num_workers
+    nxt = [0] * plan.num_workers
+    timeline: list[TimelineEntry] = []
+    remaining = sum(len(acts) for acts in plan.worker_actions)
+    while remaining:
+        progressed = False
+        for w, acts in enumerate(plan.worker_actions):
+            # Run as far as this worker can; order between workers does not change times.
+            while nxt[w] < len(acts):
+                act = acts[nxt[w]]
+                if any(d not in end for d in deps[act]):
+                    break
+                start = free[w]
+                for d in deps[act]:
+                    ready = end[d] + (comm if plan.worker_of(d) != w else 0.0)
+                    start = max(start, ready)
+                duration = cost(act)
+                end[act] = free[w] = start + duration
+                busy[w] += duration
+                timeline.append((w, act, start, start + duration))
+                nxt[w] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleDeadlockError(_deadlock_message(plan, nxt, deps, end))
+    makespan = max(free)
+    bubble = 1.0 - sum(busy) / (plan.num_workers * makespan) if makespan > 0 else 0.0
+    timeline.sort(key=lambda e: (e[2], e[0], e[3]))
+    return Simulation(
+        makespan=makespan,
+        bubble_ratio=bubble,
+        busy=tuple(busy),
+        peak_activations=peak_activations(plan),
+        timeline=tuple(timeline),
+    )
+
+
+def peak_activations(plan: "Plan") -> tuple[int, ...]:
+    """Per worker, the most (stage, micro-batch) activations held at once.
+
+    A worker runs its actions one at a time, so list order is time order and no timing
+    is needed: F acquires, the backward that ends the micro-batch (B, or W) releases.
+    """
+    peaks = []
+    for acts in plan.worker_actions:
+        live = peak = 0
+        for act in acts:
+            if act.kind == FORWARD:
+                live += 1
+                peak = max(peak, live)
+            elif act.kind in (BACKWARD, WEIGHT_GRAD):
+                live -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _deadlock_message(plan: "Plan", nxt: list[int], deps: dict[Action, tuple[Action, ...]], end: dict[Action, float]) -> str:
+    parts = []
+    for w, acts in enumerate(plan.worker_actions):
+        if nxt[w] >= len(acts):
+            parts.append(f"worker {w} finished")
+            continue
+        act = acts[nxt[w]]
+        waiting = ", ".join(str(d) for d in deps[act] if d not in end)
+        parts.append(f"worker {w} is stuck at {act} waiting for {waiting}")
+    return f"schedule deadlock in plan {plan.name!r}: " + "; ".join(parts)
