@@ -36,6 +36,15 @@ class StageRunner:
         self._copy_streams: Dict[torch.device, Any] = {}
         self.rng = RNGGuard(device, shared=rng_shared)
 
+    def on_worker(self, host: "StageRunner") -> "StageRunner":
+        """This stage run by ``host``'s worker (interleaved schedules share workers)."""
+        if host is self:
+            return self
+        view = object.__new__(StageRunner)
+        view.__dict__.update(self.__dict__)
+        view.worker, view.stream, view._copy_streams = host.worker, host.stream, host._copy_streams
+        return view
+
     def copy_stream_for(self, device: torch.device) -> Any:
         """This stage's stream for incoming copies on ``device`` (created on first use)."""
         stream = self._copy_streams.get(device)

@@ -21,7 +21,8 @@ from .lowering import ForwardContext, StageRunner, lower_forward
 from .microbatch import Batch, TensorOrTensors, gather, scatter
 from .partition import infer_placement, split_module, verify_balance, verify_module
 from .runtime import Program, Runtime, StepRecord
-from .schedule import Plan, build
+from .schedule import SCHEDULES, Plan, build
+from .step import MemoryRecord, StepContext, lower_step
 from .workers import ThreadBudget, Worker, spawn_workers, stop_workers
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
@@ -190,6 +191,25 @@ class Pipe(nn.Module):
             program = self._programs[key] = lower_forward(plan, self._stages)
         return program
 
+    def _step_program(self, schedule: str, num_microbatches: int, options: Dict[str, Any]) -> Tuple[Plan, Program]:
+        key = ("step", schedule, num_microbatches, tuple(sorted(options.items())))
+        cached = self._programs.get(key)  # type: ignore[arg-type]
+        if cached is not None:
+            return cached  # type: ignore[return-value]
+        plan = build(schedule, len(self.partitions), num_microbatches, **options)
+        if not plan.has_backward:
+            raise ValueError(f"schedule {schedule!r} with options {options} has no backward actions; Pipe.step needs one")
+        for stage, worker in enumerate(plan.stage_to_worker):
+            if self.devices[stage] != self.devices[worker]:
+                raise ValueError(
+                    f"schedule {schedule!r} runs stage {stage} on the worker of partition {worker}, so both "
+                    f"partitions must be on one device (got {self.devices[stage]} and {self.devices[worker]})"
+                )
+        stages = [stage.on_worker(self._stages[worker]) for stage, worker in zip(self._stages, plan.stage_to_worker)]
+        program = lower_step(plan, stages)
+        self._programs[key] = (plan, program)  # type: ignore[assignment]
+        return plan, program
+
     @property
     def last_step(self) -> Optional[StepRecord]:
         """Timings of the most recent step: ``bubble_ratio``, ``chrome_trace()``."""
@@ -206,12 +226,7 @@ class Pipe(nn.Module):
             stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         else:
             stop = 0
-        if self.deferred_batch_norm:
-            from .batchnorm import DeferredBatchNorm
-
-            for layer in self.modules():
-                if isinstance(layer, DeferredBatchNorm):
-                    layer.set_microbatches(m)
+        self._prepare_batch_norm(m)
         input_events = [self._input_event(b) for b in batches]
         context = ForwardContext(batches, input_events, stop, torch.is_grad_enabled() and m > 1, len(self._stages))
         program = self._forward_program(m)
@@ -219,6 +234,65 @@ class Pipe(nn.Module):
         results = self._runtime.run(program, context, device_types)
         ordered = [results[key] for key in sorted(results, key=lambda action: action.microbatch)]
         return gather(self._hand_back(ordered))
+
+    def step(
+        self,
+        input: TensorOrTensors,
+        target: Any,
+        loss_fn: Any,
+        schedule: str = "1f1b",
+        *,
+        reduction: Optional[str] = None,
+        **options: Any,
+    ) -> Tensor:
+        """Forward, loss and backward of every micro-batch, all on the workers, in plan order.
+
+        Returns the loss of the whole mini-batch (detached) and leaves every parameter's
+        ``.grad`` as ``loss_fn(model(input), target).backward()`` would. Micro-batch ``i``
+        of ``n_i`` samples out of ``N`` is back-propagated with weight ``n_i / N`` when the loss
+        averages over samples (``reduction='mean'``, the default, read from
+        ``loss_fn.reduction`` when it has one) and with weight 1 when it sums
+        (``reduction='sum'``). ``schedule`` is one of ``torchpipe.schedule.SCHEDULES``;
+        ``options`` go to the plan (``virtual_stages`` for interleaved schedules).
+        """
+        if not self._finalizer.alive:
+            raise RuntimeError("this Pipe is closed")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+        if reduction is None:
+            reduction = getattr(loss_fn, "reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum' (got {reduction!r}); pass reduction= for a custom loss_fn")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Pipe.step computes gradients; it cannot run under torch.no_grad()")
+        batches = scatter(input, self.chunks)
+        targets = [b.value for b in scatter(target, self.chunks)] if isinstance(target, (Tensor, tuple)) else None
+        if targets is None or len(targets) != len(batches):
+            raise ValueError(
+                f"target must split into the same {len(batches)} micro-batches as the input along dim 0 "
+                f"(got {type(target).__name__} of {len(targets) if targets else 0} micro-batches)"
+            )
+        sizes = [next(b.tensors()).size(0) for b in batches]
+        total = sum(sizes)
+        scales = [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
+        m = len(batches)
+        stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
+        self._prepare_batch_norm(m)
+        plan, program = self._step_program(schedule, m, options)
+        context = StepContext(batches, targets, [self._input_event(b) for b in batches], loss_fn, scales, stop, len(self._stages))
+        self._runtime.run(program, context, sorted({d.type for d in self.devices}))
+        self._last_plan = plan
+        self.last_memory: Optional[MemoryRecord] = context.memory
+        losses = [loss for loss in context.losses]
+        device = losses[-1].device  # type: ignore[union-attr]
+        weighted = [loss.to(device) * scale for loss, scale in zip(losses, scales)]  # type: ignore[union-attr]
+        return torch.stack(weighted).sum()
+
+    def _prepare_batch_norm(self, num_microbatches: int) -> None:
+        if self.deferred_batch_norm:
+            from .batchnorm import set_microbatches
+
+            set_microbatches(self, num_microbatches)
 
     def _input_event(self, batch: Batch) -> Any:
         for tensor in batch.tensors():

@@ -336,9 +336,9 @@ class Runtime:
         """
         if threading.get_ident() in self._worker_threads:
             raise RuntimeError("a pipeline stage called its own pipeline: re-entrant calls would deadlock")
-        if len(program.worker_jobs) != len(self.workers):
+        if len(program.worker_jobs) > len(self.workers):
             raise ValueError(
-                f"program has {len(program.worker_jobs)} workers, runtime has {len(self.workers)}"
+                f"program needs {len(program.worker_jobs)} workers, runtime has {len(self.workers)}"
             )
         program.freeze()
         with self._lock:

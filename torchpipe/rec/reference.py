@@ -48,8 +48,7 @@ class FullTableEmbeddingBagCollection(nn.Module):
 
     def full_weight(self, table: str) -> torch.Tensor:
         """A copy of the table's embeddings."""
-        dim = self.rows[table].shape[1] - self.optimizer.state_width(self._dim(table))
-        return self.rows[table][:, :dim].cpu().clone()
+        return self.rows[table][:, :self._dim(table)].cpu().clone()
 
     def optimizer_state(self, table: str) -> torch.Tensor:
         """A copy of the table's optimizer state."""

@@ -1,0 +1,289 @@
+"""Lower a forward+backward plan for ``Pipe.step``: backward runs on the workers too.
+
+In torchgpipe, backward is left to autograd's engine, which on CPU runs every partition's
+backward serially on the caller's thread. Here each stage's graph is cut at its input (the
+input becomes a leaf), and the plan's backward actions call ``torch.autograd.backward`` on
+the stage's outputs with the gradient received from the next stage, on the stage's own
+worker. So backward pipelines on every backend, and the plan decides when activations are
+freed: 1F1B holds at most ``p - s`` micro-batches on stage ``s``, GPipe holds all ``m``.
+
+Action kinds: ``F`` forward (the last stage also computes the loss), ``B`` full backward,
+``I`` input-gradient backward (keeps the graph), ``W`` weight-gradient backward. ``W``
+runs ``autograd.backward(..., inputs=parameters)``, which walks the stage's graph again:
+correct, but on real compute an ``I`` + ``W`` pair costs more than one ``B``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .checkpoint import checkpoint
+from .copy import mark_ready, receive
+from .lowering import StageRunner, _check_input_untouched, _on_private_copy, _starts_in_place
+from .microbatch import Batch
+from .runtime import Program
+
+__all__ = ["StepContext", "lower_step", "MemoryRecord"]
+
+
+class MemoryRecord:
+    """Activations a step kept alive, per stage: micro-batches and bytes saved for backward."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.live_microbatches = [0] * num_stages
+        self.peak_microbatches = [0] * num_stages
+        self.live_bytes = [0] * num_stages
+        self.peak_bytes = [0] * num_stages
+
+    def __repr__(self) -> str:
+        return f"MemoryRecord(peak_microbatches={self.peak_microbatches}, peak_bytes={self.peak_bytes})"
+
+
+class StepContext:
+    """Per-step data of ``Pipe.step``."""
+
+    def __init__(
+        self,
+        batches: List[Batch],
+        targets: List[Any],
+        input_events: List[Any],
+        loss_fn: Callable[[Any, Any], Tensor],
+        scales: List[float],
+        checkpoint_stop: int,
+        num_stages: int,
+    ) -> None:
+        self.batches = batches
+        self.targets = targets
+        self.input_events = input_events
+        self.loss_fn = loss_fn
+        self.scales = scales
+        self.checkpoint_stop = checkpoint_stop
+        self.rng_sections = checkpoint_stop > 0
+        self.losses: List[Optional[Tensor]] = [None] * len(batches)
+        self.memory = MemoryRecord(num_stages)
+
+
+class _Saved:
+    """What a stage keeps from its forward of one micro-batch until its backward."""
+
+    __slots__ = ("leaves", "caller_inputs", "outputs", "grads", "bytes")
+
+    def __init__(self, leaves: List[Tensor], caller_inputs: List[Tensor], outputs: List[Tensor], nbytes: int) -> None:
+        self.leaves = leaves
+        self.caller_inputs = caller_inputs
+        self.outputs = outputs
+        self.grads: Optional[List[Optional[Tensor]]] = None
+        self.bytes = nbytes
+
+
+class _Handoff:
+    """A job's result: what the neighbour stage receives, its ready event, and own state."""
+
+    __slots__ = ("batch", "event", "saved")
+
+    def __init__(self, batch: Optional[Batch], event: Any, saved: Optional[_Saved]) -> None:
+        self.batch = batch
+        self.event = event
+        self.saved = saved
+
+
+class _CountSaved:
+    """Saved-tensor hooks that add up the bytes autograd keeps for backward."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        self.nbytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: Tensor) -> Tensor:
+        return tensor
+
+
+def _as_leaves(batch: Batch, first_stage: bool) -> Tuple[Batch, List[Tensor]]:
+    """Cut the graph at the stage input: floating tensors become leaves that collect the grad."""
+    if first_stage:
+        return batch, []
+    leaves: List[Tensor] = []
+
+    def cut(tensor: Tensor) -> Tensor:
+        if not tensor.is_floating_point():
+            return tensor
+        leaf = tensor.detach().requires_grad_(True)
+        leaves.append(leaf)
+        return leaf
+
+    return batch.map_tensors(cut), leaves
+
+
+def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
+    partition = stage.partition
+    device, stream, backend = stage.device, stage.stream, stage.backend
+    copy_stream_for = stage.copy_stream_for
+    on_cpu = backend.type == "cpu"
+    checkpointed_function = _on_private_copy(partition) if _starts_in_place(partition) else partition
+    index = stage.index
+
+    def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
+        if inputs:
+            handoff: _Handoff = inputs[0]
+            batch, event = handoff.batch, handoff.event
+        else:
+            batch, event = ctx.batches[microbatch], ctx.input_events[microbatch]
+            ctx.batches[microbatch] = None  # type: ignore[call-overload]
+        assert batch is not None
+        if not on_cpu or event is not None or any(t.device != device for t in batch.tensors()):
+            batch = receive(batch, event, device, stream, copy_stream_for)
+        batch, leaves = _as_leaves(batch, first)
+        counter = _CountSaved()
+        training = partition.training
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            if microbatch < ctx.checkpoint_stop:
+                versions = tuple(t._version for t in batch.tensors())
+                with stage.rng.forward_section(training):
+                    output = checkpoint(checkpointed_function, batch, stage.rng.new_replay(training))
+                _check_input_untouched(stage, batch, versions)
+            elif ctx.rng_sections:
+                with stage.rng.forward_section(training):
+                    output = batch.call(partition)
+            else:
+                output = batch.call(partition)
+            if last:
+                target = ctx.targets[microbatch]
+                if isinstance(target, Tensor) and target.device != device:
+                    target = target.to(device)
+                loss = ctx.loss_fn(output.value, target)
+                if not isinstance(loss, Tensor) or loss.dim() != 0:
+                    raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                                    f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}")
+                ctx.losses[microbatch] = loss.detach()
+        outputs = [loss] if last else [t for t in output.tensors() if t.requires_grad]
+        memory = ctx.memory
+        memory.live_microbatches[index] += 1
+        memory.live_bytes[index] += counter.nbytes
+        memory.peak_microbatches[index] = max(memory.peak_microbatches[index], memory.live_microbatches[index])
+        memory.peak_bytes[index] = max(memory.peak_bytes[index], memory.live_bytes[index])
+        caller_inputs = [t for t in batch.tensors() if t.requires_grad] if first else []
+        saved = _Saved(leaves, caller_inputs, outputs, counter.nbytes)
+        if last:
+            return _Handoff(None, None, saved)
+        return _Handoff(output, None if on_cpu else mark_ready(backend, stream), saved)
+
+    return run
+
+
+def _received_grads(stage: StageRunner, saved: _Saved, handoff: Optional[_Handoff], last: bool, microbatch: int, ctx: StepContext) -> List[Optional[Tensor]]:
+    if last:
+        scale = ctx.scales[microbatch]
+        return [torch.full_like(saved.outputs[0], scale)]
+    assert handoff is not None and handoff.batch is not None
+    grads = handoff.batch
+    if stage.backend.type != "cpu" or any(t.device != stage.device for t in grads.tensors()):
+        grads = receive(grads, handoff.event, stage.device, stage.stream, stage.copy_stream_for)
+    return list(grads.values)
+
+
+def _release(ctx: StepContext, index: int, saved: _Saved) -> None:
+    memory = ctx.memory
+    memory.live_microbatches[index] -= 1
+    memory.live_bytes[index] -= saved.bytes
+    saved.leaves = []
+    saved.caller_inputs = []
+    saved.outputs = []
+    saved.grads = None
+
+
+def _pairs(saved: _Saved, grads: Sequence[Optional[Tensor]]) -> Tuple[List[Tensor], List[Tensor]]:
+    outputs, grad_outputs = [], []
+    for output, grad in zip(saved.outputs, grads):
+        if grad is not None:
+            outputs.append(output)
+            grad_outputs.append(grad)
+    return outputs, grad_outputs
+
+
+def _leaf_grads(stage: StageRunner, saved: _Saved, grads: List[Optional[Tensor]]) -> _Handoff:
+    on_cpu = stage.backend.type == "cpu"
+    return _Handoff(Batch(tuple(grads)), None if on_cpu else mark_ready(stage.backend, stage.stream), None)
+
+
+def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], Optional[_Handoff]]:
+    index = stage.index
+
+    def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> Optional[_Handoff]:
+        saved: _Saved = inputs[0].saved
+        grads = _received_grads(stage, saved, inputs[1] if len(inputs) > 1 else None, last, microbatch, ctx)
+        outputs, grad_outputs = _pairs(saved, grads)
+        if outputs:
+            torch.autograd.backward(outputs, grad_outputs)
+        result = None if first else _leaf_grads(stage, saved, [leaf.grad for leaf in saved.leaves])
+        _release(ctx, index, saved)
+        return result
+
+    return run
+
+
+def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
+    def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
+        saved: _Saved = inputs[0].saved
+        grads = _received_grads(stage, saved, inputs[1] if len(inputs) > 1 else None, last, microbatch, ctx)
+        outputs, grad_outputs = _pairs(saved, grads)
+        saved.grads = list(grads)
+        if first or not saved.leaves or not outputs:
+            leaf_grads: List[Optional[Tensor]] = [None] * len(saved.leaves)
+        else:
+            leaf_grads = list(torch.autograd.grad(outputs, saved.leaves, grad_outputs, retain_graph=True, allow_unused=True))
+        handoff = _leaf_grads(stage, saved, leaf_grads)
+        handoff.saved = saved
+        return handoff
+
+    return run
+
+
+def _weight_grad(stage: StageRunner, microbatch: int, first: bool) -> Callable[[StepContext, Tuple[Any, ...]], None]:
+    index = stage.index
+    parameters = [p for p in stage.partition.parameters() if p.requires_grad]
+
+    def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> None:
+        saved: _Saved = inputs[0].saved
+        assert saved.grads is not None
+        outputs, grad_outputs = _pairs(saved, saved.grads)
+        targets: List[Tensor] = list(parameters)
+        if first:  # the caller's input may want its gradient too
+            targets += saved.caller_inputs
+        if outputs and targets:
+            torch.autograd.backward(outputs, grad_outputs, inputs=targets)
+        _release(ctx, index, saved)
+
+    return run
+
+
+def lower_step(plan: Any, stages: Sequence[StageRunner]) -> Program:
+    """A program that runs every action of a forward+backward ``plan`` on the workers."""
+    program = Program(plan.num_workers)
+    last = plan.num_stages - 1
+    for worker, actions in enumerate(plan.worker_actions):
+        for action in actions:
+            s, m, kind = action.stage, action.microbatch, action.kind
+            stage = stages[s]
+            first, is_last = s == 0, s == last
+            deps = plan.dependencies(action)
+            if kind == "F":
+                function: Any = _forward(stage, m, first, is_last)
+            elif kind == "B":
+                function = _backward(stage, m, first, is_last)
+            elif kind == "I":
+                function = _input_grad(stage, m, first, is_last)
+            elif kind == "W":
+                function = _weight_grad(stage, m, first)
+            else:  # pragma: no cover - Action rejects other kinds
+                raise ValueError(f"unknown action kind in {action}")
+            # Own state first, then the gradient from the next stage (if any).
+            own = [d for d in deps if d.stage == s]
+            upstream = [d for d in deps if d.stage != s]
+            program.add(worker, action, function, deps=own + upstream, label=f"stage {s} {kind} mb {m}")
+    return program.freeze()
