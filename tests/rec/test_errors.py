@@ -1,0 +1,87 @@
+"""Bad input gets a clear error before any state changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rec_helpers import integer_weights, make_kjt, make_tables
+from torchrec import KeyedJaggedTensor
+
+from torchpipe.rec import CachedEmbeddingBagCollection, CacheTooSmallError, RecInputError, StaleBatchError
+
+
+def model_and_state() -> tuple[CachedEmbeddingBagCollection, callable]:
+    tables = make_tables(num_rows=(10, 10))
+    model = CachedEmbeddingBagCollection(tables, 4, weights=integer_weights(tables))
+    model(make_kjt(tables, {f: [[1, 2], [3]] for t in tables for f in t.feature_names})).values().sum().backward()
+
+    def snapshot() -> list[torch.Tensor]:
+        parts = []
+        for name in model.hosts:
+            cache = model.caches[name]
+            parts += [model.hosts[name].rows.clone(), model.slots[name].clone(), cache.slot_of_key.clone(),
+                      cache.key_of_slot.clone(), cache._protect_count.clone(), cache._freq_of_key.clone(),
+                      torch.tensor([cache.stats.plans, cache.stats.hits])]
+        return parts
+
+    return model, snapshot
+
+
+def bags(keys_a: list[int]) -> dict[str, list[list[int]]]:
+    return {"f0a": [keys_a, [1]], "f0b": [[2], []], "f1a": [[1], [2]], "f1b": [[3], [3]]}
+
+
+@pytest.mark.parametrize("case, error, words", [
+    ("out_of_range", RecInputError, "out of range"),
+    ("negative", RecInputError, "out of range"),
+    ("unknown_feature", RecInputError, "unknown feature"),
+    ("missing_feature", RecInputError, "missing"),
+    ("float_keys", RecInputError, "int32 or int64"),
+    ("too_many_keys", CacheTooSmallError, "cache_rows=4"),
+])
+def test_bad_input_is_refused_before_any_state_change(case: str, error: type, words: str) -> None:
+    model, snapshot = model_and_state()
+    tables = make_tables(num_rows=(10, 10))
+    if case == "out_of_range":
+        kjt = make_kjt(tables, bags([1, 10]))
+    elif case == "negative":
+        kjt = make_kjt(tables, bags([-1]))
+    elif case == "unknown_feature":
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0a", "f0b", "f1a", "f1b", "zzz"], torch.arange(5),
+                                                  torch.ones(10, dtype=torch.int64))
+    elif case == "missing_feature":
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0a", "f0b", "f1a"], torch.arange(3),
+                                                  torch.ones(6, dtype=torch.int64))
+    elif case == "float_keys":
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0a", "f0b", "f1a", "f1b"], torch.ones(8),
+                                                  torch.ones(8, dtype=torch.int64))
+    else:  # table t1 fits, t0 needs 5 slots of 4: nothing may change in either table
+        kjt = make_kjt(tables, bags([4, 5, 6, 7]))
+    before = snapshot()
+    with pytest.raises(error, match=words):
+        model(kjt)
+    after = snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert model.in_flight() == 0
+
+
+def test_backward_after_release_is_refused() -> None:
+    tables = make_tables(num_rows=(10, 10))
+    model = CachedEmbeddingBagCollection(tables, 4)
+    kjt = make_kjt(tables, bags([1]))
+    plan = model.plan(model.prepare(kjt))
+    model.swap(plan)
+    out = model(kjt, plan)
+    model.release(plan)
+    with pytest.raises(StaleBatchError):
+        out.values().sum().backward()
+
+
+def test_sync_forward_without_backward_does_not_leak_protection() -> None:
+    tables = make_tables(num_rows=(10, 10))
+    model = CachedEmbeddingBagCollection(tables, 4)
+    kjt = make_kjt(tables, bags([1]))
+    for _ in range(3):
+        model(kjt)  # grads on, backward never called
+    model.flush()
+    assert model.in_flight() == 0
