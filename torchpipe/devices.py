@@ -106,6 +106,12 @@ class CPUBackend(Backend):
     type = "cpu"
 
 
+class MetaBackend(Backend):
+    """The ``meta`` device (shapes only): no streams, like the CPU; used for dry runs and tests."""
+
+    type = "meta"
+
+
 class AcceleratorBackend(Backend):
     """A CUDA-like device driven through a ``torch.<type>`` module (``torch.cuda``, ``torch.npu``).
 
@@ -207,6 +213,7 @@ _NPU_HINT = (
 
 _backends: Dict[str, Backend] = {
     "cpu": CPUBackend(),
+    "meta": MetaBackend(),
     "cuda": AcceleratorBackend("cuda", install_hint="Install a CUDA build of torch."),
     "npu": AcceleratorBackend("npu", import_name="torch_npu", install_hint=_NPU_HINT),
 }

@@ -68,11 +68,10 @@ class StepContext:
 class _Saved:
     """What a stage keeps from its forward of one micro-batch until its backward."""
 
-    __slots__ = ("leaves", "caller_inputs", "outputs", "grads", "bytes")
+    __slots__ = ("leaves", "outputs", "grads", "bytes")
 
-    def __init__(self, leaves: List[Tensor], caller_inputs: List[Tensor], outputs: List[Tensor], nbytes: int) -> None:
+    def __init__(self, leaves: List[Tensor], outputs: List[Tensor], nbytes: int) -> None:
         self.leaves = leaves
-        self.caller_inputs = caller_inputs
         self.outputs = outputs
         self.grads: Optional[List[Optional[Tensor]]] = None
         self.bytes = nbytes
@@ -167,8 +166,7 @@ def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Ca
         memory.live_bytes[index] += counter.nbytes
         memory.peak_microbatches[index] = max(memory.peak_microbatches[index], memory.live_microbatches[index])
         memory.peak_bytes[index] = max(memory.peak_bytes[index], memory.live_bytes[index])
-        caller_inputs = [t for t in batch.tensors() if t.requires_grad] if first else []
-        saved = _Saved(leaves, caller_inputs, outputs, counter.nbytes)
+        saved = _Saved(leaves, outputs, counter.nbytes)
         if last:
             return _Handoff(None, None, saved)
         return _Handoff(output, None if on_cpu else mark_ready(backend, stream), saved)
@@ -192,7 +190,6 @@ def _release(ctx: StepContext, index: int, saved: _Saved) -> None:
     memory.live_microbatches[index] -= 1
     memory.live_bytes[index] -= saved.bytes
     saved.leaves = []
-    saved.caller_inputs = []
     saved.outputs = []
     saved.grads = None
 
@@ -252,11 +249,12 @@ def _weight_grad(stage: StageRunner, microbatch: int, first: bool) -> Callable[[
         saved: _Saved = inputs[0].saved
         assert saved.grads is not None
         outputs, grad_outputs = _pairs(saved, saved.grads)
-        targets: List[Tensor] = list(parameters)
-        if first:  # the caller's input may want its gradient too
-            targets += saved.caller_inputs
-        if outputs and targets:
-            torch.autograd.backward(outputs, grad_outputs, inputs=targets)
+        if outputs and first:
+            # The first stage has no input leaves: its I did nothing, and its W also carries
+            # the gradient into the caller's input when that requires one.
+            torch.autograd.backward(outputs, grad_outputs)
+        elif outputs and parameters:
+            torch.autograd.backward(outputs, grad_outputs, inputs=parameters)
         _release(ctx, index, saved)
 
     return run

@@ -1,0 +1,201 @@
+"""Pipe.step: explicit backward on the workers, for every schedule, equals the plain model."""
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from torchpipe import Pipe, is_recomputing
+
+SCHEDULE_CASES = [
+    ("gpipe", {}, [2, 2, 2, 2]),
+    ("1f1b", {}, [2, 2, 2, 2]),
+    ("1f1b", {}, [1, 3, 2, 2]),
+    ("zb-h1", {}, [2, 2, 2, 2]),
+    ("interleaved-1f1b", {"virtual_stages": 2}, [1, 1, 1, 1, 1, 1, 1, 1]),
+    ("zb-v", {}, [1, 1, 1, 1, 1, 1, 1, 1]),
+]
+
+
+def make_model():
+    return nn.Sequential(*[nn.Linear(8, 8) if i % 2 == 0 else nn.Tanh() for i in range(8)])
+
+
+def reference_grads(model, x, y, loss_fn):
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule,options,balance", SCHEDULE_CASES)
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("batch,chunks", [(12, 4), (10, 4), (3, 4)])
+def test_loss_and_every_gradient_match_the_plain_model(schedule, options, balance, checkpoint, reduction, batch, chunks):
+    if schedule == "interleaved-1f1b" and batch == 10:
+        chunks = 4  # 10 in 4 chunks gives 3 micro-batches: interleaving needs m <= p or a multiple of p
+    model = make_model()
+    reference = copy.deepcopy(model)
+    loss_fn = nn.MSELoss(reduction=reduction)
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    expected_loss, expected = reference_grads(reference, x, y, loss_fn)
+    with Pipe(model, balance, chunks=chunks, checkpoint=checkpoint) as pipe:
+        try:
+            loss = pipe.step(x, y, loss_fn, schedule=schedule, **options)
+        except ValueError as exc:
+            assert "multiple" in str(exc) and schedule == "interleaved-1f1b"
+            return
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_input_gradient_and_cross_entropy_with_integer_targets():
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 5))
+    reference = copy.deepcopy(model)
+    x = torch.randn(9, 6, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = torch.randint(0, 5, (9,))
+    for schedule in ("1f1b", "zb-h1"):
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+        with Pipe(model, [1, 1, 1], chunks=3) as pipe:
+            loss = pipe.step(x, y, nn.CrossEntropyLoss(), schedule=schedule)
+        x_ref.grad = None
+        for p in reference.parameters():
+            p.grad = None
+        expected = nn.CrossEntropyLoss()(reference(x_ref), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_backward_runs_on_the_stage_workers():
+    threads = {}
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, stage):
+            ctx.stage = stage
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            threads.setdefault(ctx.stage, set()).add(threading.current_thread().name)
+            return grad, None
+
+    class Tag(nn.Module):
+        def __init__(self, stage):
+            super().__init__()
+            self.stage = stage
+
+        def forward(self, x):
+            return Spy.apply(x, self.stage)
+
+    model = nn.Sequential(nn.Linear(4, 4), Tag(0), nn.Linear(4, 4), Tag(1), nn.Linear(4, 4), Tag(2))
+    with Pipe(model, [2, 2, 2], chunks=4, checkpoint="never") as pipe:
+        pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss())
+        names = [w.name for w in pipe._workers]
+    assert threads == {0: {names[0]}, 1: {names[1]}, 2: {names[2]}}
+    assert threading.current_thread().name not in names
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (3, 6), (4, 2)])
+def test_1f1b_holds_at_most_p_minus_s_microbatches_gpipe_holds_m(p, m):
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(p)])
+    x, y = torch.randn(2 * m, 16), torch.randn(2 * m, 16)
+    with Pipe(model, [1] * p, chunks=m, checkpoint="never") as pipe:
+        pipe.step(x, y, nn.MSELoss(), schedule="1f1b")
+        one_f_one_b = pipe.last_memory
+        pipe.step(x, y, nn.MSELoss(), schedule="gpipe")
+        gpipe = pipe.last_memory
+    assert one_f_one_b.peak_microbatches == [min(p - s, m) for s in range(p)]
+    assert gpipe.peak_microbatches == [m] * p
+    # Bytes saved for backward follow the same rule: each micro-batch saves the same amount.
+    for s in range(p):
+        assert one_f_one_b.peak_bytes[s] * m == gpipe.peak_bytes[s] * min(p - s, m)
+    assert one_f_one_b.live_microbatches == [0] * p and one_f_one_b.live_bytes == [0] * p
+
+
+def test_step_timings_and_simulated_plan_are_the_executed_plan():
+    with Pipe(make_model(), [2, 2, 2, 2], chunks=4) as pipe:
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8), nn.MSELoss(), schedule="1f1b")
+        record = pipe.last_step
+        plan = pipe.plan(4, schedule="1f1b")
+    # The labels, per worker, in execution order, are the plan's actions in plan order.
+    for worker, actions in enumerate(plan.worker_actions):
+        executed = [label for label, w, start in sorted(zip(record.labels, record.workers, record.starts), key=lambda t: t[2]) if w == worker]
+        assert executed == [f"stage {a.stage} {a.kind} mb {a.microbatch}" for a in actions]
+    assert 0 <= record.bubble_ratio < 1
+    assert 0 < plan.simulate().bubble_ratio < 1
+
+
+class Boom(Exception):
+    pass
+
+
+class FailingLayer(nn.Module):
+    """Raises in the chosen phase for the chosen micro-batch size marker."""
+
+    def __init__(self, phase):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.phase = phase
+
+    def forward(self, x):
+        if self.phase == "F" and not is_recomputing():
+            raise Boom("forward")
+        return FailBackward.apply(self.linear(x), self.phase)
+
+
+class FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, phase):
+        ctx.phase = phase
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.phase in ("B", "I", "W"):
+            raise Boom("backward")
+        return grad, None
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
+@pytest.mark.parametrize("phase", ["F", "B"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_faults_in_each_action_kind_and_stage_surface_and_pipe_stays_usable(schedule, phase, stage):
+    layers = [nn.Linear(4, 4) for _ in range(3)]
+    layers[stage] = FailingLayer(phase)
+    model = nn.Sequential(*layers)
+    with Pipe(model, [1, 1, 1], chunks=4, checkpoint="never") as pipe:
+        with pytest.raises(Boom):
+            pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss(), schedule=schedule)
+        layers[stage].phase = None
+        loss = pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss(), schedule=schedule)
+        assert torch.isfinite(loss)
+
+
+def test_fault_in_a_copy_surfaces():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with Pipe(model, [1, 1], chunks=2) as pipe:
+        with pytest.raises(NotImplementedError):
+            pipe.step(torch.randn(4, 4, device="meta"), torch.randn(4, 4), nn.MSELoss())
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss())
+
+
+def test_bad_arguments():
+    with Pipe(make_model(), [4, 4], chunks=2) as pipe:
+        with pytest.raises(ValueError, match="unknown schedule 'nope'"):
+            pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(), schedule="nope")
+        with pytest.raises(ValueError, match="reduction"):
+            pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(reduction="none"))
+        with pytest.raises(ValueError, match="same 2 micro-batches"):
+            pipe.step(torch.randn(4, 8), torch.randn(1, 8), nn.MSELoss())
+        with pytest.raises(RuntimeError, match="no_grad"):
+            with torch.no_grad():
+                pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
+        with pytest.raises(TypeError, match="scalar"):
+            pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(reduction="none"), reduction="sum")

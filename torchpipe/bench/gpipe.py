@@ -1,0 +1,244 @@
+"""``gpipe``: schedule efficiency of GPipe fill-drain on simulated-latency stages.
+
+Each stage is one layer whose forward sleeps ``t`` and whose backward sleeps ``2t``.
+``time.sleep`` releases the GIL, the way a GPU kernel runs while the host thread waits,
+so the figures measure the runtime's scheduling and hand-offs, not the 2-core CPU.
+
+The ideal forward makespan of fill-drain is ``(m + p - 1) * t``. ``t`` is taken as the
+*measured* duration of ``time.sleep(t)`` in this run (the OS oversleeps by tens of us,
+which is the stage's cost, not the runtime's); the ratio against the nominal ``t`` is
+shown too. The ideal forward+backward makespan comes from simulating the GPipe plan with
+costs F = t, B = 2t.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..schedule import build
+from .peers import SHIMS_APPLIED, Peer, close_pipeline, load_peers
+from .registry import Options
+from .report import Column, Goal, SuiteResult, Table
+from .timing import compare
+
+STAGES = 4
+BATCH = 64
+WIDTH = 16
+MICROBATCHES = (8, 32)
+STAGE_S = 0.002
+QUICK_STAGE_S = 0.0002
+GOAL = 0.95
+
+
+class _Sleep(torch.autograd.Function):
+    """``x * w`` that takes ``t`` seconds forward and ``2t`` backward without holding the GIL."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, seconds: float) -> torch.Tensor:
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        ctx.save_for_backward(x, weight)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, None]:
+        time.sleep(2 * ctx.seconds)
+        x, weight = ctx.saved_tensors
+        return grad * weight, (grad * x).sum().reshape(weight.shape), None
+
+
+class SleepLayer(nn.Module):
+    """A stage with a fixed latency (forward ``t``, backward ``2t``) and one parameter."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.weight, self.seconds)
+
+    def extra_repr(self) -> str:
+        return f"seconds={self.seconds}"
+
+
+def make_model(seconds: float) -> nn.Sequential:
+    return nn.Sequential(*[SleepLayer(seconds) for _ in range(STAGES)])
+
+
+def measured_sleep(seconds: float, samples: int) -> float:
+    """Median wall time of ``time.sleep(seconds)`` on this machine, now."""
+    durations = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        time.sleep(seconds)
+        durations.append(time.perf_counter() - start)
+    return statistics.median(durations)
+
+
+def _forward(pipeline: nn.Module, x: torch.Tensor, record: Optional[List[Tuple[float, float]]]) -> Callable[[], None]:
+    def step() -> None:
+        with torch.no_grad():
+            pipeline(x)
+        if record is not None:
+            last = pipeline.last_step  # type: ignore[attr-defined]
+            record.append((last.makespan, last.bubble_ratio))
+
+    return step
+
+
+def _forward_backward(pipeline: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        pipeline(x).sum().backward()
+
+    return step
+
+
+def run(options: Options) -> SuiteResult:
+    config = options.timing(target_s=0.2, quick_target_s=0.0, warmup=1, min_iters=1)
+    t = QUICK_STAGE_S if options.quick else STAGE_S
+    p = STAGES
+    result = SuiteResult(
+        "gpipe",
+        f"GPipe fill-drain on {p} simulated-latency stages (forward sleeps t, backward 2t), "
+        f"batch {BATCH}, checkpoint='never', CPU",
+        config={"repeats": config.repeats, "warmup": config.warmup, "t_ms": t * 1e3,
+                "microbatches": list(MICROBATCHES), "quick": options.quick},
+    )
+    options.say("gpipe: calibrating time.sleep")
+    samples = 20 if options.quick else 100
+    t_f = measured_sleep(t, samples)
+    t_b = measured_sleep(2 * t, samples)
+    result.config.update({"measured_t_ms": round(t_f * 1e3, 4), "measured_2t_ms": round(t_b * 1e3, 4)})
+    result.notes.append(
+        f"time.sleep({t * 1e3:g} ms) measured {t_f * 1e3:.3f} ms and sleep({2 * t * 1e3:g} ms) {t_b * 1e3:.3f} ms "
+        "(median): the ideal makespans use these; 'vs nominal' uses t itself"
+    )
+    peers = load_peers()
+    for peer in peers:
+        if not peer.available:
+            result.notes.append(f"{peer.label} unavailable: {peer.reason}")
+
+    forward = Table(
+        "Forward makespan under torch.no_grad() (ideal = (m + p - 1) x t; higher ideal/achieved is better, 1.0 = ideal)",
+        [
+            Column("m", "m"),
+            Column("case", "pipeline", align="<"),
+            Column("ideal_ms", "ideal ms", "{:.2f}"),
+            Column("wall_ms", "wall ms", "{:.2f}"),
+            Column("eff_wall", "ideal/wall", "{:.3f}"),
+            Column("eff_nominal", "vs nominal t", "{:.3f}"),
+            Column("makespan_ms", "last_step ms", "{:.2f}"),
+            Column("eff_makespan", "ideal/last_step", "{:.3f}"),
+            Column("bubble", "bubble measured", "{:.3f}"),
+            Column("bubble_sim", "bubble simulated", "{:.3f}"),
+            Column("goal", f">= {GOAL:g}", align="<"),
+        ],
+    )
+    backward = Table(
+        "Forward + backward wall time (ideal = simulated GPipe plan with F = t, B = 2t)",
+        [
+            Column("m", "m"),
+            Column("case", "pipeline", align="<"),
+            Column("ideal_ms", "ideal ms", "{:.2f}"),
+            Column("serial_ms", "serial ms", "{:.2f}"),
+            Column("wall_ms", "wall ms", "{:.2f}"),
+            Column("eff_wall", "ideal/wall", "{:.3f}"),
+        ],
+    )
+    backward.notes.append(
+        "serial = every stage one after another, 3 x m x p x t. On CPU torchpipe's backward runs through "
+        "autograd on the caller's thread, so it does not pipeline: expect about (m + p - 1) t + 2 m p t"
+    )
+    forward.notes.append("bubble measured = pipe.last_step.bubble_ratio (torchpipe only); "
+                         "bubble simulated = pipe.plan(m, backward=False).simulate() with unit costs")
+    result.tables += [forward, backward]
+
+    x = torch.randn(BATCH, WIDTH)
+    for m in MICROBATCHES:
+        options.say(f"gpipe: m={m}")
+        ideal_fwd = (m + p - 1) * t_f
+        ideal_fwd_nominal = (m + p - 1) * t
+        ideal_fb = build("gpipe", p, m).simulate({"F": t_f, "B": t_b}).makespan
+        sim_bubble = build("gpipe", p, m, backward=False).simulate().bubble_ratio
+        pipelines: Dict[str, nn.Module] = {}
+        unavailable: Dict[str, str] = {}
+        records: List[Tuple[float, float]] = []
+        for peer in peers:
+            if not peer.available:
+                unavailable[peer.name] = peer.reason
+                continue
+            try:
+                pipeline = _make(peer, m, t, x)
+            except Exception as exc:
+                unavailable[peer.name] = f"{type(exc).__name__}: {exc}"
+                result.notes.append(f"{peer.label} unavailable at m={m}: {unavailable[peer.name]}")
+                continue
+            pipelines[peer.name] = pipeline
+        try:
+            if "torchpipe" in pipelines:
+                plan_bubble = pipelines["torchpipe"].plan(m, backward=False).simulate().bubble_ratio  # type: ignore[operator]
+                if abs(plan_bubble - sim_bubble) > 1e-12:
+                    result.notes.append(f"m={m}: pipe.plan() bubble {plan_bubble} != build('gpipe') bubble {sim_bubble}")
+            fwd = compare({name: _forward(pl, x, records if name == "torchpipe" else None)
+                           for name, pl in pipelines.items()}, config)
+            fb = compare({name: _forward_backward(pl, x) for name, pl in pipelines.items()}, config)
+        finally:
+            for pipeline in pipelines.values():
+                close_pipeline(pipeline)
+
+        for peer in peers:
+            if peer.name in unavailable:
+                forward.add(m=m, case=f"{peer.label}: unavailable: {unavailable[peer.name]}")
+                backward.add(m=m, case=f"{peer.label}: unavailable: {unavailable[peer.name]}")
+                continue
+            wall = fwd[peer.name].median
+            row: Dict[str, Any] = dict(m=m, case=peer.label, ideal_ms=ideal_fwd * 1e3, wall_ms=wall * 1e3,
+                                       bubble_sim=sim_bubble)
+            row["eff_wall"] = result.ratio(f"m={m}/{peer.name} forward ideal / wall", ideal_fwd, wall)
+            row["eff_nominal"] = result.ratio(f"m={m}/{peer.name} forward ideal (nominal t) / wall",
+                                              ideal_fwd_nominal, wall)
+            if peer.name == "torchpipe" and records:
+                makespan = statistics.median(r[0] for r in records)
+                row["makespan_ms"] = makespan * 1e3
+                row["bubble"] = statistics.median(r[1] for r in records)
+                row["eff_makespan"] = result.ratio(f"m={m}/torchpipe forward ideal / last_step.makespan",
+                                                   ideal_fwd, makespan)
+                goal = Goal(f"m={m}: torchpipe forward ideal/achieved (wall)", row["eff_wall"], ">=", GOAL)
+                result.goals.append(goal)
+                row["goal"] = goal.status
+            forward.add(**row)
+
+            fb_wall = fb[peer.name].median
+            backward.add(m=m, case=peer.label, ideal_ms=ideal_fb * 1e3, serial_ms=3 * m * p * t_f * 1e3,
+                         wall_ms=fb_wall * 1e3,
+                         eff_wall=result.ratio(f"m={m}/{peer.name} forward+backward ideal / wall", ideal_fb, fb_wall))
+        if "torchpipe" in fwd and "torchgpipe" in fwd:
+            result.ratio(f"m={m}/forward wall torchgpipe / torchpipe", fwd["torchgpipe"].median, fwd["torchpipe"].median)
+            result.ratio(f"m={m}/forward+backward wall torchgpipe / torchpipe",
+                         fb["torchgpipe"].median, fb["torchpipe"].median)
+
+    if SHIMS_APPLIED:
+        result.notes += [f"shim applied: {s}" for s in SHIMS_APPLIED]
+    if options.quick:
+        result.notes.append(f"quick run: t = {t * 1e3:g} ms and few repeats, figures are indicative only")
+    return result
+
+
+def _make(peer: Peer, m: int, t: float, x: torch.Tensor) -> nn.Module:
+    """Build a pipeline of ``m`` micro-batches and run one forward+backward to check it works."""
+    assert peer.make is not None
+    pipeline = peer.make(make_model(t), m)
+    try:
+        out = pipeline(x)
+        if not torch.allclose(out, x):
+            raise RuntimeError("output differs from the input (every stage multiplies by 1)")
+        out.sum().backward()
+    except BaseException:
+        close_pipeline(pipeline)
+        raise
+    return pipeline

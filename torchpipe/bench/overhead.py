@@ -1,0 +1,190 @@
+"""``overhead``: runtime cost per (stage, micro-batch), against the same model without a pipeline.
+
+The model is tiny (4 x Linear(16, 16), batch 64), so a step is almost all runtime: task
+hand-off, queues, scatter/gather, autograd glue. The baseline that isolates the runtime
+is the plain model looped over the same micro-batches, with the outputs concatenated and
+one backward, which is exactly the arithmetic a pipeline does. Hence
+
+    overhead per (stage, micro-batch) fwd+bwd = (pipeline step - chunked-loop step) / (stages x chunks)
+
+for torchpipe, torchgpipe and fairscale, all timed in the same run (interleaved repeats).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .peers import SHIMS_APPLIED, Peer, close_pipeline, load_peers
+from .registry import Options
+from .report import Column, Goal, SuiteResult, Table
+from .timing import compare
+
+STAGES = 4
+WIDTH = 16
+BATCH = 64
+CHUNKS = (1, 8, 32)
+GOAL_US = 25.0
+GOAL_VS_TORCHGPIPE = 3.5
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(STAGES)])
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        model(x).sum().backward()
+
+    return step
+
+
+def _chunked_step(model: nn.Module, x: torch.Tensor, chunks: int) -> Callable[[], None]:
+    def step() -> None:
+        torch.cat([model(c) for c in x.chunk(chunks)]).sum().backward()
+
+    return step
+
+
+def _build(peer: Peer, chunks: int, x: torch.Tensor, expected: torch.Tensor) -> nn.Module:
+    """Build the pipeline and check one step against the plain model before timing it."""
+    assert peer.make is not None
+    pipeline = peer.make(make_model(), chunks)
+    try:
+        out = pipeline(x)
+        if not torch.allclose(out, expected, atol=1e-5):
+            raise RuntimeError("output differs from the plain model")
+        out.sum().backward()
+    except BaseException:
+        close_pipeline(pipeline)
+        raise
+    return pipeline
+
+
+def run(options: Options) -> SuiteResult:
+    config = options.timing(target_s=0.2, quick_target_s=0.01)
+    result = SuiteResult(
+        "overhead",
+        f"runtime overhead per (stage, micro-batch), {STAGES} x Linear({WIDTH},{WIDTH}), batch {BATCH}, "
+        "checkpoint='never', forward+backward, CPU",
+        config={"repeats": config.repeats, "warmup": config.warmup, "target_s_per_repeat": config.target_s,
+                "chunks": list(CHUNKS), "quick": options.quick},
+    )
+    peers = load_peers()
+    x = torch.randn(BATCH, WIDTH)
+    with torch.no_grad():
+        expected = make_model()(x)
+
+    steps = Table(
+        "Step time (median of repeats; 'spread' = (max-min)/median over repeats)",
+        [
+            Column("chunks", "chunks"),
+            Column("case", "case", align="<"),
+            Column("step_ms", "step ms", "{:.3f}"),
+            Column("spread", "spread", "{:.0%}"),
+            Column("iters", "iters/repeat"),
+            Column("vs_plain", "x plain", "{:.2f}"),
+            Column("vs_loop", "x loop", "{:.2f}"),
+            Column("overhead_us", "overhead us/(stage,mb)", "{:.1f}"),
+        ],
+    )
+    summary = Table(
+        "Runtime overhead per (stage, micro-batch) fwd+bwd, us = (pipe step - chunked-loop step) / (stages x chunks)",
+        [
+            Column("chunks", "chunks"),
+            Column("torchpipe", "torchpipe us", "{:.1f}"),
+            Column("torchgpipe", "torchgpipe us", "{:.1f}"),
+            Column("fairscale", "fairscale us", "{:.1f}"),
+            Column("tg_over_tp", "torchgpipe/torchpipe", "{:.2f}x"),
+            Column("fs_over_tp", "fairscale/torchpipe", "{:.2f}x"),
+            Column("goal_us", f"<= {GOAL_US:g} us", align="<"),
+            Column("goal_ratio", f">= {GOAL_VS_TORCHGPIPE:g}x less", align="<"),
+        ],
+    )
+    steps.notes.append(
+        "plain = model(x) on the whole batch; loop = torch.cat([model(c) for c in x.chunk(chunks)]).sum().backward(), "
+        "the same arithmetic as a pipeline without its runtime"
+    )
+    result.tables += [steps, summary]
+    for peer in peers:
+        if not peer.available:
+            result.notes.append(f"{peer.label} unavailable: {peer.reason}")
+
+    for chunks in CHUNKS:
+        options.say(f"overhead: chunks={chunks}")
+        cases: Dict[str, Callable[[], None]] = {
+            "plain": _step(make_model(), x),
+            "loop": _chunked_step(make_model(), x, chunks),
+        }
+        pipelines: List[nn.Module] = []
+        unavailable: Dict[str, str] = {}
+        for peer in peers:
+            if not peer.available:
+                unavailable[peer.name] = peer.reason
+                continue
+            try:
+                pipeline = _build(peer, chunks, x, expected)
+            except Exception as exc:
+                unavailable[peer.name] = f"{type(exc).__name__}: {exc}"
+                result.notes.append(f"{peer.label} unavailable at chunks={chunks}: {unavailable[peer.name]}")
+                continue
+            pipelines.append(pipeline)
+            cases[peer.name] = _step(pipeline, x)
+        try:
+            measured = compare(cases, config)
+        finally:
+            for pipeline in pipelines:
+                close_pipeline(pipeline)
+
+        plain = measured["plain"].median
+        loop = measured["loop"].median
+        overhead: Dict[str, Optional[float]] = {}
+        labels = {"plain": "plain model, whole batch", "loop": "plain model, chunked loop"}
+        labels.update({p.name: p.label for p in peers})
+        for name in ["plain", "loop", *[p.name for p in peers]]:
+            if name in unavailable:
+                steps.add(chunks=chunks, case=f"{labels[name]}: unavailable: {unavailable[name]}")
+                overhead[name] = None
+                continue
+            m = measured[name]
+            row = dict(chunks=chunks, case=labels[name], step_ms=m.median * 1e3, spread=m.spread,
+                       iters=m.iters, vs_plain=m.median / plain, vs_loop=m.median / loop)
+            if name not in ("plain", "loop"):
+                overhead[name] = (m.median - loop) / (STAGES * chunks)
+                row["overhead_us"] = overhead[name] * 1e6
+                result.ratio(f"chunks={chunks}/{name} step / loop step", m.median, loop)
+                result.ratio(f"chunks={chunks}/{name} step / plain step", m.median, plain)
+            else:
+                result.ratio(f"chunks={chunks}/{name} step / plain step", m.median, plain)
+            steps.add(**row)
+
+        tp = overhead.get("torchpipe")
+        row = dict(chunks=chunks)
+        for name in ("torchpipe", "torchgpipe", "fairscale"):
+            value = overhead.get(name)
+            row[name] = None if value is None else value * 1e6
+        row["tg_over_tp"] = result.ratio(f"chunks={chunks}/torchgpipe overhead / torchpipe overhead",
+                                         overhead.get("torchgpipe"), tp)
+        row["fs_over_tp"] = result.ratio(f"chunks={chunks}/fairscale overhead / torchpipe overhead",
+                                         overhead.get("fairscale"), tp)
+        goal_us = Goal(f"chunks={chunks}: torchpipe overhead per (stage, mb), us",
+                       None if tp is None else tp * 1e6, "<=", GOAL_US)
+        goal_ratio = Goal(f"chunks={chunks}: torchgpipe overhead / torchpipe overhead",
+                          row["tg_over_tp"], ">=", GOAL_VS_TORCHGPIPE)
+        row["goal_us"], row["goal_ratio"] = goal_us.status, goal_ratio.status
+        result.goals += [goal_us, goal_ratio]
+        summary.add(**row)
+
+    if SHIMS_APPLIED:
+        result.notes += [f"shim applied: {s}" for s in SHIMS_APPLIED]
+    else:
+        result.notes.append("no shims needed: torchgpipe and fairscale import and run unmodified with torch "
+                            f"{torch.__version__}")
+    versions = ", ".join(f"{p.name} {p.version}" for p in peers if p.available)
+    result.notes.append(f"versions: {versions}; torch intra-op threads (caller) = {torch.get_num_threads()}")
+    result.notes.append("each pipeline's output was checked against the plain model before timing")
+    if options.quick:
+        result.notes.append("quick run: few short repeats, figures are indicative only")
+    return result

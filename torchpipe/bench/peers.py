@@ -1,0 +1,131 @@
+"""The pipelines the benchmarks compare: torchpipe and its anchors, built the same way.
+
+Each peer is a factory ``(module, chunks) -> nn.Module`` for a 4-partition CPU pipeline
+with ``checkpoint='never'``. The anchors are optional (``pip install .[bench]``): when one
+cannot be imported or run, its rows say ``unavailable: <reason>`` instead of failing the
+run. If an import fails only because torch removed an old private API, a small shim for
+that API is installed *in this process only* and the import retried; every shim applied
+is reported in the output so that no number silently depends on one.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+from torch import nn
+
+__all__ = ["Peer", "PEER_NAMES", "load_peers", "close_pipeline", "SHIMS_APPLIED"]
+
+PEER_NAMES = ("torchpipe", "torchgpipe", "fairscale")
+
+SHIMS_APPLIED: List[str] = []
+"""Human-readable descriptions of the shims installed in this process."""
+
+
+@dataclass
+class Peer:
+    """A pipeline implementation, or the reason it cannot be used (``make is None``)."""
+
+    name: str
+    label: str
+    make: Optional[Callable[[nn.Sequential, int], nn.Module]]
+    reason: str = ""
+    version: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.make is not None
+
+
+def _shim_torch_six() -> str:
+    """``torch._six`` was removed in torch 2.0; old libraries imported string_classes etc. from it."""
+    import collections.abc
+    import math
+
+    six = types.ModuleType("torch._six")
+    six.string_classes = (str, bytes)  # type: ignore[attr-defined]
+    six.int_classes = int  # type: ignore[attr-defined]
+    six.inf = math.inf  # type: ignore[attr-defined]
+    six.nan = math.nan  # type: ignore[attr-defined]
+    six.container_abcs = collections.abc  # type: ignore[attr-defined]
+    sys.modules["torch._six"] = six
+    return "torch._six (removed in torch 2.0) provided as a stub module"
+
+
+# Missing module name -> installer returning a description. Applied only after an import fails.
+_SHIMS: Dict[str, Callable[[], str]] = {"torch._six": _shim_torch_six}
+
+
+def _import(name: str) -> types.ModuleType:
+    """Import ``name``, installing known shims for removed torch modules on demand."""
+    tried = set()
+    while True:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if missing in _SHIMS and missing not in tried:
+                tried.add(missing)
+                SHIMS_APPLIED.append(f"{name}: {_SHIMS[missing]()}")
+                for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                    del sys.modules[loaded]
+                continue
+            raise
+
+
+def _torchpipe() -> Peer:
+    from .. import Pipe, __version__
+
+    def make(module: nn.Sequential, chunks: int) -> nn.Module:
+        return Pipe(module, balance=[1] * len(module), devices=None, chunks=chunks, checkpoint="never")
+
+    return Peer("torchpipe", "torchpipe Pipe", make, version=__version__)
+
+
+def _torchgpipe() -> Peer:
+    try:
+        torchgpipe = _import("torchgpipe")
+    except Exception as exc:  # any import-time failure makes the row unavailable
+        return Peer("torchgpipe", "torchgpipe GPipe", None, f"import torchgpipe failed: {type(exc).__name__}: {exc}")
+
+    def make(module: nn.Sequential, chunks: int) -> nn.Module:
+        n = len(module)
+        return torchgpipe.GPipe(module, balance=[1] * n, devices=["cpu"] * n, chunks=chunks, checkpoint="never")
+
+    return Peer("torchgpipe", "torchgpipe GPipe", make, version=getattr(torchgpipe, "__version__", ""))
+
+
+def _fairscale() -> Peer:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fairscale = _import("fairscale")
+            fs_nn = _import("fairscale.nn")
+    except Exception as exc:
+        return Peer("fairscale", "fairscale Pipe", None, f"import fairscale.nn failed: {type(exc).__name__}: {exc}")
+
+    def make(module: nn.Sequential, chunks: int) -> nn.Module:
+        n = len(module)
+        with warnings.catch_warnings():  # its constructor warns that it is deprecated
+            warnings.simplefilter("ignore")
+            return fs_nn.Pipe(module, balance=[1] * n, devices=["cpu"] * n, chunks=chunks, checkpoint="never")
+
+    return Peer("fairscale", "fairscale Pipe", make, version=getattr(fairscale, "__version__", ""))
+
+
+_LOADERS = {"torchpipe": _torchpipe, "torchgpipe": _torchgpipe, "fairscale": _fairscale}
+
+
+def load_peers(names=PEER_NAMES) -> List[Peer]:
+    return [_LOADERS[name]() for name in names]
+
+
+def close_pipeline(pipeline: object) -> None:
+    """Stop a pipeline's threads if it has any to stop (torchpipe's ``close``)."""
+    close = getattr(pipeline, "close", None)
+    if callable(close):
+        close()

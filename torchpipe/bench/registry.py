@@ -1,0 +1,67 @@
+"""Suite registry: ``SUITES`` maps a suite name to ``run(options) -> SuiteResult``.
+
+Suites are imported lazily, so a suite whose dependencies are missing (say ``rec``
+without torchrec) cannot break the others. Later suites register with ``register``
+(or a line in ``_BUILTIN``); ``all`` runs every registered suite in order.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, TextIO
+
+from .report import SuiteResult
+from .timing import TimingConfig
+
+__all__ = ["Options", "SUITES", "register", "suite_names"]
+
+
+@dataclass
+class Options:
+    """What the command line asked for; each suite derives its own timing from it."""
+
+    repeats: Optional[int] = None
+    quick: bool = False
+    progress: Optional[TextIO] = field(default_factory=lambda: sys.stderr)
+
+    def timing(self, *, target_s: float, quick_target_s: float, warmup: int = 3, min_iters: int = 3) -> TimingConfig:
+        """Timing for a suite: 7 repeats by default, fewer and shorter with ``--quick``."""
+        if self.quick:
+            repeats = self.repeats if self.repeats is not None else 3
+            return TimingConfig(repeats=repeats, warmup=1, target_s=quick_target_s, min_iters=1)
+        repeats = self.repeats if self.repeats is not None else 7
+        return TimingConfig(repeats=repeats, warmup=warmup, target_s=target_s, min_iters=min_iters)
+
+    def say(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress.write(f"[bench] {message}\n")
+            self.progress.flush()
+
+
+Suite = Callable[[Options], SuiteResult]
+
+
+def _lazy(module: str, function: str = "run") -> Suite:
+    def run(options: Options) -> SuiteResult:
+        return getattr(importlib.import_module(module, __package__), function)(options)
+
+    run.__name__ = f"run_{module.lstrip('.')}"
+    return run
+
+
+SUITES: Dict[str, Suite] = {
+    "overhead": _lazy(".overhead"),
+    "gpipe": _lazy(".gpipe"),
+}
+"""Suite name -> runner. ``schedules`` and ``rec`` are expected to join later."""
+
+
+def register(name: str, suite: Suite) -> None:
+    if name == "all":
+        raise ValueError("'all' is reserved: it runs every registered suite")
+    SUITES[name] = suite
+
+
+def suite_names() -> List[str]:
+    return list(SUITES)
