@@ -45,6 +45,7 @@ def _set_flag(name: str) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 # Checkpointing with RNG replay
 # --------------------------------------------------------------------------------------------
+import contextlib  # noqa: E402
 import weakref  # noqa: E402
 from typing import Any, Callable, Dict, List, Optional  # noqa: E402
 
@@ -129,12 +130,14 @@ class _ForwardSection:
 class _Replay:
     """The generator state of one checkpointed forward, and the contexts that use it."""
 
-    __slots__ = ("guard", "training", "state")
+    __slots__ = ("guard", "training", "state", "recompute_extras")
 
     def __init__(self, guard: RNGGuard, training: bool) -> None:
         self.guard = guard
         self.training = training
         self.state: Optional[torch.Tensor] = None
+        # Factories of further contexts the recompute runs under (skip replay, for one).
+        self.recompute_extras: List[Callable[[], Any]] = []
 
     def forward_context(self) -> "_CheckpointContext":
         return _CheckpointContext(self)
@@ -161,7 +164,7 @@ class _CheckpointContext:
 
 
 class _RecomputeContext:
-    __slots__ = ("replay", "previous", "saved", "locked")
+    __slots__ = ("replay", "previous", "saved", "locked", "extras")
 
     def __init__(self, replay: _Replay) -> None:
         self.replay = replay
@@ -180,8 +183,12 @@ class _RecomputeContext:
             generator.set_state(replay.state)
         self.previous = _flags.recomputing
         _flags.recomputing = True
+        self.extras = contextlib.ExitStack()
+        for factory in replay.recompute_extras:
+            self.extras.enter_context(factory())
 
     def __exit__(self, *exc: Any) -> None:
+        self.extras.close()
         _flags.recomputing = self.previous
         try:
             if self.saved is not None:

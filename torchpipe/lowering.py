@@ -7,6 +7,8 @@ the plan that runs.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -18,9 +20,11 @@ from .dependency import first_grad_tensor, join
 from .devices import Backend, get_backend
 from .microbatch import Batch
 from .runtime import Program
+from .skip import Skippable, use_skip_tracker
+from .skip.portal import PipelineSkipTracker, SkipStore, StageSkips, replay_context
 from .workers import Worker
 
-__all__ = ["StageRunner", "ForwardContext", "lower_forward"]
+__all__ = ["StageRunner", "ForwardContext", "lower_forward", "run_partition", "needs_receive"]
 
 
 class StageRunner:
@@ -35,6 +39,9 @@ class StageRunner:
         self.stream = worker.stream
         self._copy_streams: Dict[torch.device, Any] = {}
         self.rng = RNGGuard(device, shared=rng_shared)
+        self.has_skips = any(isinstance(m, Skippable) for m in partition.modules())
+        # What checkpointing runs: the partition, on a private copy if it starts in place.
+        self.checkpointed_function = _on_private_copy(partition) if _starts_in_place(partition) else partition
 
     def on_worker(self, host: "StageRunner") -> "StageRunner":
         """This stage run by ``host``'s worker (interleaved schedules share workers)."""
@@ -56,7 +63,7 @@ class StageRunner:
 class ForwardContext:
     """Per-step data of a forward pass: the micro-batches and how to treat them."""
 
-    __slots__ = ("batches", "input_events", "checkpoint_stop", "order", "rng_sections", "last_output")
+    __slots__ = ("batches", "input_events", "checkpoint_stop", "order", "rng_sections", "last_output", "skips")
 
     def __init__(self, batches: List[Batch], input_events: List[Any], checkpoint_stop: int, order: bool, num_stages: int) -> None:
         self.batches = batches
@@ -66,6 +73,7 @@ class ForwardContext:
         # Checkpointing replays RNG: then forwards on a shared generator must not interleave draws.
         self.rng_sections = checkpoint_stop > 0
         self.last_output: List[Optional[Tensor]] = [None] * num_stages
+        self.skips = SkipStore()
 
 
 def _join_batch(batch: Batch, after: Tensor) -> Batch:
@@ -106,14 +114,45 @@ def _check_input_untouched(stage: StageRunner, batch: Batch, versions: Tuple[int
         )
 
 
+def needs_receive(stage: StageRunner, batch: Batch, event: Any) -> bool:
+    """Whether a batch must go through :func:`receive` (streams or devices differ)."""
+    return stage.backend.type != "cpu" or event is not None or any(t.device != stage.device for t in batch.tensors())
+
+
+def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips] = None) -> Batch:
+    """Run ``stage``'s partition on one micro-batch: checkpointed or not, RNG-safe, with skips.
+
+    ``ctx`` provides ``checkpoint_stop``, ``rng_sections`` and ``skips`` (the step's
+    :class:`SkipStore`); ``record`` collects stashes and pops for an explicit backward.
+    """
+    partition = stage.partition
+    training = partition.training
+    checkpointed = microbatch < ctx.checkpoint_stop
+    replay = stage.rng.new_replay(training) if checkpointed else None
+    tracker = None
+    if stage.has_skips:
+        memo: Optional[List[Tensor]] = [] if replay is not None else None
+        if replay is not None and memo is not None:
+            replay.recompute_extras.append(replay_context(memo))
+        tracker = PipelineSkipTracker(ctx.skips, microbatch, stage, record, memo)
+    with use_skip_tracker(tracker) if tracker is not None else contextlib.nullcontext():
+        if replay is not None:
+            versions = tuple(t._version for t in batch.tensors())
+            with stage.rng.forward_section(training):
+                output = checkpoint(stage.checkpointed_function, batch, replay)
+            _check_input_untouched(stage, batch, versions)
+        elif ctx.rng_sections:
+            with stage.rng.forward_section(training):
+                output = batch.call(partition)
+        else:
+            output = batch.call(partition)
+    return output
+
+
 def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContext, Tuple[Any, ...]], Any]:
     index = stage.index
-    partition = stage.partition
-    device, stream = stage.device, stage.stream
-    backend = stage.backend
-    copy_stream_for = stage.copy_stream_for
+    backend, stream = stage.backend, stage.stream
     on_cpu = backend.type == "cpu"
-    checkpointed_function = _on_private_copy(partition) if _starts_in_place(partition) else partition
 
     def run(ctx: ForwardContext, inputs: Tuple[Any, ...]) -> Tuple[Batch, Any]:
         if inputs:
@@ -121,23 +160,13 @@ def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContex
         else:
             batch, event = ctx.batches[microbatch], ctx.input_events[microbatch]
             ctx.batches[microbatch] = None  # type: ignore[call-overload]  # the pipeline owns it now
-        if not on_cpu or event is not None or any(t.device != device for t in batch.tensors()):
-            batch = receive(batch, event, device, stream, copy_stream_for)
+        if needs_receive(stage, batch, event):
+            batch = receive(batch, event, stage.device, stream, stage.copy_stream_for)
         if ctx.order:
             previous = ctx.last_output[index]
             if previous is not None:
                 batch = _join_batch(batch, previous)
-        if microbatch < ctx.checkpoint_stop:
-            training = partition.training
-            versions = tuple(t._version for t in batch.tensors())
-            with stage.rng.forward_section(training):
-                output = checkpoint(checkpointed_function, batch, stage.rng.new_replay(training))
-            _check_input_untouched(stage, batch, versions)
-        elif ctx.rng_sections:
-            with stage.rng.forward_section(partition.training):
-                output = batch.call(partition)
-        else:
-            output = batch.call(partition)
+        output = run_partition(stage, ctx, microbatch, batch)
         if ctx.order:
             ctx.last_output[index] = first_grad_tensor(output.values)
         return output, (None if on_cpu else mark_ready(backend, stream))

@@ -22,6 +22,7 @@ from .microbatch import Batch, TensorOrTensors, gather, scatter
 from .partition import infer_placement, split_module, verify_balance, verify_module
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build
+from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
 from .workers import ThreadBudget, Worker, spawn_workers, stop_workers
 
@@ -68,6 +69,16 @@ def _resolve_devices(devices: Optional[Sequence[DeviceLike]], partitions: int) -
     for device in resolved:
         get_backend(device).check(device)
     return resolved
+
+
+def _check_skip_routes(module: nn.Sequential, balance: Sequence[int]) -> None:
+    """Every skip must be popped in the partition that stashes it or a later one."""
+    children = list(module.children())
+    groups, start = [], 0
+    for size in balance:
+        groups.append(nn.Sequential(*children[start : start + size]))
+        start += size
+    inspect_skip_layout(groups)
 
 
 class Pipe(nn.Module):
@@ -118,6 +129,9 @@ class Pipe(nn.Module):
         else:
             balance_list = verify_balance(balance, len(module))
             device_list = _resolve_devices(devices, len(balance_list))
+
+        verify_skippables(module)
+        _check_skip_routes(module, balance_list)
 
         if deferred_batch_norm:
             from .batchnorm import DeferredBatchNorm

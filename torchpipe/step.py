@@ -19,11 +19,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .checkpoint import checkpoint
 from .copy import mark_ready, receive
-from .lowering import StageRunner, _check_input_untouched, _on_private_copy, _starts_in_place
+from .lowering import StageRunner, needs_receive, run_partition
 from .microbatch import Batch
 from .runtime import Program
+from .skip.portal import SkipStore, StageSkips
 
 __all__ = ["StepContext", "lower_step", "MemoryRecord"]
 
@@ -63,15 +63,17 @@ class StepContext:
         self.rng_sections = checkpoint_stop > 0
         self.losses: List[Optional[Tensor]] = [None] * len(batches)
         self.memory = MemoryRecord(num_stages)
+        self.skips = SkipStore()
 
 
 class _Saved:
     """What a stage keeps from its forward of one micro-batch until its backward."""
 
-    __slots__ = ("leaves", "outputs", "grads", "bytes")
+    __slots__ = ("leaves", "outputs", "grads", "bytes", "skips")
 
-    def __init__(self, leaves: List[Tensor], outputs: List[Tensor], nbytes: int) -> None:
+    def __init__(self, leaves: List[Tensor], outputs: List[Tensor], nbytes: int, skips: StageSkips) -> None:
         self.leaves = leaves
+        self.skips = skips  # stashed tensors are extra outputs, popped leaves extra inputs
         self.outputs = outputs
         self.grads: Optional[List[Optional[Tensor]]] = None
         self.bytes = nbytes
@@ -120,11 +122,8 @@ def _as_leaves(batch: Batch, first_stage: bool) -> Tuple[Batch, List[Tensor]]:
 
 
 def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
-    partition = stage.partition
     device, stream, backend = stage.device, stage.stream, stage.backend
-    copy_stream_for = stage.copy_stream_for
     on_cpu = backend.type == "cpu"
-    checkpointed_function = _on_private_copy(partition) if _starts_in_place(partition) else partition
     index = stage.index
 
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
@@ -135,38 +134,30 @@ def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Ca
             batch, event = ctx.batches[microbatch], ctx.input_events[microbatch]
             ctx.batches[microbatch] = None  # type: ignore[call-overload]
         assert batch is not None
-        if not on_cpu or event is not None or any(t.device != device for t in batch.tensors()):
-            batch = receive(batch, event, device, stream, copy_stream_for)
+        if needs_receive(stage, batch, event):
+            batch = receive(batch, event, device, stream, stage.copy_stream_for)
         batch, leaves = _as_leaves(batch, first)
         counter = _CountSaved()
-        training = partition.training
+        skips = StageSkips()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            if microbatch < ctx.checkpoint_stop:
-                versions = tuple(t._version for t in batch.tensors())
-                with stage.rng.forward_section(training):
-                    output = checkpoint(checkpointed_function, batch, stage.rng.new_replay(training))
-                _check_input_untouched(stage, batch, versions)
-            elif ctx.rng_sections:
-                with stage.rng.forward_section(training):
-                    output = batch.call(partition)
-            else:
-                output = batch.call(partition)
+            output = run_partition(stage, ctx, microbatch, batch, skips)
             if last:
                 target = ctx.targets[microbatch]
                 if isinstance(target, Tensor) and target.device != device:
                     target = target.to(device)
                 loss = ctx.loss_fn(output.value, target)
                 if not isinstance(loss, Tensor) or loss.dim() != 0:
-                    raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                                    f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}")
+                    shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
+                    raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {shape}")
                 ctx.losses[microbatch] = loss.detach()
         outputs = [loss] if last else [t for t in output.tensors() if t.requires_grad]
+        outputs += [tensor for _, tensor in skips.stashed]
         memory = ctx.memory
         memory.live_microbatches[index] += 1
         memory.live_bytes[index] += counter.nbytes
         memory.peak_microbatches[index] = max(memory.peak_microbatches[index], memory.live_microbatches[index])
         memory.peak_bytes[index] = max(memory.peak_bytes[index], memory.live_bytes[index])
-        saved = _Saved(leaves, outputs, counter.nbytes)
+        saved = _Saved(leaves, outputs, counter.nbytes, skips)
         if last:
             return _Handoff(None, None, saved)
         return _Handoff(output, None if on_cpu else mark_ready(backend, stream), saved)
@@ -175,14 +166,30 @@ def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Ca
 
 
 def _received_grads(stage: StageRunner, saved: _Saved, handoff: Optional[_Handoff], last: bool, microbatch: int, ctx: StepContext) -> List[Optional[Tensor]]:
+    """Gradients for ``saved.outputs``: from the next stage (or the loss scale), then skips."""
     if last:
-        scale = ctx.scales[microbatch]
-        return [torch.full_like(saved.outputs[0], scale)]
-    assert handoff is not None and handoff.batch is not None
-    grads = handoff.batch
-    if stage.backend.type != "cpu" or any(t.device != stage.device for t in grads.tensors()):
-        grads = receive(grads, handoff.event, stage.device, stage.stream, stage.copy_stream_for)
-    return list(grads.values)
+        grads = [torch.full_like(saved.outputs[0], ctx.scales[microbatch])]
+    else:
+        assert handoff is not None and handoff.batch is not None
+        batch = handoff.batch
+        if needs_receive(stage, batch, handoff.event):
+            batch = receive(batch, handoff.event, stage.device, stage.stream, stage.copy_stream_for)
+        grads = list(batch.values)
+    for key, _ in saved.skips.stashed:
+        grad, event = ctx.skips.take_grad(key, microbatch)
+        if grad is not None and (event is not None or grad.device != stage.device):
+            grad = receive(Batch(grad), event, stage.device, stage.stream, stage.copy_stream_for).tensor
+        grads.append(grad)
+    return grads
+
+
+def _send_skip_grads(stage: StageRunner, ctx: StepContext, microbatch: int, saved: _Saved, grads: Sequence[Optional[Tensor]]) -> None:
+    popped = saved.skips.popped
+    if not popped:
+        return
+    event = None if stage.backend.type == "cpu" else mark_ready(stage.backend, stage.stream)
+    for (key, _), grad in zip(popped, grads):
+        ctx.skips.put_grad(key, microbatch, grad, event)
 
 
 def _release(ctx: StepContext, index: int, saved: _Saved) -> None:
@@ -217,6 +224,7 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> C
         outputs, grad_outputs = _pairs(saved, grads)
         if outputs:
             torch.autograd.backward(outputs, grad_outputs)
+        _send_skip_grads(stage, ctx, microbatch, saved, [leaf.grad for _, leaf in saved.skips.popped])
         result = None if first else _leaf_grads(stage, saved, [leaf.grad for leaf in saved.leaves])
         _release(ctx, index, saved)
         return result
@@ -225,15 +233,20 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> C
 
 
 def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
+    """Gradients for the stage inputs (and popped skips) only; the graph is kept for ``W``."""
+
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
         saved: _Saved = inputs[0].saved
         grads = _received_grads(stage, saved, inputs[1] if len(inputs) > 1 else None, last, microbatch, ctx)
         outputs, grad_outputs = _pairs(saved, grads)
         saved.grads = list(grads)
-        if first or not saved.leaves or not outputs:
-            leaf_grads: List[Optional[Tensor]] = [None] * len(saved.leaves)
+        wanted = saved.leaves + [leaf for _, leaf in saved.skips.popped]
+        if not wanted or not outputs:
+            all_grads: List[Optional[Tensor]] = [None] * len(wanted)
         else:
-            leaf_grads = list(torch.autograd.grad(outputs, saved.leaves, grad_outputs, retain_graph=True, allow_unused=True))
+            all_grads = list(torch.autograd.grad(outputs, wanted, grad_outputs, retain_graph=True, allow_unused=True))
+        leaf_grads = all_grads[: len(saved.leaves)]
+        _send_skip_grads(stage, ctx, microbatch, saved, all_grads[len(saved.leaves):])
         handoff = _leaf_grads(stage, saved, leaf_grads)
         handoff.saved = saved
         return handoff

@@ -1,22 +1,26 @@
 """The one place where a profiler runs a layer: the hook for layers that need more than input.
 
 Both profilers (time and size) call :func:`call_layer` for every layer, and nothing else calls
-a layer. A later issue adds ``@skippable`` layers (``torchpipe.skip``), which stash tensors
-for, or pop tensors from, a layer further down the sequence; their support belongs here (keep
-the stashed tensors between calls, hand them to the popping layer), so that both profilers
-get it at once.
+a layer. ``@skippable`` layers (``torchpipe.skip``) stash tensors for, or pop tensors from, a layer
+further down the sequence: :func:`profiling_skips` keeps the latest stash of every name and
+serves each pop a fresh copy of it, so that a layer can be run many times and a popping
+layer profiles with the tensor its stashing layer produced.
 
 A layer takes and returns either one tensor or a tuple of tensors, as in torchgpipe: a tuple
 is passed to the layer as a single argument.
 """
 from __future__ import annotations
 
-from typing import Tuple, Union
+from contextlib import contextmanager
+from typing import Dict, Iterator, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Activation", "call_layer", "tensors_of", "partition_input", "to_device"]
+from torchpipe.skip import use_skip_tracker
+from torchpipe.skip.tracker import SkipKey, skip_name
+
+__all__ = ["Activation", "call_layer", "tensors_of", "partition_input", "to_device", "profiling_skips"]
 
 Activation = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -65,3 +69,26 @@ def call_layer(layer: nn.Module, value: Activation) -> Activation:
     output = layer(value)
     tensors_of(output)
     return output
+
+
+class _ProfilingSkipTracker:
+    """Keeps the latest stash per name; every pop gets a fresh, graph-free copy of it."""
+
+    def __init__(self) -> None:
+        self.tensors: Dict[SkipKey, Tensor] = {}
+
+    def save(self, key: SkipKey, tensor: Tensor) -> None:
+        self.tensors[key] = tensor.detach()
+
+    def load(self, key: SkipKey) -> Tensor:
+        try:
+            return _fresh(self.tensors[key])
+        except KeyError:
+            raise RuntimeError(f"profiling: pop of skip {skip_name(key)} before any layer stashed it") from None
+
+
+@contextmanager
+def profiling_skips() -> Iterator[None]:
+    """Serve ``@skippable`` stashes and pops while layers are profiled one by one."""
+    with use_skip_tracker(_ProfilingSkipTracker()):
+        yield

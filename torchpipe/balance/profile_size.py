@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from torchpipe.balance.device_sync import allocated_bytes, has_allocator_statistics
-from torchpipe.balance.layer_call import (Activation, call_layer, partition_input, tensors_of,
+from torchpipe.balance.layer_call import (Activation, call_layer, partition_input, profiling_skips, tensors_of,
                                           to_device)
 from torchpipe.balance.sandbox import layerwise_sandbox
 
@@ -44,18 +44,23 @@ def profile_sizes(module: nn.Sequential, input: Activation, chunks: int, param_s
     """Bytes each layer of ``module`` costs on ``device`` (see the module docstring)."""
     value = to_device(microbatch_of(input, chunks), device)
     sizes: List[int] = []
-    for layer in layerwise_sandbox(module, device):
-        value = partition_input(value)
-        if has_allocator_statistics(device):
-            output, activation = _forward_measured_by_allocator(layer, value, device)
-        else:
-            output, activation = _forward_measured_by_autograd(layer, value)
-        parameters = _storage_bytes(layer.parameters())
-        buffers = _storage_bytes(layer.buffers())
-        sizes.append(int(activation + param_scale * parameters + buffers))
-        value = output
-        del layer, output
+    with profiling_skips():
+        for layer in layerwise_sandbox(module, device):
+            value = _size_layer(layer, value, param_scale, device, sizes)
     return sizes
+
+
+def _size_layer(layer: nn.Module, value: Activation, param_scale: float, device: torch.device, sizes: List[int]) -> Activation:
+    """Append ``layer``'s byte cost to ``sizes``; return its output."""
+    value = partition_input(value)
+    if has_allocator_statistics(device):
+        output, activation = _forward_measured_by_allocator(layer, value, device)
+    else:
+        output, activation = _forward_measured_by_autograd(layer, value)
+    parameters = _storage_bytes(layer.parameters())
+    buffers = _storage_bytes(layer.buffers())
+    sizes.append(int(activation + param_scale * parameters + buffers))
+    return output
 
 
 def microbatch_of(input: Activation, chunks: int) -> Activation:
@@ -116,3 +121,4 @@ def _storage_bytes(tensors: Iterable[Tensor]) -> int:
     for tensor in tensors:
         seen.update(_storage_entry(tensor))
     return sum(seen.values())
+

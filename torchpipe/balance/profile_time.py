@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from torchpipe.balance.device_sync import synchronize
-from torchpipe.balance.layer_call import (Activation, call_layer, partition_input, tensors_of,
+from torchpipe.balance.layer_call import (Activation, call_layer, partition_input, profiling_skips, tensors_of,
                                           to_device)
 from torchpipe.balance.sandbox import layerwise_sandbox
 
@@ -29,21 +29,26 @@ def profile_times(module: nn.Sequential, sample: Activation, timeout: float,
     budget_per_layer = timeout / len(module)
     value = to_device(sample, device)
     times: List[float] = []
-    for layer in layerwise_sandbox(module, device):
-        output = _forward_backward(layer, partition_input(value))
-        samples: List[float] = []
-        began = time.perf_counter()
-        while not samples or time.perf_counter() - began < budget_per_layer:
-            fresh_input = partition_input(value)
-            synchronize(device)
-            tick = time.perf_counter()
-            _forward_backward(layer, fresh_input)
-            synchronize(device)
-            samples.append(time.perf_counter() - tick)
-        times.append(statistics.median(samples))
-        value = output
-        del layer, output
+    with profiling_skips():
+        for layer in layerwise_sandbox(module, device):
+            value = _time_layer(layer, value, budget_per_layer, device, times)
     return times
+
+
+def _time_layer(layer: nn.Module, value: Activation, budget: float, device: torch.device, times: List[float]) -> Activation:
+    """Append ``layer``'s median forward+backward seconds to ``times``; return its output."""
+    output = _forward_backward(layer, partition_input(value))
+    samples: List[float] = []
+    began = time.perf_counter()
+    while not samples or time.perf_counter() - began < budget:
+        fresh_input = partition_input(value)
+        synchronize(device)
+        tick = time.perf_counter()
+        _forward_backward(layer, fresh_input)
+        synchronize(device)
+        samples.append(time.perf_counter() - tick)
+    times.append(statistics.median(samples))
+    return output
 
 
 def _forward_backward(layer: nn.Module, value: Activation) -> Activation:
@@ -52,3 +57,4 @@ def _forward_backward(layer: nn.Module, value: Activation) -> Activation:
     if needs_grad:
         torch.autograd.backward(needs_grad, tuple(y.detach() for y in needs_grad))
     return output
+

@@ -1,0 +1,157 @@
+"""Skip connections across partitions: torchgpipe's torchpipe.skip API on the threaded runtime."""
+import copy
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from torchpipe import Pipe, is_recomputing
+from torchpipe.balance import balance_by_size, balance_by_time
+from torchpipe.skip import Namespace, inspect_skip_layout, pop, skippable, stash, verify_skippables
+
+
+@skippable(stash=["skip"])
+class Down(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        yield stash("skip", x)
+        return torch.tanh(self.linear(x))
+
+
+@skippable(pop=["skip"])
+class Up(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        skip = yield pop("skip")
+        return torch.tanh(self.linear(x)) + skip
+
+
+def unet(width=8, levels=2):
+    """Down_0 .. Down_{L-1}, middle, Up_{L-1} .. Up_0: each level in its own namespace."""
+    namespaces = [Namespace() for _ in range(levels)]
+    downs = [Down(width).isolate(ns) for ns in namespaces]
+    ups = [Up(width).isolate(ns) for ns in reversed(namespaces)]
+    return nn.Sequential(*downs, nn.Linear(width, width), *ups)
+
+
+def grads(module):
+    return [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("balance", [[5], [1, 4], [2, 1, 2], [1, 1, 1, 1, 1]])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_forward_path_matches_plain_model(balance, checkpoint):
+    model = unet()
+    reference = copy.deepcopy(model)
+    x = torch.randn(10, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with Pipe(model, balance, chunks=3, checkpoint=checkpoint) as pipe:
+        out = pipe(x)
+        out.pow(2).sum().backward()
+    expected = reference(x_ref)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for got, want in zip(grads(model), grads(reference)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("schedule,options,balance", [
+    ("gpipe", {}, [2, 1, 2]),
+    ("1f1b", {}, [1, 1, 1, 1, 1]),
+    ("zb-h1", {}, [2, 1, 2]),
+    ("interleaved-1f1b", {"virtual_stages": 2}, [1, 1, 1, 1, 1, 1]),
+])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_explicit_backward_matches_plain_model(schedule, options, balance, checkpoint):
+    levels = 2 if sum(balance) == 5 else None
+    model = unet(levels=2) if levels else nn.Sequential(*unet(levels=2), nn.Identity())
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    with Pipe(model, balance, chunks=6, checkpoint=checkpoint) as pipe:
+        loss = pipe.step(x, y, nn.MSELoss(), schedule=schedule, **options)
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for got, want in zip(grads(model), grads(reference)):
+        torch.testing.assert_close(got, want)
+
+
+def test_multiple_namespaces_keep_names_apart():
+    model = unet(levels=3)
+    layout = inspect_skip_layout([nn.Sequential(*list(model)[:2]), nn.Sequential(*list(model)[2:5]), nn.Sequential(*list(model)[5:])])
+    routes = sorted(layout.routes.values())
+    assert routes == [(0, 2), (0, 2), (1, 1)]
+    assert len(layout.crossing()) == 2
+
+
+def test_verify_catches_missing_pop_and_pop_without_stash():
+    with pytest.raises(TypeError, match="no later layer pops"):
+        verify_skippables(nn.Sequential(Down(4), nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match="no earlier layer stashes"):
+        verify_skippables(nn.Sequential(nn.Linear(4, 4), Up(4)))
+    with pytest.raises(TypeError, match="already stashed"):
+        verify_skippables(nn.Sequential(Down(4), Down(4), Up(4)))
+    inner = Namespace()
+    verify_skippables(nn.Sequential(Down(4), Down(4).isolate(inner), Up(4).isolate(inner), Up(4)))
+    with pytest.raises(TypeError):  # the pipe refuses an unmatched model before touching it
+        Pipe(nn.Sequential(Down(4), nn.Linear(4, 4)), [1, 1])
+
+
+def test_no_leaked_skip_tensors_across_steps():
+    model = unet()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    with Pipe(model, [2, 1, 2], chunks=4) as pipe:
+        def live_tensors():
+            gc.collect()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+        for _ in range(3):
+            pipe.step(x, y, nn.MSELoss())
+            pipe(x).sum().backward()
+        baseline = live_tensors()
+        for _ in range(10):
+            pipe.step(x, y, nn.MSELoss())
+            pipe(x).sum().backward()
+        assert live_tensors() <= baseline
+
+
+def test_recompute_neither_stashes_twice_nor_loses_the_skip():
+    calls = {"stash": 0, "recompute_stash": 0}
+
+    @skippable(stash=["skip"])
+    class CountingDown(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            calls["recompute_stash" if is_recomputing() else "stash"] += 1
+            yield stash("skip", x)
+            return torch.tanh(self.linear(x))
+
+    model = nn.Sequential(CountingDown(), nn.Linear(4, 4), Up(4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    with Pipe(model, [1, 1, 1], chunks=3, checkpoint="always") as pipe:
+        pipe(x).sum().backward()
+    assert calls["stash"] == 3 and calls["recompute_stash"] == 3
+    reference(x).sum().backward()
+    for got, want in zip(grads(model), grads(reference)):
+        torch.testing.assert_close(got, want)
+
+
+def test_balancing_profiles_skippable_layers():
+    model = unet()
+    assert len(balance_by_time(3, model, torch.randn(4, 8), timeout=0.05)) == 3
+    assert sum(balance_by_size(2, model, torch.randn(4, 8))) == len(model)

@@ -1,0 +1,120 @@
+"""Carrying skip tensors between partitions inside one pipeline step.
+
+Each step has a :class:`SkipStore`, a mailbox keyed by (skip name, micro-batch). A partition's
+job installs a :class:`PipelineSkipTracker`: a stash puts the tensor (and the producer's
+ready event) into the store, a pop takes it out (so the store holds it no longer than
+needed) and copies it to the popping partition's device. Under ``Pipe.step`` the pop also
+cuts the graph: the popped tensor becomes a leaf whose gradient goes back through the store
+to the stashing partition's backward. Under checkpointing, the pops of the first forward are
+remembered so that the recompute receives exactly the same tensors, and its stashes are
+ignored (the originals are already on their way).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+
+from torch import Tensor
+
+from ..checkpoint import is_checkpointing, is_recomputing
+from ..copy import mark_ready, receive
+from ..microbatch import Batch
+from .tracker import SkipKey, skip_name, use_skip_tracker
+
+__all__ = ["SkipStore", "PipelineSkipTracker", "StageSkips"]
+
+
+class SkipStore:
+    """The per-step mailbox of skip tensors and of their gradients."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tensors: Dict[Tuple[SkipKey, int], Tuple[Tensor, Any, int]] = {}
+        self._grads: Dict[Tuple[SkipKey, int], Tuple[Optional[Tensor], Any]] = {}
+
+    def put(self, key: SkipKey, microbatch: int, tensor: Tensor, event: Any, partition: int) -> None:
+        with self._lock:
+            if (key, microbatch) in self._tensors:
+                raise RuntimeError(f"skip {skip_name(key)} stashed twice for micro-batch {microbatch}")
+            self._tensors[(key, microbatch)] = (tensor, event, partition)
+
+    def take(self, key: SkipKey, microbatch: int) -> Tuple[Tensor, Any, int]:
+        with self._lock:
+            try:
+                return self._tensors.pop((key, microbatch))
+            except KeyError:
+                raise RuntimeError(f"pop of skip {skip_name(key)} for micro-batch {microbatch} without a stash") from None
+
+    def put_grad(self, key: SkipKey, microbatch: int, grad: Optional[Tensor], event: Any) -> None:
+        with self._lock:
+            self._grads[(key, microbatch)] = (grad, event)
+
+    def take_grad(self, key: SkipKey, microbatch: int) -> Tuple[Optional[Tensor], Any]:
+        with self._lock:
+            return self._grads.pop((key, microbatch), (None, None))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tensors) + len(self._grads)
+
+
+class StageSkips:
+    """What one (partition, micro-batch) stashed and popped, for its explicit backward."""
+
+    __slots__ = ("stashed", "popped")
+
+    def __init__(self) -> None:
+        self.stashed: List[Tuple[SkipKey, Tensor]] = []
+        self.popped: List[Tuple[SkipKey, Tensor]] = []
+
+
+class PipelineSkipTracker:
+    """The tracker a pipeline job installs while its partition runs one micro-batch."""
+
+    def __init__(self, store: SkipStore, microbatch: int, stage: Any, record: Optional[StageSkips], memo: Optional[List[Tensor]]) -> None:
+        self.store = store
+        self.microbatch = microbatch
+        self.stage = stage
+        self.record = record  # set under Pipe.step: cut popped tensors into leaves
+        self.memo = memo  # set when the partition is checkpointed
+
+    def save(self, key: SkipKey, tensor: Tensor) -> None:
+        stage = self.stage
+        event = None if stage.backend.type == "cpu" else mark_ready(stage.backend, stage.stream)
+        self.store.put(key, self.microbatch, tensor, event, stage.index)
+        if self.record is not None and isinstance(tensor, Tensor) and tensor.requires_grad:
+            self.record.stashed.append((key, tensor))
+
+    def load(self, key: SkipKey) -> Tensor:
+        stage = self.stage
+        tensor, event, source = self.store.take(key, self.microbatch)
+        if source != stage.index:
+            if isinstance(tensor, Tensor) and (event is not None or tensor.device != stage.device):
+                tensor = receive(Batch(tensor), event, stage.device, stage.stream, stage.copy_stream_for).tensor
+            if self.record is not None and isinstance(tensor, Tensor) and tensor.is_floating_point():
+                tensor = tensor.detach().requires_grad_(True)
+                self.record.popped.append((key, tensor))
+        if self.memo is not None and is_checkpointing():
+            self.memo.append(tensor)
+        return tensor
+
+
+class _ReplayTracker:
+    """Serves a recompute's pops from the first forward's memo and ignores its stashes."""
+
+    def __init__(self, memo: List[Tensor]) -> None:
+        self.memo = memo
+        self.position = 0
+
+    def save(self, key: SkipKey, tensor: Tensor) -> None:
+        pass
+
+    def load(self, key: SkipKey) -> Tensor:
+        tensor = self.memo[self.position]
+        self.position += 1
+        return tensor
+
+
+def replay_context(memo: List[Tensor]) -> Callable[[], ContextManager[None]]:
+    """A recompute context factory that installs a fresh replay tracker over ``memo``."""
+    return lambda: use_skip_tracker(_ReplayTracker(memo))

@@ -1,0 +1,158 @@
+"""``@skippable``: layers that hand tensors to later layers, across partitions.
+
+A skippable layer's ``forward`` is a generator: ``yield stash('name', tensor)`` hands a
+tensor on, and ``tensor = yield pop('name')`` receives it in a later layer. The decorator
+declares which names a class stashes and pops, so that a whole model can be checked before
+it runs (:func:`verify_skippables`) and the pipeline knows which partitions talk to which.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Tuple, Type
+
+from torch import Tensor, nn
+
+from .namespace import DEFAULT_NAMESPACE, Namespace
+from .tracker import SkipKey, current_skip_tracker, skip_name
+
+__all__ = ["skippable", "stash", "pop", "Skippable", "verify_skippables"]
+
+
+class stash:
+    """``yield stash(name, tensor)``: hand ``tensor`` to the layer that pops ``name``."""
+
+    __slots__ = ("name", "tensor")
+
+    def __init__(self, name: str, tensor: Optional[Tensor]) -> None:
+        self.name = name
+        self.tensor = tensor
+
+
+class pop:
+    """``tensor = yield pop(name)``: receive the tensor an earlier layer stashed as ``name``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class Skippable(nn.Module):
+    """Base of the classes ``@skippable`` makes: wraps the user's layer as ``self.module``."""
+
+    module_cls: ClassVar[Type[nn.Module]]
+    stashable_names: ClassVar[FrozenSet[str]]
+    poppable_names: ClassVar[FrozenSet[str]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.module = self.module_cls(*args, **kwargs)
+        self.namespaces: Dict[str, Namespace] = {}
+
+    def __repr__(self) -> str:
+        return f"@skippable({self.module!r})"
+
+    def isolate(self, namespace: Namespace, *, only: Optional[Iterable[str]] = None) -> "Skippable":
+        """Put this layer's skip names (or ``only`` those) into ``namespace``; returns self."""
+        names = self.stashable_names | self.poppable_names
+        chosen = set(names if only is None else only)
+        unknown = chosen - names
+        if unknown:
+            raise ValueError(f"cannot isolate names {sorted(unknown)}: {type(self).__name__} declares {sorted(names)}")
+        for name in chosen:
+            self.namespaces[name] = namespace
+        return self
+
+    def key(self, name: str) -> SkipKey:
+        return (self.namespaces.get(name, DEFAULT_NAMESPACE), name)
+
+    def stashable(self) -> Iterable[SkipKey]:
+        return (self.key(n) for n in sorted(self.stashable_names))
+
+    def poppable(self) -> Iterable[SkipKey]:
+        return (self.key(n) for n in sorted(self.poppable_names))
+
+    def forward(self, input: Any) -> Any:  # type: ignore[override]
+        result = self.module(input)
+        if not isinstance(result, Generator):
+            if self.stashable_names or self.poppable_names:
+                raise TypeError(
+                    f"{self.module_cls.__name__}.forward must be a generator that yields stash()/pop() "
+                    f"for the declared names {sorted(self.stashable_names | self.poppable_names)}"
+                )
+            return result
+        return self._drive(result)
+
+    def _drive(self, generator: Generator[Any, Any, Any]) -> Any:
+        tracker = current_skip_tracker()
+        stashed: List[str] = []
+        popped: List[str] = []
+        try:
+            op = next(generator)
+            while True:
+                if isinstance(op, stash):
+                    if op.name not in self.stashable_names:
+                        raise RuntimeError(f"{self.module_cls.__name__} stashed {op.name!r}, which it did not declare in @skippable(stash=...)")
+                    tracker.save(self.key(op.name), op.tensor)
+                    stashed.append(op.name)
+                    op = generator.send(None)
+                elif isinstance(op, pop):
+                    if op.name not in self.poppable_names:
+                        raise RuntimeError(f"{self.module_cls.__name__} popped {op.name!r}, which it did not declare in @skippable(pop=...)")
+                    popped.append(op.name)
+                    op = generator.send(tracker.load(self.key(op.name)))
+                else:
+                    raise TypeError(f"a skippable forward may only yield stash() or pop(), got {op!r}")
+        except StopIteration as stop:
+            missing = (self.stashable_names - set(stashed)) | (self.poppable_names - set(popped))
+            if missing:
+                raise RuntimeError(f"{self.module_cls.__name__} declared but did not stash/pop {sorted(missing)}")
+            return stop.value
+
+
+def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Any:
+    """Class decorator: the layer stashes the names ``stash`` and pops the names ``pop``."""
+    stash_names, pop_names = frozenset(stash), frozenset(pop)
+
+    def decorate(cls: Type[nn.Module]) -> Type[Skippable]:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"@skippable decorates nn.Module subclasses, got {cls!r}")
+        attrs = {
+            "module_cls": cls,
+            "stashable_names": stash_names,
+            "poppable_names": pop_names,
+            "__qualname__": cls.__qualname__,
+            "__module__": cls.__module__,
+            "__doc__": cls.__doc__,
+        }
+        return type(cls.__name__, (Skippable,), attrs)
+
+    return decorate
+
+
+def verify_skippables(module: nn.Sequential) -> None:
+    """Check that every stashed name is popped exactly once by a later layer, and vice versa.
+
+    Raises TypeError listing every problem: a pop without an earlier stash, a stash never
+    popped, a name stashed or popped twice.
+    """
+    stashed: Dict[SkipKey, str] = {}
+    popped: Dict[SkipKey, str] = {}
+    problems: List[str] = []
+    for layer_name, layer in module.named_children():
+        if not isinstance(layer, Skippable):
+            continue
+        for key in layer.poppable():
+            if key not in stashed:
+                problems.append(f"layer {layer_name!r} pops {skip_name(key)}, which no earlier layer stashes")
+            elif key in popped:
+                problems.append(f"layer {layer_name!r} pops {skip_name(key)}, already popped by layer {popped[key]!r}")
+            popped[key] = layer_name
+        for key in layer.stashable():
+            if key in stashed:
+                problems.append(f"layer {layer_name!r} stashes {skip_name(key)}, already stashed by layer {stashed[key]!r}")
+            stashed[key] = layer_name
+    for key, layer_name in stashed.items():
+        if key not in popped:
+            problems.append(f"layer {layer_name!r} stashes {skip_name(key)}, which no later layer pops")
+    if problems:
+        raise TypeError("skippable layers do not match:\n  " + "\n  ".join(problems) + "\n(isolate repeated blocks with Namespace)")
