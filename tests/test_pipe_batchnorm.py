@@ -1,0 +1,79 @@
+"""Pipe(deferred_batch_norm=True): running statistics of the whole mini-batch, every path."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from torchpipe import Pipe
+
+
+def model():
+    # One BatchNorm, after layers without normalisation, so that its input is the same in the
+    # pipeline and in the whole-batch reference (a later BN would see micro-batch-normalised
+    # activations, which no pipeline can avoid).
+    return nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6))
+
+
+def assert_stats_equal(pipe, reference):
+    pipe_bns = [m for m in pipe.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    ref_bns = [m for m in reference.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert len(pipe_bns) == len(ref_bns) == 1
+    for got, want in zip(pipe_bns, ref_bns):
+        torch.testing.assert_close(got.running_mean, want.running_mean)
+        torch.testing.assert_close(got.running_var, want.running_var)
+        assert int(got.num_batches_tracked) == int(want.num_batches_tracked)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+@pytest.mark.parametrize("batch,chunks", [(12, 4), (10, 3), (4, 3)])
+def test_forward_path_tracks_whole_batch_statistics(checkpoint, batch, chunks):
+    plain = model()
+    reference = copy.deepcopy(plain)
+    with Pipe(plain, [2, 3], chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=True) as pipe:
+        for _ in range(3):
+            x = torch.randn(batch, 6)
+            pipe(x).sum().backward()
+            reference(x)
+            assert_stats_equal(pipe, reference)
+        state = pipe.state_dict()
+    restored = model()
+    restored.load_state_dict(state)  # keys are the plain BatchNorm's
+    assert_stats_equal(restored, reference)
+
+
+def test_gradients_equal_the_model_run_per_microbatch():
+    plain = model()
+    per_microbatch = copy.deepcopy(plain)
+    x = torch.randn(12, 6)
+    with Pipe(plain, [2, 3], chunks=3, checkpoint="always", deferred_batch_norm=True) as pipe:
+        out = pipe(x)
+        out.sum().backward()
+    expected = torch.cat([per_microbatch(chunk) for chunk in x.chunk(3)])
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(plain.parameters(), per_microbatch.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_explicit_backward_path_tracks_whole_batch_statistics():
+    plain = model()
+    reference = copy.deepcopy(plain)
+    with Pipe(plain, [2, 3], chunks=4, checkpoint="always", deferred_batch_norm=True) as pipe:
+        for schedule in ("1f1b", "gpipe", "zb-h1"):
+            x, y = torch.randn(8, 6), torch.randn(8, 6)
+            pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+            reference(x)
+            assert_stats_equal(pipe, reference)
+
+
+def test_without_deferral_statistics_differ():
+    plain = model()
+    reference = copy.deepcopy(plain)
+    with Pipe(plain, [2, 3], chunks=4) as pipe:
+        x = torch.randn(12, 6)
+        pipe(x)
+        reference(x)
+        bn = [m for m in pipe.modules() if isinstance(m, nn.BatchNorm1d)][0]
+        ref_bn = [m for m in reference.modules() if isinstance(m, nn.BatchNorm1d)][0]
+        assert not torch.allclose(bn.running_var, ref_bn.running_var)
