@@ -1,0 +1,106 @@
+"""Input dist across 2 local processes (gloo): table-wise key all-to-all, then the owner's
+lookup and the output all-to-all equal the single-process lookup; training through
+EmbCacheTrainPipeline with sharding equals single-process full-table training."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.timeout(90)
+
+WORLD = 2
+STEPS = 30
+
+
+def concat_samples(batches):
+    """One batch holding the samples of ``batches`` in order (the global batch)."""
+    from torchrec import KeyedJaggedTensor
+    from torchpipe.train import RecBatch
+    keys = batches[0].sparse_features.keys()
+    values, lengths = [], []
+    for f in keys:
+        for b in batches:
+            values.append(b.sparse_features[f].values())
+            lengths.append(b.sparse_features[f].lengths())
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(values), torch.cat(lengths))
+    return RecBatch(torch.cat([b.dense_features for b in batches]), kjt, torch.cat([b.labels for b in batches]))
+
+
+class SparseOnly(torch.nn.Module):
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch):
+        pooled = self.ebc(batch.sparse_features).values()
+        loss = (pooled.sum(dim=1) * batch.labels).sum()
+        return loss, pooled.detach()
+
+
+def worker(rank: int, init_file: str, tests_dir: str) -> None:
+    sys.path.insert(0, tests_dir)
+    torch.set_num_threads(1)
+    from train_helpers import integer_weights, make_batches, make_tables, window_minimum
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
+    from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        output_group = dist.new_group(list(range(WORLD)))
+        tables = make_tables()
+        weights = integer_weights(tables)
+        sharding = TableWiseSharding(tables, input_group=None, output_group=output_group)
+        mine = sharding.local_tables
+        assert [t.name for t in mine] == [f"t{rank}"]
+        per_rank = [make_batches(tables, STEPS, batch_size=3 + r, seed=10 + r) for r in range(WORLD)]
+        global_batches = [concat_samples([per_rank[r][i] for r in range(WORLD)]) for i in range(STEPS)]
+        lo = sum(3 + r for r in range(rank))
+        hi = lo + 3 + rank
+
+        # 1. one synchronous lookup: distributed == single process
+        ebc = CachedEmbeddingBagCollection(mine, 40, optimizer=SGD(lr=1.0), weights=weights)
+        full = FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights)
+        with torch.no_grad():
+            got = sharding.lookup(ebc, per_rank[rank][0].sparse_features)
+            want = full(global_batches[0].sparse_features)
+        assert got.keys() == want.keys()
+        assert torch.equal(got.values(), want.values()[lo:hi])
+
+        # 2. training through the pipeline (small cache) == single-process full-table training
+        rows = window_minimum(mine, global_batches)
+        ebc = CachedEmbeddingBagCollection(mine, rows, optimizer=SGD(lr=1.0), weights=weights, policy="lfu")
+        model = SparseOnly(ebc)
+        reference = SparseOnly(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights))
+        with EmbCacheTrainPipeline(model, None, collection=ebc, sharding=sharding, host_threads=2,
+                                   device_threads=1) as pipe:
+            outputs = []
+            it = iter(per_rank[rank])
+            while True:
+                try:
+                    outputs.append(pipe.progress(it))
+                except StopIteration:
+                    break
+            pipe.flush()
+        assert len(outputs) == STEPS
+        for step, batch in enumerate(global_batches):
+            loss, pooled = reference(batch)
+            loss.backward()
+            assert torch.equal(outputs[step], pooled[lo:hi]), f"rank {rank}: step {step} differs"
+        for t in mine:
+            assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name))
+        assert ebc.cache_stats()[mine[0].name].swapped_out > 0
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_table_wise_dist_equals_single_process(tmp_path) -> None:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    mp.spawn(worker, args=(str(tmp_path / "init"), tests_dir), nprocs=WORLD, join=True)

@@ -1,0 +1,78 @@
+"""EmbCacheTrainPipeline: step-by-step equal to the unpipelined full-table loop, bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from train_helpers import (assert_same_state, build, drain, make_batches, make_tables, reference_run,
+                           window_minimum)
+
+from torchpipe.rec import SGD, Adam, CacheTooSmallError, RowWiseAdagrad
+from torchpipe.train import EmbCacheTrainPipeline
+
+pytestmark = pytest.mark.timeout(60)
+
+OPTIMIZERS = {"sgd": SGD(lr=1.0), "adagrad": RowWiseAdagrad(lr=0.5), "adam": Adam(lr=0.5)}
+STEPS = 120
+
+
+@pytest.mark.parametrize("optimizer, policy, size", [
+    ("sgd", "lru", "minimal"), ("adagrad", "lfu", "minimal"), ("adam", "lru", "minimal"),
+    ("adam", "lfu", "half"), ("sgd", "lfu", "whole"), ("adagrad", "lru", "whole"),
+])
+def test_pipeline_equals_full_table_loop(optimizer: str, policy: str, size: str) -> None:
+    tables = make_tables()
+    batches = make_batches(tables, STEPS, seed=len(optimizer + policy + size))
+    minimal = window_minimum(tables, batches)
+    rows = {"minimal": minimal, "half": max(minimal, 20), "whole": 40}[size]
+    model, opt = build(tables, rows, OPTIMIZERS[optimizer], policy)
+    reference, ref_opt, ref_outputs = reference_run(tables, batches, OPTIMIZERS[optimizer])
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
+        outputs = drain(pipe, iter(batches))
+        assert len(outputs) == STEPS == pipe.steps_done
+        for step, ((loss, logit), (ref_loss, ref_logit)) in enumerate(zip(outputs, ref_outputs)):
+            assert torch.equal(loss, ref_loss), f"loss differs at step {step}"
+            assert torch.equal(logit, ref_logit), f"output differs at step {step}"
+        pipe.flush()
+    ebc = model.ebc
+    assert ebc.in_flight() == 0 and ebc.pending_writes() == 0
+    assert_same_state(model, reference)
+    stats = ebc.cache_stats()["t0"]
+    if size == "minimal":
+        assert stats.swapped_out > 0
+    assert 0.0 < pipe.hit_rate() <= 1.0
+
+
+def test_one_row_below_the_window_minimum_is_refused_with_numbers() -> None:
+    tables = make_tables()
+    batches = make_batches(tables, 60, seed=3)
+    minimal = window_minimum(tables, batches)
+    model, opt = build(tables, minimal - 1, SGD(lr=1.0))
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
+        with pytest.raises(CacheTooSmallError, match=f"cache_rows={minimal - 1}"):
+            drain(pipe, iter(batches))
+        assert model.ebc.in_flight() == 0 and model.ebc.pending_writes() == 0
+
+
+def test_serial_mode_is_the_same_training() -> None:
+    tables = make_tables()
+    batches = make_batches(tables, 40, seed=5)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    reference, _, ref_outputs = reference_run(tables, batches, Adam(lr=0.5))
+    with EmbCacheTrainPipeline(model, opt, host_threads=1, device_threads=1, overlap=False) as pipe:
+        outputs = drain(pipe, iter(batches))
+        pipe.flush()
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(outputs, ref_outputs))
+    assert_same_state(model, reference)
+
+
+def test_schedule_shows_train_of_b_with_swap_of_b1_and_plan_of_b2() -> None:
+    tables = make_tables()
+    model, opt = build(tables, 40, SGD(lr=1.0))
+    with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
+        table = pipe.schedule_table(6)
+    header = table.splitlines()[0].split()
+    assert header[2:7] == ["h2d@copy", "input_dist@host0", "plan@host1", "swap@host2", "train@compute"]
+    rows = [line.split() for line in table.splitlines()[2:]]
+    steady = [r for r in rows if r[6:7] == ["1"]][0]
+    assert steady[2:8] == ["5", "4", "3", "2", "1", "1"]  # train b=1 | swap 2 | plan 3 | dist 4 | h2d 5

@@ -1,0 +1,207 @@
+"""StagedPipeline with toy stages: order, fill/drain, StopIteration, flush, schedule, faults."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, List, Tuple
+
+import pytest
+
+from torchpipe.train import PipelineStage, StagedPipeline
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Recorder:
+    """Stages that tag a batch value and log (stage, batch, thread name, sequence number)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.log: List[Tuple[int, int, str, int]] = []
+        self.running = 0
+        self.max_running = 0
+
+    def stage(self, index: int, sleep: float = 0.0, fail_at: Any = None, error: type = ValueError):
+        def run(item: Tuple[int, List[int]]) -> Tuple[int, List[int]]:
+            batch = item[0] if isinstance(item, tuple) else item
+            trail = item[1] if isinstance(item, tuple) else []
+            with self.lock:
+                self.running += 1
+                self.max_running = max(self.max_running, self.running)
+            try:
+                if fail_at is not None and batch == fail_at:
+                    raise error(f"injected into stage {index} at batch {batch}")
+                if sleep:
+                    time.sleep(sleep)
+                with self.lock:
+                    self.log.append((index, batch, threading.current_thread().name, len(self.log)))
+                return batch, trail + [index]
+            finally:
+                with self.lock:
+                    self.running -= 1
+        return run
+
+
+WORKERS = ["copy", "host", "host", "device"]
+
+
+def make(rec: Recorder, depth: int = 4, host_threads: int = 2, **kw: Any) -> StagedPipeline:
+    fail = kw.pop("fail", {})
+    sleep = kw.pop("sleep", 0.0)
+    stages = [PipelineStage(f"s{i}", rec.stage(i, sleep, *fail.get(i, (None,))), WORKERS[i % len(WORKERS)])
+              for i in range(depth)]
+    return StagedPipeline(stages, host_threads=host_threads, device_threads=1, **kw)
+
+
+def drain(pipe: StagedPipeline, it) -> list:
+    out = []
+    while True:
+        try:
+            out.append(pipe.progress(it))
+        except StopIteration:
+            return out
+
+
+def test_order_per_stage_and_across_stages() -> None:
+    rec = Recorder()
+    with make(rec) as pipe:
+        out = drain(pipe, iter(range(9)))
+    assert out == [(b, [0, 1, 2, 3]) for b in range(9)]
+    for s in range(4):
+        assert [b for st, b, _, _ in rec.log if st == s] == list(range(9))  # in order per stage
+    seq = {(st, b): n for st, b, _, n in rec.log}
+    for b in range(9):
+        for s in range(1, 4):
+            assert seq[(s, b)] > seq[(s - 1, b)]  # stage i after stage i-1 of the same batch
+    threads = {st: {name for s2, _, name, _ in rec.log if s2 == st} for st in range(4)}
+    assert threads[0] == {"torchpipe-train-copy"} and threads[3] == {"torchpipe-train-compute"}
+    assert threads[1] == {"torchpipe-train-host0"} and threads[2] == {"torchpipe-train-host1"}
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5])
+def test_short_streams_and_stop_iteration_only_after_all(n: int) -> None:
+    rec = Recorder()
+    with make(rec) as pipe:
+        it = iter(range(n))
+        out = []
+        for _ in range(n):
+            out.append(pipe.progress(it)[0])  # never StopIteration while a batch is in flight
+        assert out == list(range(n))
+        assert pipe.in_flight() == []
+        for _ in range(2):  # and StopIteration again, not a hang or a stale batch
+            with pytest.raises(StopIteration):
+                pipe.progress(it)
+        assert drain(pipe, iter(range(100, 103))) == [(b, [0, 1, 2, 3]) for b in range(100, 103)]
+
+
+def test_flush_drains_in_order_and_admits_nothing() -> None:
+    rec = Recorder()
+    with make(rec) as pipe:
+        it = iter(range(10))
+        assert pipe.progress(it)[0] == 0
+        assert pipe.progress(it)[0] == 1
+        assert pipe.in_flight() == [2, 3, 4]
+        assert [o[0] for o in pipe.flush()] == [2, 3, 4]
+        assert pipe.in_flight() == [] and pipe.flush() == []
+        assert pipe.progress(it)[0] == 5  # the iterator was not consumed by flush
+
+
+def test_schedule_table_is_what_runs() -> None:
+    rec = Recorder()
+    with make(rec, depth=3) as pipe:
+        table = pipe.schedule_table(4)
+        executed: List[List[Tuple[int, int]]] = []
+        it = iter(range(4))
+        while True:
+            before = len(rec.log)
+            try:
+                pipe.progress(it)
+            except StopIteration:
+                break
+            executed.append(sorted((st, b) for st, b, _, _ in rec.log[before:]))
+    lines = table.splitlines()
+    assert lines[0].split() == ["call", "clock", "s0@copy", "s1@host0", "s2@host1", "returns"]
+    printed: dict = {}
+    for line in lines[2:]:
+        cells = line.split()
+        if cells[-1] == "StopIteration":
+            assert int(cells[0]) == len(executed) + 1
+            continue
+        call = int(cells[0])
+        batches = [c for c in cells[2:5]]
+        printed.setdefault(call, []).extend((s, int(b)) for s, b in enumerate(batches) if b != ".")
+    assert [sorted(printed[c]) for c in sorted(printed)] == executed
+    assert ["1", "2", "2", "1", "0", "0"] in [line.split() for line in lines]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3], ids=["copy", "host0", "host1", "device"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_error_in_any_stage_surfaces_and_pipeline_restarts(stage: int, overlap: bool) -> None:
+    class Injected(Exception):
+        pass
+
+    rec = Recorder()
+    threads_before = threading.active_count()
+    pipe = make(rec, fail={stage: (5, Injected)}, overlap=overlap)
+    try:
+        it = iter(range(20))
+        got = []
+        started = time.monotonic()
+        with pytest.raises(Injected, match=f"stage {stage} at batch 5") as info:
+            while True:
+                got.append(pipe.progress(it)[0])
+        assert time.monotonic() - started < 10
+        assert got == list(range(len(got))) and len(got) >= 5 - 3
+        notes = " ".join(getattr(info.value, "__notes__", []))
+        assert "dropped" in notes and "usable" in notes
+        assert pipe.in_flight() == []
+        # restart with a fresh iterator: everything runs, in order
+        assert [o[0] for o in drain(pipe, iter(range(30, 37)))] == list(range(30, 37))
+    finally:
+        pipe.close()
+    assert threading.active_count() <= threads_before
+
+
+def test_stop_iteration_inside_a_stage_is_not_mistaken_for_the_end() -> None:
+    def bad(x: int) -> int:
+        if x == 2:
+            raise StopIteration
+        return x
+
+    with StagedPipeline([PipelineStage("a", bad, "host"), PipelineStage("b", lambda x: x)]) as pipe:
+        it = iter(range(5))
+        got = []
+        with pytest.raises(RuntimeError, match="raised StopIteration"):
+            while True:
+                got.append(pipe.progress(it))
+        assert got == [0]
+
+
+def test_stages_of_a_clock_overlap_and_serial_mode_does_not() -> None:
+    rec = Recorder()
+    with make(rec, sleep=0.03) as pipe:
+        drain(pipe, iter(range(6)))
+    assert rec.max_running >= 3
+    rec = Recorder()
+    with make(rec, sleep=0.01, overlap=False) as pipe:
+        assert [o[0] for o in drain(pipe, iter(range(6)))] == list(range(6))
+    assert rec.max_running == 1
+
+
+def test_bad_configuration_is_refused() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        StagedPipeline([PipelineStage("a", abs), PipelineStage("a", abs)])
+    with pytest.raises(ValueError, match="host_threads=0"):
+        StagedPipeline([PipelineStage("a", abs, "host")], host_threads=0)
+    with pytest.raises(ValueError, match="worker"):
+        PipelineStage("a", abs, "gpu")
+    with pytest.raises(ValueError, match="at least one"):
+        StagedPipeline([])
+
+
+def test_closed_pipeline_says_so() -> None:
+    pipe = StagedPipeline([PipelineStage("a", abs)])
+    pipe.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.progress(iter([1]))

@@ -1,0 +1,373 @@
+"""Ready train pipelines: TorchRec's ``TrainPipelineBase`` / ``TrainPipelineSparseDist``
+equivalents and `EmbCacheTrainPipeline`, each a list of `PipelineStage` on a `StagedPipeline`.
+
+The model contract is TorchRec's: ``losses, output = model(batch)``; the step is
+``zero_grad(); sum(losses).backward(); optimizer.step()`` and ``progress`` returns
+``output``. A batch is anything with ``.to(device, non_blocking=...)`` (TorchRec's
+``Batch``, or `RecBatch`); the embedding-cache pipeline also reads ``batch.sparse_features``
+(a ``KeyedJaggedTensor``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from ..devices import get_backend
+from ..rec import BatchPlan, CachedEmbeddingBagCollection, RecInputError
+from ..rec.batch_keys import BatchKeys
+from .schedule import Clock
+from .staged import PipelineFailure, PipelineStage, StagedPipeline
+
+__all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
+
+
+@dataclass
+class RecBatch:
+    """A recommendation batch: dense features, sparse features (KJT), labels (like TorchRec's ``Batch``)."""
+
+    dense_features: torch.Tensor
+    sparse_features: KeyedJaggedTensor
+    labels: torch.Tensor
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "RecBatch":
+        return RecBatch(self.dense_features.to(device, non_blocking=non_blocking),
+                        self.sparse_features.to(device, non_blocking=non_blocking),
+                        self.labels.to(device, non_blocking=non_blocking))
+
+
+def train_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], batch: Any) -> Any:
+    """One synchronous step, exactly as every pipeline here runs it (and as TorchRec does)."""
+    if optimizer is not None:
+        optimizer.zero_grad()
+    losses, output = model(batch)
+    torch.sum(losses).backward()
+    if optimizer is not None:
+        optimizer.step()
+    return output
+
+
+@dataclass(eq=False)
+class _Item:
+    """One batch on its way through the stages."""
+
+    batch: Any
+    device_batch: Any = None
+    event: Any = None
+    features: Any = None  # host KJT the keys are planned from (after input dist)
+    keys: Optional[BatchKeys] = None
+    plan: Optional[BatchPlan] = None
+    trained: bool = False
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+class _ReadyPipeline:
+    """Shared plumbing: H2D on the copy worker with an event, the train step on the compute worker."""
+
+    pipeline: StagedPipeline
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 device: Union[str, torch.device]) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.device = torch.device(device)
+        self._backend = get_backend(self.device)
+        self.steps_done = 0
+
+    def _h2d(self, item: _Item) -> _Item:
+        item.device_batch = item.batch.to(self.device, non_blocking=True)
+        event = self._backend.new_event()
+        self._backend.record_event(event, self._backend.current_stream(self.device))
+        item.event = event
+        return item
+
+    def _wait_h2d(self, item: _Item) -> None:
+        self._backend.wait_event(self._backend.current_stream(self.device), item.event)
+
+    def _train(self, item: _Item) -> Any:
+        self._wait_h2d(item)
+        output = train_step(self.model, self.optimizer, item.device_batch)
+        item.trained = True
+        self.steps_done += 1
+        return output
+
+    # -- delegation ------------------------------------------------------------------
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """One finished step's model output; StopIteration once every batch was trained."""
+        return self.pipeline.progress(dataloader_iter)
+
+    def flush(self) -> List[Any]:
+        """Train every in-flight batch; their outputs, in order."""
+        return self.pipeline.flush()
+
+    def schedule_table(self, num_batches: int) -> str:
+        return self.pipeline.schedule_table(num_batches)
+
+    def print_schedule(self, num_batches: int) -> None:
+        self.pipeline.print_schedule(num_batches)
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+    def __enter__(self) -> "_ReadyPipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class TrainPipelineBase(_ReadyPipeline):
+    """Two stages, as TorchRec's ``TrainPipelineBase``: H2D of batch ``b + 1`` (copy worker)
+    overlaps forward/backward/optimizer of batch ``b`` (compute worker)."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 device: Union[str, torch.device] = "cpu", *, device_threads: Optional[int] = None) -> None:
+        super().__init__(model, optimizer, device)
+        self.pipeline = StagedPipeline(
+            [PipelineStage("h2d", lambda b: self._h2d(_Item(b)), "copy"),
+             PipelineStage("train", self._train, "device")],
+            device=self.device, host_threads=0, device_threads=device_threads)
+
+
+class TrainPipelineSparseDist(_ReadyPipeline):
+    """Three stages, as TorchRec's ``TrainPipelineSparseDist``: H2D; input dist; fwd/bwd/opt.
+
+    ``input_dist(device_batch) -> device_batch`` runs on a host thread (TorchRec starts the
+    sparse-feature all-to-all there). Single process, the default is the identity; for a
+    key all-to-all across processes see `torchpipe.train.dist.TableWiseSharding`.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 device: Union[str, torch.device] = "cpu", *,
+                 input_dist: Optional[Callable[[Any], Any]] = None, host_threads: int = 1,
+                 device_threads: Optional[int] = None) -> None:
+        super().__init__(model, optimizer, device)
+        self._input_dist = input_dist
+
+        def dist(item: _Item) -> _Item:
+            if self._input_dist is not None:
+                item.device_batch = self._input_dist(item.device_batch)
+            return item
+
+        self.pipeline = StagedPipeline(
+            [PipelineStage("h2d", lambda b: self._h2d(_Item(b)), "copy"),
+             PipelineStage("input_dist", dist, "host"),
+             PipelineStage("train", self._train, "device")],
+            device=self.device, host_threads=host_threads, device_threads=device_threads)
+
+
+@dataclass(eq=False)
+class _Armed:
+    features: Any
+    plan: BatchPlan
+    thread: int
+    item: Any = None
+    used: bool = False
+
+
+def find_collection(model: nn.Module) -> CachedEmbeddingBagCollection:
+    found = [m for m in model.modules() if isinstance(m, CachedEmbeddingBagCollection)]
+    if len(found) != 1:
+        raise ValueError(f"EmbCacheTrainPipeline needs exactly one CachedEmbeddingBagCollection in the model "
+                         f"(found {len(found)}); pass collection= explicitly")
+    return found[0]
+
+
+def check_features(kjt: Any, collection: CachedEmbeddingBagCollection) -> None:
+    """Cheap admission check of a batch's KJT (names, dtype, key range); raises `RecInputError`.
+
+    Runs on the caller's thread before the batch enters the pipeline, so a bad batch changes
+    nothing: no cache, table or pipeline state. (The input-dist stage validates again.)
+    """
+    if not isinstance(kjt, KeyedJaggedTensor):
+        raise RecInputError(f"batch.sparse_features must be a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
+    rows = {f: layout.num_rows for layout in collection.layouts for f in layout.feature_names}
+    given = list(kjt.keys())
+    unknown = [f for f in given if f not in rows]
+    if unknown:
+        raise RecInputError(f"unknown feature names {unknown}; the tables have features {list(rows)}")
+    missing = [f for f in rows if f not in given]
+    if missing:
+        raise RecInputError(f"features {missing} are missing from the batch")
+    if kjt.values().dtype not in (torch.int32, torch.int64):
+        raise RecInputError(f"feature values must be int32 or int64 keys, got {kjt.values().dtype}")
+    lengths = kjt.length_per_key()
+    for feature, values in zip(given, torch.split(kjt.values(), lengths)):
+        if values.numel():
+            low, high = torch.aminmax(values)
+            if int(low) < 0 or int(high) >= rows[feature]:
+                bad = values[(values < 0) | (values >= rows[feature])]
+                raise RecInputError(f"feature {feature!r} has keys out of range [0, {rows[feature]}): "
+                                    f"e.g. {bad[:5].tolist()}")
+
+
+class EmbCacheTrainPipeline(_ReadyPipeline):
+    """Five stages over a `CachedEmbeddingBagCollection` (host tables, device row cache):
+
+    1. ``h2d`` (copy worker): the batch to the device; the host KJT is kept for planning;
+    2. ``input_dist`` (host): across processes (``sharding=`` a
+       `torchpipe.train.dist.TableWiseSharding`) the key all-to-all to the table owners;
+       then validation + dedup of the (global) batch: the global dedup level; single
+       process, input dist is the identity and this is the only dedup;
+    3. ``plan`` (host): swap info (slots, evictions, protection, host-write ticket), in
+       batch order;
+    4. ``swap`` (host): gather evicted rows from their slots, write them back to the host
+       table, look up the incoming rows (after earlier write-backs of them: ticket order),
+       scatter them into their slots;
+    5. ``train`` (compute worker): forward with the batch's plan, backward (the sparse
+       optimizer is fused into it), dense ``optimizer.step()``.
+
+    In a steady clock batch ``b`` trains while ``b + 1`` swaps and ``b + 2`` plans on host
+    threads. A batch's keys are protected from its plan until the clock after its train
+    step, so the cache must hold the unique keys of 3 consecutive batches (plan window:
+    the batch being planned, the one swapping, the one training); `CacheTooSmallError`
+    says so with numbers.
+
+    The model calls the collection with ``batch.sparse_features`` as TorchRec's EBC is
+    called; a forward pre-hook hands the collection the batch's plan.
+
+    Failure: the first error of any stage surfaces with its type; in-flight batches are
+    dropped *after* their swaps are completed (swaps move rows, they never change them),
+    so the host tables plus the cache hold exactly the state after `steps_done` steps,
+    and `flush()` writes it back. The pipeline is empty and usable afterwards.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 device: Union[str, torch.device] = "cpu", *,
+                 collection: Optional[CachedEmbeddingBagCollection] = None, host_threads: int = 3,
+                 device_threads: Optional[int] = None, overlap: bool = True,
+                 sharding: Optional[Any] = None, keep_records: int = 0) -> None:
+        super().__init__(model, optimizer, device)
+        self.collection = collection if collection is not None else find_collection(model)
+        if self.collection.device != self.device:
+            raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
+                             f"{self.device}")
+        self._sharding = sharding
+        self._live: List[_Item] = []  # planned, not yet released; in plan order
+        self._live_lock = threading.Lock()
+        self._armed: Optional[_Armed] = None
+        self._hooks = [self.collection.register_forward_pre_hook(self._inject_plan, with_kwargs=True)]
+        if sharding is not None:
+            self._hooks.append(self.collection.register_forward_hook(self._output_dist))
+        self.pipeline = StagedPipeline(
+            [PipelineStage("h2d", lambda b: self._h2d(_Item(b)), "copy"),
+             PipelineStage("input_dist", self._dist, "host"),
+             PipelineStage("plan", self._plan, "host"),
+             PipelineStage("swap", self._swap, "host"),
+             PipelineStage("train", self._train_cached, "device")],
+            device=self.device, host_threads=host_threads, device_threads=device_threads, overlap=overlap,
+            admit=self._admit, on_abort=self.collection.abort, on_failure=self._recover,
+            after_clock=self._after_clock, keep_records=keep_records)
+
+    # -- stages ----------------------------------------------------------------------
+    def _admit(self, batch: Any) -> None:
+        if not hasattr(batch, "sparse_features"):
+            raise TypeError(f"EmbCacheTrainPipeline batches need .sparse_features, got {type(batch).__name__}")
+        if self._sharding is None:
+            check_features(batch.sparse_features, self.collection)
+
+    def _dist(self, item: _Item) -> _Item:
+        features = item.batch.sparse_features
+        if self._sharding is not None:
+            features, item.extra["splits"] = self._sharding.input_dist(features)
+        item.features = features
+        item.keys = self.collection.prepare(features)
+        return item
+
+    def _plan(self, item: _Item) -> _Item:
+        assert item.keys is not None
+        plan = self.collection.plan(item.keys)
+        item.plan = plan
+        with self._live_lock:
+            self._live.append(item)
+        return item
+
+    def _swap(self, item: _Item) -> _Item:
+        collection, plan = self.collection, item.plan
+        assert plan is not None
+        collection.write_back(plan, collection.gather_out(plan))
+        collection.scatter_in(plan, collection.fetch_in(plan))
+        return item
+
+    def _inject_plan(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
+        armed = self._armed
+        if armed is None or armed.thread != threading.get_ident():
+            return None
+        features = args[0] if args else kwargs.get("features")
+        if armed.used:
+            raise RuntimeError("the model called the cached collection twice in one step; "
+                               "EmbCacheTrainPipeline plans one lookup per batch")
+        if features is not armed.features:
+            raise RuntimeError("the model must call the cached collection with the batch's own "
+                               "sparse_features (the pipeline planned that KJT's keys)")
+        armed.used = True
+        return (armed.item.features, armed.plan), {}
+
+    def _output_dist(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        armed = self._armed
+        if armed is None or armed.thread != threading.get_ident():
+            return None
+        return self._sharding.output_dist(output, armed.item.extra["splits"])
+
+    def _train_cached(self, item: _Item) -> Any:
+        assert item.plan is not None
+        self._wait_h2d(item)
+        armed = _Armed(item.device_batch.sparse_features, item.plan, threading.get_ident(), item)
+        self._armed = armed
+        try:
+            output = train_step(self.model, self.optimizer, item.device_batch)
+        finally:
+            self._armed = None
+        if not armed.used:
+            raise RuntimeError("the model did not call the cached collection with batch.sparse_features")
+        item.trained = True
+        self.steps_done += 1
+        return output
+
+    # -- bookkeeping on the caller's thread ------------------------------------------------
+    def _after_clock(self, clock: Clock, outputs: Dict[int, Any]) -> None:
+        """Release the batches trained in this clock (their backward is done)."""
+        with self._live_lock:
+            done = [item for item in self._live if item.trained]
+            self._live = [item for item in self._live if not item.trained]
+        for item in done:
+            assert item.plan is not None
+            self.collection.release(item.plan)
+
+    def _recover(self, failure: PipelineFailure) -> None:
+        """After a failed clock: finish the swaps of dropped batches, release everything."""
+        self.collection.clear_abort()
+        with self._live_lock:
+            live, self._live = self._live, []
+        for item in live:  # plan order: swaps complete in ticket order
+            plan = item.plan
+            assert plan is not None
+            if not item.trained and not plan.scattered:
+                if not plan.written:
+                    self.collection.write_back(plan, self.collection.gather_out(plan))
+                self.collection.scatter_in(plan, self.collection.fetch_in(plan))
+            if not plan.released:
+                self.collection.release(plan)
+
+    # -- public --------------------------------------------------------------------------
+    def flush(self) -> List[Any]:
+        """Train every in-flight batch, then write every cached row back to the host tables."""
+        outputs = self.pipeline.flush()
+        self.collection.flush()
+        return outputs
+
+    def hit_rate(self) -> float:
+        stats = self.collection.cache_stats().values()
+        hits = sum(s.hits for s in stats)
+        total = hits + sum(s.misses for s in stats)
+        return hits / total if total else 0.0
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        super().close()

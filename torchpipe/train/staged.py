@@ -1,0 +1,328 @@
+"""`StagedPipeline`: a train step declared as a list of stages, run clock by clock.
+
+Like TorchRec's ``StagedTrainPipeline``, a pipeline is a list of `PipelineStage` (name,
+runnable, where it runs) rather than a subclass that rewrites ``progress()``. Unlike it,
+stages run on worker threads of the same `Runtime` as `Pipe`: a device compute worker,
+a device copy worker (its own stream on an accelerator) and device-less host threads.
+
+Each clock is one runtime step: a `Program` holding one job per busy stage, stage ``s``
+on batch ``t - s`` (see `schedule.py`). Jobs of a clock are independent, so they overlap
+on their workers; a batch's next stage runs in the next clock, after this one drained.
+That gives both orders a stage pipeline needs without extra locks: stage ``i`` of batch
+``b`` after stage ``i - 1`` of ``b``, and after stage ``i`` of ``b - 1``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from queue import SimpleQueue
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..runtime import Program, Runtime, StepRecord
+from ..workers import ThreadBudget, Worker, stop_workers
+from .schedule import Clock, ClockSchedule, schedule_table
+
+__all__ = ["PipelineStage", "StagedPipeline", "PipelineFailure"]
+
+WorkerSpec = Union[str, int]
+_NAMED = ("device", "copy", "host")
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One stage: ``runnable(previous stage's output) -> output``, run on ``worker``.
+
+    ``worker``: ``'device'`` (the compute worker, with the device's compute stream),
+    ``'copy'`` (a second device worker with its own stream, for H2D/D2H), ``'host'`` (a
+    device-less host thread; host stages are spread round-robin over the host threads), or
+    an int index into ``StagedPipeline.worker_names``.
+    """
+
+    name: str
+    runnable: Callable[[Any], Any]
+    worker: WorkerSpec = "device"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"stage name must be a non-empty string, got {self.name!r}")
+        if not callable(self.runnable):
+            raise TypeError(f"stage {self.name!r}: runnable must be callable, got {type(self.runnable).__name__}")
+        w = self.worker
+        if not (w in _NAMED or (isinstance(w, int) and not isinstance(w, bool) and w >= 0)):
+            raise ValueError(f"stage {self.name!r}: worker must be one of {_NAMED} or a worker index, got {w!r}")
+
+
+class PipelineFailure:
+    """What a failed clock left behind, for `StagedPipeline(on_failure=...)`.
+
+    ``completed``: stage -> output of the jobs of the failed clock that did finish;
+    ``dropped``: the batches that were in flight and will not be returned.
+    """
+
+    def __init__(self, error: BaseException, clock: Clock, completed: Dict[int, Any], dropped: List[int]) -> None:
+        self.error = error
+        self.clock = clock
+        self.completed = completed
+        self.dropped = dropped
+
+
+class _ClockRun:
+    """The context of one clock's runtime step: inputs per stage, outputs as they finish."""
+
+    __slots__ = ("inputs", "outputs")
+
+    def __init__(self, inputs: List[Any]) -> None:
+        self.inputs = inputs
+        self.outputs: Dict[int, Any] = {}
+
+
+class StagedPipeline:
+    """Runs ``stages`` over a dataloader iterator; ``progress()`` returns one finished batch per call.
+
+    ``device``: where the device workers run (``'cpu'`` gives plain threads, no streams).
+    ``host_threads``: device-less threads for host stages. ``overlap=False`` runs the jobs
+    of a clock one after another (same work, same order, no concurrency): the serial
+    baseline. ``admit(batch)`` runs on the caller's thread before a batch enters; if it
+    raises, the batch is not admitted and nothing changes. ``on_abort(exc)`` runs on the
+    failing worker thread the moment a stage raises (wake waits the other jobs may be
+    blocked in); ``on_failure(PipelineFailure)`` and ``after_clock(clock, outputs)`` run on
+    the caller's thread after the runtime drained the clock.
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], *, device: Union[str, torch.device] = "cpu",
+                 host_threads: int = 1, device_threads: Optional[int] = None, overlap: bool = True,
+                 admit: Optional[Callable[[Any], None]] = None,
+                 on_abort: Optional[Callable[[BaseException], None]] = None,
+                 on_failure: Optional[Callable[[PipelineFailure], None]] = None,
+                 after_clock: Optional[Callable[[Clock, Dict[int, Any]], None]] = None,
+                 name: str = "torchpipe-train", keep_records: int = 0) -> None:
+        stages = list(stages)
+        if not stages:
+            raise ValueError("a pipeline needs at least one stage")
+        for stage in stages:
+            if not isinstance(stage, PipelineStage):
+                raise TypeError(f"stages must be PipelineStage objects, got {type(stage).__name__}")
+        names = [s.name for s in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        if not isinstance(host_threads, int) or isinstance(host_threads, bool) or host_threads < 0:
+            raise ValueError(f"host_threads must be an int >= 0, got {host_threads!r}")
+        self.device = torch.device(device)
+        self.worker_names = [f"{name}-compute", f"{name}-copy"] + [f"{name}-host{i}" for i in range(host_threads)]
+        self.stage_workers = self._assign(stages, host_threads)
+        self.stages = stages
+        self.overlap = overlap
+        self._admit, self._on_abort, self._on_failure, self._after_clock = admit, on_abort, on_failure, after_clock
+
+        cores = ThreadBudget().threads_per_worker(1)
+        if device_threads is None:
+            device_threads = max(1, cores - (1 if host_threads else 0)) if self.device.type == "cpu" else 1
+        out_queue: "SimpleQueue[Any]" = SimpleQueue()
+        workers: List[Worker] = []
+        try:
+            for i, wname in enumerate(self.worker_names):
+                device_of = self.device if i < 2 else None
+                workers.append(Worker(wname, out_queue, device_of, intra_op_threads=device_threads if i < 2 else 1))
+        except BaseException:
+            stop_workers(workers)
+            raise
+        self._workers = workers
+        self._runtime = Runtime(workers, out_queue)
+        self._finalizer = weakref.finalize(self, stop_workers, list(workers))
+        self._schedule = ClockSchedule(len(stages))
+        self._values: List[Any] = [None] * len(stages)
+        self._programs: Dict[Tuple[int, ...], Program] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._failed_stage: Optional[str] = None
+        self.stage_seconds = [0.0] * len(stages)
+        self.clock_seconds = 0.0
+        self.clocks_run = 0
+        self.records: Deque[StepRecord] = deque(maxlen=keep_records or None) if keep_records else deque(maxlen=0)
+
+    # -- configuration -------------------------------------------------------------
+    def _assign(self, stages: Sequence[PipelineStage], host_threads: int) -> List[int]:
+        assigned: List[int] = []
+        next_host = 0
+        for stage in stages:
+            w = stage.worker
+            if w == "device":
+                assigned.append(0)
+            elif w == "copy":
+                assigned.append(1)
+            elif w == "host":
+                if host_threads == 0:
+                    raise ValueError(f"stage {stage.name!r} runs on a host thread, but host_threads=0")
+                assigned.append(2 + next_host % host_threads)
+                next_host += 1
+            else:
+                if w >= len(self.worker_names):
+                    raise ValueError(f"stage {stage.name!r}: worker {w} out of range; workers are "
+                                     f"{list(enumerate(self.worker_names))}")
+                assigned.append(int(w))
+        return assigned
+
+    @property
+    def depth(self) -> int:
+        return len(self.stages)
+
+    def in_flight(self) -> List[int]:
+        """Numbers of the batches admitted and not yet returned, oldest first."""
+        return self._schedule.in_flight()
+
+    def schedule_table(self, num_batches: int) -> str:
+        """Which batch each stage handles in each progress() call, for ``num_batches`` batches."""
+        short = [n.rsplit("-", 1)[-1] for n in self.worker_names]
+        return schedule_table([s.name for s in self.stages], [short[w] for w in self.stage_workers], num_batches)
+
+    def print_schedule(self, num_batches: int) -> None:
+        print(self.schedule_table(num_batches))
+
+    # -- execution -----------------------------------------------------------------
+    def _program(self, active: Tuple[int, ...]) -> Program:
+        program = self._programs.get(active)
+        if program is not None:
+            return program
+        program = Program(len(self._workers))
+        previous: Optional[Tuple[str, int]] = None
+        # Serial mode chains the jobs last stage first: the order a synchronous loop would free them in.
+        order = active if self.overlap else tuple(reversed(active))
+        for s in order:
+            deps = [previous] if (previous is not None and not self.overlap) else []
+            program.add(self.stage_workers[s], ("stage", s), self._job(s), deps,
+                        label=self.stages[s].name, keep=True)
+            previous = ("stage", s)
+        self._programs[active] = program.freeze()
+        return program
+
+    def _job(self, s: int) -> Callable[[Any, Tuple[Any, ...]], Any]:
+        stage = self.stages[s]
+        runnable = stage.runnable
+
+        def function(run: _ClockRun, _inputs: Tuple[Any, ...]) -> Any:
+            try:
+                out = runnable(run.inputs[s])
+            except StopIteration as exc:  # would end the caller's loop silently
+                error = RuntimeError(f"stage {stage.name!r} raised StopIteration")
+                error.__cause__ = exc
+                self._abort(error, stage.name)
+                raise error from exc
+            except BaseException as exc:  # noqa: B902
+                self._abort(exc, stage.name)
+                raise
+            run.outputs[s] = out
+            return out
+
+        return function
+
+    def _abort(self, exc: BaseException, stage: str) -> None:
+        if self._failed_stage is None:
+            self._failed_stage = stage
+        if self._on_abort is not None:
+            try:
+                self._on_abort(exc)
+            except Exception:  # pragma: no cover - waking waiters must not mask the error
+                pass
+
+    def _run_clock(self, clock: Clock) -> Dict[int, Any]:
+        run = _ClockRun(list(self._values))
+        self._failed_stage: Optional[str] = None
+        program = self._program(clock.stages)
+        try:
+            self._runtime.run(program, run, device_types=(self.device.type,))
+        except BaseException as exc:  # noqa: B902
+            self._record()
+            dropped = [b for s, b in clock.active if not (s == self.depth - 1 and s in run.outputs)]
+            self._schedule.reset()
+            self._values = [None] * self.depth
+            failure = PipelineFailure(exc, clock, dict(run.outputs), dropped)
+            if self._on_failure is not None:
+                self._on_failure(failure)
+            stage = self._failed_stage or "caller (interrupted)"
+            if hasattr(exc, "add_note"):
+                finished = [b for s, b in clock.active if s == self.depth - 1 and s in run.outputs]
+                done = f"; batch {finished[0]} did finish (its output is not returned)" if finished else ""
+                exc.add_note(f"[torchpipe.train] clock {clock.index} failed in stage {stage!r}; "
+                             f"batches {dropped} were in flight and dropped{done}; the pipeline is empty and usable")
+            raise
+        self._record()
+        outputs = run.outputs
+        self._values = [None] + [outputs.get(s) for s in range(self.depth - 1)]
+        if self._after_clock is not None:
+            self._after_clock(clock, outputs)
+        return outputs
+
+    def _record(self) -> None:
+        record = self._runtime.last_step
+        if record is None:
+            return
+        self.clocks_run += 1
+        self.clock_seconds += record.wall_end - record.wall_start
+        for label, s, e in zip(record.labels, record.starts, record.ends):
+            if s >= 0:
+                self.stage_seconds[self._stage_index(label)] += e - s
+        if self.records.maxlen:
+            self.records.append(record)
+
+    def _stage_index(self, label: str) -> int:
+        for i, stage in enumerate(self.stages):
+            if stage.name == label:
+                return i
+        return 0  # pragma: no cover
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """Admit batches until one finishes; return its last stage's output.
+
+        Fills the pipeline on the first call. Raises StopIteration only when the iterator
+        is exhausted *and* every in-flight batch was returned.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this pipeline is closed")
+
+            def pull() -> bool:
+                try:
+                    batch = next(dataloader_iter)
+                except StopIteration:
+                    return False
+                if self._admit is not None:
+                    self._admit(batch)
+                self._values[0] = batch
+                return True
+
+            for clock in self._schedule.progress_clocks(pull):
+                outputs = self._run_clock(clock)
+                if clock.finished is not None:
+                    return outputs[self.depth - 1]
+            raise StopIteration
+
+    def flush(self) -> List[Any]:
+        """Run every in-flight batch to the end (admitting none); their outputs, in order."""
+        outputs = []
+        empty: Iterator[Any] = iter(())
+        while True:
+            try:
+                outputs.append(self.progress(empty))
+            except StopIteration:
+                return outputs
+
+    def __iter__(self) -> Iterator[Any]:  # pragma: no cover - convenience
+        raise TypeError("call progress(dataloader_iter) instead of iterating the pipeline")
+
+    def close(self) -> None:
+        """Stop the worker threads (idempotent). In-flight batches are dropped; flush first."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "StagedPipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
