@@ -218,9 +218,10 @@ class StepRecord:
 class _Step:
     """The mutable state of one running step: result slots, abort flag, timings."""
 
-    def __init__(self, program: Program, context: Any, state: ThreadState) -> None:
+    def __init__(self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]] = None) -> None:
         n = len(program.jobs)
         self.context = context
+        self.on_abort = on_abort
         self.state = state
         self.values: List[Any] = [None] * n
         self.remaining_consumers = list(program.consumers)
@@ -267,6 +268,12 @@ class _Step:
                 if not self.done[i]:
                     self.done[i] = True
                     lock.release()
+        if self.on_abort is not None:
+            # Wake waits that live outside the runtime (a host-table lookup, say).
+            try:
+                self.on_abort(error)
+            except BaseException:  # noqa: B902 - the first error is the one to report
+                pass
 
 
 class Runtime:
@@ -329,8 +336,17 @@ class Runtime:
 
         return compute
 
-    def run(self, program: Program, context: Any, device_types: Sequence[str] = ("cpu",)) -> Dict[Hashable, Any]:
+    def run(
+        self,
+        program: Program,
+        context: Any,
+        device_types: Sequence[str] = ("cpu",),
+        on_abort: Optional[Callable[[Optional[BaseException]], None]] = None,
+    ) -> Dict[Hashable, Any]:
         """Run one step of ``program``; returns the results of its ``keep`` jobs by key.
+
+        ``on_abort(error)`` is called once if the step aborts (a job failed, or the caller
+        was interrupted), so that waits outside the runtime can be woken too.
 
         Raises the first exception any job raised, after every worker has left the step.
         """
@@ -342,10 +358,12 @@ class Runtime:
             )
         program.freeze()
         with self._lock:
-            return self._run_locked(program, context, ThreadState(device_types))
+            return self._run_locked(program, context, ThreadState(device_types), on_abort)
 
-    def _run_locked(self, program: Program, context: Any, state: ThreadState) -> Dict[Hashable, Any]:
-        step = _Step(program, context, state)
+    def _run_locked(
+        self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]]
+    ) -> Dict[Hashable, Any]:
+        step = _Step(program, context, state, on_abort)
         self._step = step
         wall_start = time.perf_counter()
         active = 0
