@@ -89,9 +89,9 @@ class StagedPipeline:
     ``host_threads``: device-less threads for host stages. ``overlap=False`` runs the jobs
     of a clock one after another (same work, same order, no concurrency): the serial
     baseline. ``admit(batch)`` runs on the caller's thread before a batch enters; if it
-    raises, the batch is not admitted and nothing changes. ``on_abort(exc)`` runs on the
-    failing worker thread the moment a stage raises (wake waits the other jobs may be
-    blocked in); ``on_failure(PipelineFailure)`` and ``after_clock(clock, outputs)`` run on
+    raises, the batch is not admitted and nothing changes. ``on_abort(exc)`` runs once as
+    soon as a clock aborts, because a stage raised or the caller was interrupted (wake waits
+    the other jobs may be blocked in); ``on_failure(PipelineFailure)`` and ``after_clock(clock, outputs)`` run on
     the caller's thread after the runtime drained the clock.
     """
 
@@ -224,18 +224,18 @@ class StagedPipeline:
     def _abort(self, exc: BaseException, stage: str) -> None:
         if self._failed_stage is None:
             self._failed_stage = stage
-        if self._on_abort is not None:
-            try:
-                self._on_abort(exc)
-            except Exception:  # pragma: no cover - waking waiters must not mask the error
-                pass
+
+    def _wake(self, exc: Optional[BaseException]) -> None:
+        """Runtime abort hook: a stage failed or the caller was interrupted; wake outside waits."""
+        if self._on_abort is not None and exc is not None:
+            self._on_abort(exc)
 
     def _run_clock(self, clock: Clock) -> Dict[int, Any]:
         run = _ClockRun(list(self._values))
         self._failed_stage: Optional[str] = None
         program = self._program(clock.stages)
         try:
-            self._runtime.run(program, run, device_types=(self.device.type,))
+            self._runtime.run(program, run, device_types=(self.device.type,), on_abort=self._wake)
         except BaseException as exc:  # noqa: B902
             self._record()
             dropped = [b for s, b in clock.active if not (s == self.depth - 1 and s in run.outputs)]
