@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from . import mlp, unet
+from . import dlrm, mlp, unet
 
 
 def main() -> None:
@@ -15,6 +15,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     mlp.run(args.out, steps=args.steps)
     unet.run()
+    dlrm.run()
 
 
 if __name__ == "__main__":
