@@ -69,8 +69,8 @@ class ThreadBudget:
     """How many intra-op threads each worker thread may use.
 
     ``None`` splits the machine's cores evenly among the workers that share them (at least 1
-    each). The cap is applied with ``torch.set_num_threads`` (per thread for OpenMP builds)
-    and threadpoolctl's OpenMP limit, both of which are thread-local.
+    each). The cap is applied per thread with threadpoolctl's OpenMP limit (see
+    :func:`_limit_intra_op_threads`), so the caller's own threads keep their setting.
     """
 
     intra_op_threads: Optional[int] = None
@@ -88,13 +88,22 @@ class ThreadBudget:
 
 
 def _limit_intra_op_threads(threads: int) -> Any:
-    """Cap this thread's intra-op parallelism; returns the limiter to keep alive."""
-    torch.set_num_threads(threads)
+    """Cap this thread's intra-op parallelism; returns the limiter to keep alive.
+
+    threadpoolctl sets the OpenMP thread count of *this* thread only, which is what torch's
+    OpenMP builds read. ``torch.set_num_threads`` would also change the default that every
+    thread created later starts from (the caller's threads included), so it is used only
+    when no OpenMP runtime can be controlled (then the cap is process-wide).
+    """
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - threadpoolctl is a declared dependency
-        return None
-    return threadpool_limits(limits=threads, user_api="openmp")
+        limiter = None
+    else:
+        limiter = threadpool_limits(limits=threads, user_api="openmp")
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return limiter
 
 
 class Worker:

@@ -12,6 +12,8 @@ costs F = t, B = 2t.
 """
 from __future__ import annotations
 
+import math
+import re
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from ..schedule import build
-from .peers import SHIMS_APPLIED, Peer, close_pipeline, load_peers
+from .peers import SHIMS_APPLIED, Peer, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
 from .timing import compare
@@ -80,13 +82,38 @@ def measured_sleep(seconds: float, samples: int) -> float:
     return statistics.median(durations)
 
 
-def _forward(pipeline: nn.Module, x: torch.Tensor, record: Optional[List[Tuple[float, float]]]) -> Callable[[], None]:
+_LABEL = re.compile(r"stage (\d+) F mb (\d+)$")
+
+
+def step_timings(step: Any) -> Tuple[float, float, float, float]:
+    """``(makespan, bubble, median job seconds, median ready-to-start seconds)`` of a StepRecord.
+
+    A forward job (s, i) is ready when (s - 1, i) and (s, i - 1) have ended; the delay
+    from then to its start is the runtime's hand-off latency, which is what keeps the
+    achieved makespan above the ideal one.
+    """
+    spans: Dict[Tuple[int, int], Tuple[float, float]] = {}
+    for label, start, end in zip(step.labels, step.starts, step.ends):
+        match = _LABEL.search(label)
+        if match and start >= 0:
+            spans[(int(match.group(1)), int(match.group(2)))] = (start, end)
+    jobs = [end - start for start, end in spans.values()]
+    delays = []
+    for (s, i), (start, _) in spans.items():
+        before = [spans[k][1] for k in ((s - 1, i), (s, i - 1)) if k in spans]
+        if before:
+            delays.append(start - max(before))
+    job = statistics.median(jobs) if jobs else math.nan
+    delay = statistics.median(delays) if delays else math.nan
+    return step.makespan, step.bubble_ratio, job, delay
+
+
+def _forward(pipeline: nn.Module, x: torch.Tensor, record: Optional[List[Tuple[float, ...]]]) -> Callable[[], None]:
     def step() -> None:
         with torch.no_grad():
             pipeline(x)
         if record is not None:
-            last = pipeline.last_step  # type: ignore[attr-defined]
-            record.append((last.makespan, last.bubble_ratio))
+            record.append(step_timings(pipeline.last_step))  # type: ignore[attr-defined]
 
     return step
 
@@ -134,6 +161,8 @@ def run(options: Options) -> SuiteResult:
             Column("eff_nominal", "vs nominal t", "{:.3f}"),
             Column("makespan_ms", "last_step ms", "{:.2f}"),
             Column("eff_makespan", "ideal/last_step", "{:.3f}"),
+            Column("job_ms", "job ms", "{:.3f}"),
+            Column("delay_us", "hand-off us", "{:.0f}"),
             Column("bubble", "bubble measured", "{:.3f}"),
             Column("bubble_sim", "bubble simulated", "{:.3f}"),
             Column("goal", f">= {GOAL:g}", align="<"),
@@ -154,8 +183,10 @@ def run(options: Options) -> SuiteResult:
         "serial = every stage one after another, 3 x m x p x t. On CPU torchpipe's backward runs through "
         "autograd on the caller's thread, so it does not pipeline: expect about (m + p - 1) t + 2 m p t"
     )
-    forward.notes.append("bubble measured = pipe.last_step.bubble_ratio (torchpipe only); "
-                         "bubble simulated = pipe.plan(m, backward=False).simulate() with unit costs")
+    forward.notes.append("last_step, job, hand-off and bubble measured come from pipe.last_step (torchpipe only): "
+                         "job = median job duration; hand-off = median delay from a job's inputs being ready "
+                         "(previous stage and previous micro-batch ended) to its start")
+    forward.notes.append("bubble simulated = pipe.plan(m, backward=False).simulate() with unit costs")
     result.tables += [forward, backward]
 
     x = torch.randn(BATCH, WIDTH)
@@ -167,7 +198,7 @@ def run(options: Options) -> SuiteResult:
         sim_bubble = build("gpipe", p, m, backward=False).simulate().bubble_ratio
         pipelines: Dict[str, nn.Module] = {}
         unavailable: Dict[str, str] = {}
-        records: List[Tuple[float, float]] = []
+        records: List[Tuple[float, ...]] = []
         for peer in peers:
             if not peer.available:
                 unavailable[peer.name] = peer.reason
@@ -179,6 +210,7 @@ def run(options: Options) -> SuiteResult:
                 result.notes.append(f"{peer.label} unavailable at m={m}: {unavailable[peer.name]}")
                 continue
             pipelines[peer.name] = pipeline
+            del pipeline
         try:
             if "torchpipe" in pipelines:
                 plan_bubble = pipelines["torchpipe"].plan(m, backward=False).simulate().bubble_ratio  # type: ignore[operator]
@@ -188,8 +220,17 @@ def run(options: Options) -> SuiteResult:
                            for name, pl in pipelines.items()}, config)
             fb = compare({name: _forward_backward(pl, x) for name, pl in pipelines.items()}, config)
         finally:
-            for pipeline in pipelines.values():
-                close_pipeline(pipeline)
+            release(pipelines)
+        if "torchpipe" in fwd:  # keep the timed calls only, not warm-up and calibration
+            del records[: max(0, len(records) - config.repeats * fwd["torchpipe"].iters)]
+        for name, measured in fwd.items():
+            result.measurements[f"m={m}/{name} forward"] = measured.to_json()
+        for name, measured in fb.items():
+            result.measurements[f"m={m}/{name} forward+backward"] = measured.to_json()
+        if records:
+            result.measurements[f"m={m}/torchpipe last_step"] = {
+                "makespan_s": [r[0] for r in records], "bubble_ratio": [r[1] for r in records],
+                "median_job_s": [r[2] for r in records], "median_handoff_s": [r[3] for r in records]}
 
         for peer in peers:
             if peer.name in unavailable:
@@ -206,6 +247,8 @@ def run(options: Options) -> SuiteResult:
                 makespan = statistics.median(r[0] for r in records)
                 row["makespan_ms"] = makespan * 1e3
                 row["bubble"] = statistics.median(r[1] for r in records)
+                row["job_ms"] = statistics.median(r[2] for r in records) * 1e3
+                row["delay_us"] = statistics.median(r[3] for r in records) * 1e6
                 row["eff_makespan"] = result.ratio(f"m={m}/torchpipe forward ideal / last_step.makespan",
                                                    ideal_fwd, makespan)
                 goal = Goal(f"m={m}: torchpipe forward ideal/achieved (wall)", row["eff_wall"], ">=", GOAL)

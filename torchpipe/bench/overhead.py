@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from .peers import SHIMS_APPLIED, Peer, close_pipeline, load_peers
+from .peers import SHIMS_APPLIED, Peer, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
 from .timing import compare
@@ -27,6 +27,11 @@ BATCH = 64
 CHUNKS = (1, 8, 32)
 GOAL_US = 25.0
 GOAL_VS_TORCHGPIPE = 3.5
+INTRA_OP_THREADS = 1
+"""Intra-op threads for the caller and every thread it starts. At this size intra-op
+parallelism buys nothing, and on a shared 2-core machine an OpenMP team whose second
+thread is descheduled turns the whole-batch baseline into 100x outliers (seen: 142 ms
+instead of 0.5 ms per step). torchpipe's workers cap themselves to 1 here anyway."""
 
 
 def make_model(seed: int = 0) -> nn.Sequential:
@@ -64,13 +69,23 @@ def _build(peer: Peer, chunks: int, x: torch.Tensor, expected: torch.Tensor) -> 
 
 
 def run(options: Options) -> SuiteResult:
+    """Time every case with one intra-op thread per thread (see ``INTRA_OP_THREADS``)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(INTRA_OP_THREADS)
+    try:
+        return _run(options)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(options: Options) -> SuiteResult:
     config = options.timing(target_s=0.2, quick_target_s=0.01)
     result = SuiteResult(
         "overhead",
         f"runtime overhead per (stage, micro-batch), {STAGES} x Linear({WIDTH},{WIDTH}), batch {BATCH}, "
         "checkpoint='never', forward+backward, CPU",
         config={"repeats": config.repeats, "warmup": config.warmup, "target_s_per_repeat": config.target_s,
-                "chunks": list(CHUNKS), "quick": options.quick},
+                "chunks": list(CHUNKS), "intra_op_threads": torch.get_num_threads(), "quick": options.quick},
     )
     peers = load_peers()
     x = torch.randn(BATCH, WIDTH)
@@ -132,11 +147,13 @@ def run(options: Options) -> SuiteResult:
                 continue
             pipelines.append(pipeline)
             cases[peer.name] = _step(pipeline, x)
+            del pipeline
         try:
             measured = compare(cases, config)
         finally:
-            for pipeline in pipelines:
-                close_pipeline(pipeline)
+            release(pipelines, cases)
+        for name, m in measured.items():
+            result.measurements[f"chunks={chunks}/{name}"] = m.to_json()
 
         plain = measured["plain"].median
         loop = measured["loop"].median
@@ -183,7 +200,9 @@ def run(options: Options) -> SuiteResult:
         result.notes.append("no shims needed: torchgpipe and fairscale import and run unmodified with torch "
                             f"{torch.__version__}")
     versions = ", ".join(f"{p.name} {p.version}" for p in peers if p.available)
-    result.notes.append(f"versions: {versions}; torch intra-op threads (caller) = {torch.get_num_threads()}")
+    result.notes.append(f"versions: {versions}")
+    result.notes.append(f"torch.set_num_threads({INTRA_OP_THREADS}) for the whole suite (caller and every thread "
+                        "it starts), so that all cases run with the same intra-op threading")
     result.notes.append("each pipeline's output was checked against the plain model before timing")
     if options.quick:
         result.notes.append("quick run: few short repeats, figures are indicative only")

@@ -9,16 +9,17 @@ is reported in the output so that no number silently depends on one.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from torch import nn
 
-__all__ = ["Peer", "PEER_NAMES", "load_peers", "close_pipeline", "SHIMS_APPLIED"]
+__all__ = ["Peer", "PEER_NAMES", "load_peers", "close_pipeline", "release", "SHIMS_APPLIED"]
 
 PEER_NAMES = ("torchpipe", "torchgpipe", "fairscale")
 
@@ -129,3 +130,18 @@ def close_pipeline(pipeline: object) -> None:
     close = getattr(pipeline, "close", None)
     if callable(close):
         close()
+
+
+def release(*holders: Any) -> None:
+    """Close every pipeline held in ``holders`` (dicts or lists), drop them, and collect.
+
+    fairscale's ``Pipeline.__del__`` joins its worker threads; if a fairscale pipeline is
+    still referenced at interpreter exit, that join runs after the daemon workers are
+    frozen and the process hangs. So no suite may keep one alive past its own end.
+    """
+    for holder in holders:
+        for value in list(holder.values()) if isinstance(holder, dict) else list(holder):
+            if isinstance(value, nn.Module):
+                close_pipeline(value)
+        holder.clear()
+    gc.collect()

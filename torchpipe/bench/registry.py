@@ -53,6 +53,7 @@ def _lazy(module: str, function: str = "run") -> Suite:
 SUITES: Dict[str, Suite] = {
     "overhead": _lazy(".overhead"),
     "gpipe": _lazy(".gpipe"),
+    "rec": _lazy(".rec"),
 }
 """Suite name -> runner. ``schedules`` and ``rec`` are expected to join later."""
 

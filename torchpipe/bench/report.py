@@ -96,6 +96,8 @@ class SuiteResult:
     goals: List[Goal] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     config: Dict[str, Any] = field(default_factory=dict)
+    measurements: Dict[str, Any] = field(default_factory=dict)
+    """Raw timings behind the tables (per-call seconds of every repeat), for re-analysis."""
 
     def ratio(self, name: str, numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
         """Record ``numerator / denominator`` under ``name`` if it is a positive finite number."""
@@ -117,6 +119,7 @@ class SuiteResult:
             "ratios": dict(self.ratios),
             "goals": [g.to_json() for g in self.goals],
             "notes": list(self.notes),
+            "measurements": dict(self.measurements),
         }
 
 

@@ -1,0 +1,119 @@
+"""The benchmark command runs and writes well-formed results (never timing asserts)."""
+import json
+import math
+import threading
+
+import pytest
+
+from torchpipe.bench import SUITES, Goal, SuiteResult, TimingConfig, compare
+from torchpipe.bench.__main__ import main, parse_args
+
+
+
+def _pipeline_threads():
+    return {t for t in threading.enumerate() if t.name.startswith("torchpipe")}
+
+
+def _strict_load(path):
+    def reject(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    with open(path) as f:
+        return json.load(f, parse_constant=reject)
+
+
+def _check_document(doc, suite):
+    assert doc["schema"] == "torchpipe.bench/1"
+    assert doc["meta"]["quick"] is True
+    assert doc["meta"]["suites"] == [suite]
+    assert doc["meta"]["environment"]["torch"]
+    result = doc["suites"][suite]
+    assert set(result) >= {"description", "config", "tables", "ratios", "goals", "notes"}
+    assert result["ratios"], "a suite must quote at least one ratio"
+    for name, value in result["ratios"].items():
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
+    for table in result["tables"]:
+        keys = {c["key"] for c in table["columns"]}
+        assert table["title"] and table["rows"]
+        for row in table["rows"]:
+            assert set(row) <= keys, (table["title"], row)
+    for goal in result["goals"]:
+        assert goal["op"] in ("<=", ">=") and goal["met"] in (True, False, None)
+    return result
+
+
+@pytest.mark.parametrize("suite", ["overhead", "gpipe"])
+def test_quick_suite_json(suite, tmp_path, capsys):
+    path = tmp_path / f"{suite}.json"
+    before = _pipeline_threads()
+    returned = main([suite, "--quick", "--json", str(path)])
+    doc = _strict_load(path)
+    assert doc == json.loads(json.dumps(returned))
+    result = _check_document(doc, suite)
+    printed = capsys.readouterr().out
+    assert f"== {suite}:" in printed and "Goals (reported, never asserted)" in printed
+    assert _pipeline_threads() <= before, "the benchmark must close every Pipe it builds"
+
+    if suite == "overhead":
+        for chunks in (1, 8, 32):
+            for name in ("loop", "torchpipe"):
+                assert f"chunks={chunks}/{name} step / plain step" in result["ratios"]
+        assert {g["name"] for g in result["goals"]} >= {
+            "chunks=32: torchpipe overhead per (stage, mb), us",
+            "chunks=32: torchgpipe overhead / torchpipe overhead",
+        }
+    else:
+        for m in (8, 32):
+            assert f"m={m}/torchpipe forward ideal / wall" in result["ratios"]
+            assert f"m={m}/torchpipe forward ideal / last_step.makespan" in result["ratios"]
+            assert f"m={m}/torchpipe forward+backward ideal / wall" in result["ratios"]
+        forward = result["tables"][0]
+        torchpipe_rows = [r for r in forward["rows"] if r["case"] == "torchpipe Pipe"]
+        assert len(torchpipe_rows) == 2
+        for row in torchpipe_rows:
+            assert 0 <= row["bubble"] < 1 and 0 < row["bubble_sim"] < 1
+
+
+def test_cli_knows_every_suite_and_all():
+    assert {"overhead", "gpipe"} <= set(SUITES)
+    assert parse_args(["all", "--quick"]).suite == "all"
+    assert parse_args(["gpipe", "--repeats", "2"]).repeats == 2
+    with pytest.raises(SystemExit):
+        parse_args(["nope"])
+    with pytest.raises(SystemExit):
+        parse_args(["overhead", "--repeats", "0"])
+
+
+def test_compare_interleaves_and_takes_the_median():
+    calls = []
+    cases = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    measured = compare(cases, TimingConfig(repeats=3, warmup=1, iters=2))
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    for m in measured.values():
+        assert m.iters == 2 and len(m.samples) == 3 and m.min <= m.median <= m.max
+
+
+def test_undefined_ratios_are_noted_not_recorded():
+    result = SuiteResult("x", "test")
+    assert result.ratio("ok", 2.0, 4.0) == 0.5
+    assert result.ratio("zero", 1.0, 0.0) is None
+    assert result.ratio("negative", -1.0, 2.0) is None
+    assert result.ratio("missing", None, 2.0) is None
+    assert result.ratios == {"ok": 0.5}
+    assert len(result.notes) == 3
+    assert Goal("g", 20.0, "<=", 25.0).status == "PASS"
+    assert Goal("g", 3.0, ">=", 3.5).status == "MISS"
+    assert Goal("g", None, ">=", 3.5).status == "n/a"
+
+
+def test_rec_suite_runs_on_a_tiny_config():
+    from torchpipe.bench.rec import RecConfig, run_config
+    from torchpipe.bench.registry import Options
+
+    cfg = RecConfig(tables=2, rows=3000, dim=8, batch=64, pooling=4, pool_batches=6, host_threads=2,
+                    sim_compute_ms=1.0, torchrec=False)
+    result = run_config(cfg, Options(repeats=2, quick=True, progress=None)).to_json()
+    assert result["ratios"], "the rec suite must quote ratios against its baselines"
+    for name, value in result["ratios"].items():
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
+    assert any(table["rows"] for table in result["tables"])

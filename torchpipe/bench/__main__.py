@@ -1,0 +1,59 @@
+"""Command line: ``python -m torchpipe.bench {overhead,gpipe,...,all} [--repeats N] [--json PATH] [--quick]``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from .registry import SUITES, Options
+from .report import SuiteResult, environment, print_suite, results_document, write_json
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchpipe.bench",
+        description="torchpipe benchmarks: every figure is a ratio against a baseline timed in the same run.",
+    )
+    parser.add_argument("suite", choices=[*SUITES, "all"], help="which suite to run ('all' runs every suite)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats per case; the median is quoted (default 7, or 3 with --quick)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write machine-readable results here")
+    parser.add_argument("--quick", action="store_true", help="a small, fast run (for tests); figures are indicative")
+    args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Run the suites, print their tables, write ``--json``; returns the JSON document."""
+    args = parse_args(argv)
+    options = Options(repeats=args.repeats, quick=args.quick)
+    names: List[str] = list(SUITES) if args.suite == "all" else [args.suite]
+    command = "python -m torchpipe.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta: Dict[str, Any] = {"command": command, "suites": names, "quick": args.quick,
+                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "environment": environment()}
+    print(f"# {command}")
+    env = meta["environment"]
+    print(f"# torch {env['torch']}, python {env['python']}, {env['cpu_count']} CPUs, "
+          f"load average {env.get('load_average', '?')}\n")
+    results: List[SuiteResult] = []
+    started = time.perf_counter()
+    for name in names:
+        t0 = time.perf_counter()
+        result = SUITES[name](options)
+        result.config["seconds"] = round(time.perf_counter() - t0, 1)
+        print_suite(result)
+        results.append(result)
+    meta["seconds"] = round(time.perf_counter() - started, 1)
+    if args.json:
+        doc = write_json(args.json, results, meta)
+        print(f"# wrote {args.json}")
+    else:
+        doc = results_document(results, meta)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
