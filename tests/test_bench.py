@@ -117,3 +117,16 @@ def test_rec_suite_runs_on_a_tiny_config():
     for name, value in result["ratios"].items():
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
     assert any(table["rows"] for table in result["tables"])
+
+
+def test_schedules_suite_quick(tmp_path):
+    from torchpipe.bench.registry import Options
+    from torchpipe.bench.schedules import run
+
+    result = run(Options(repeats=1, quick=True, progress=None)).to_json()
+    rows = result["tables"][0]["rows"]
+    assert {row["schedule"] for row in rows} == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"}
+    for name, value in result["ratios"].items():
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
+    one_f_one_b = [row for row in rows if row["schedule"] == "1f1b"]
+    assert all(row["peak_mb"] == "[4, 3, 2, 1]" for row in one_f_one_b)

@@ -54,6 +54,7 @@ SUITES: Dict[str, Suite] = {
     "overhead": _lazy(".overhead"),
     "gpipe": _lazy(".gpipe"),
     "rec": _lazy(".rec"),
+    "schedules": _lazy(".schedules"),
 }
 """Suite name -> runner. ``schedules`` and ``rec`` are expected to join later."""
 

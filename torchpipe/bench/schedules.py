@@ -1,0 +1,206 @@
+"""``schedules``: every schedule of ``Pipe.step`` on simulated-latency stages, in one run.
+
+Each stage is one layer whose forward sleeps ``t``, whose input-gradient backward sleeps
+``t`` and whose weight-gradient backward sleeps ``t`` (so ``B = I + W = 2t``). The two
+backward halves are separate autograd nodes, so ``I`` (gradient for the stage input) and
+``W`` (gradient for the weight) each pay only their own half, as real split backward
+kernels do. ``time.sleep`` releases the GIL, the way an accelerator kernel runs while the
+host thread waits: the figures measure the runtime's schedule execution, not the 2-core CPU.
+
+Reported per schedule and m: simulated makespan (the plan's list scheduler with the
+measured costs) against the achieved one (``pipe.last_step.makespan``), measured against
+simulated bubble, and peak bytes saved for backward per stage (``pipe.last_memory``). For
+contrast, the ``forward()`` path (GPipe forward, then autograd's backward on the caller's
+thread) and torchgpipe on the same stages.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from .. import Pipe
+from ..schedule import build
+from .gpipe import measured_sleep
+from .peers import close_pipeline, load_peers
+from .registry import Options
+from .report import Column, Goal, SuiteResult, Table
+
+STAGES = 4
+BATCH = 64
+WIDTH = 256
+MICROBATCHES = (8, 32)
+STAGE_S = 0.002
+QUICK_STAGE_S = 0.0005
+GOAL = 0.95
+SCHEDULES: Tuple[Tuple[str, Dict[str, Any], int], ...] = (
+    ("gpipe", {}, 1),
+    ("1f1b", {}, 1),
+    ("interleaved-1f1b", {"virtual_stages": 2}, 2),
+    ("zb-h1", {}, 1),
+    ("zb-v", {}, 2),
+)
+
+
+class _SleepInput(torch.autograd.Function):
+    """Forward sleeps ``t``; backward (the input gradient, ``I``) sleeps ``t``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        ctx.save_for_backward(x)  # an activation kept for backward, measured by pipe.last_memory
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _SleepWeight(torch.autograd.Function):
+    """Adds ``0 * w``; its backward (the weight gradient, ``W``) sleeps ``t``."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return weight * 0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad.sum().reshape(1), None
+
+
+class SplitSleepLayer(nn.Module):
+    """A stage with latencies F = t, I = t, W = t (B = 2t) and one parameter."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SleepInput.apply(x, self.seconds) + _SleepWeight.apply(self.weight, self.seconds)
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output * target).sum()
+
+
+def run(options: Options) -> SuiteResult:
+    t = QUICK_STAGE_S if options.quick else STAGE_S
+    repeats = options.repeats if options.repeats is not None else (3 if options.quick else 7)
+    p = STAGES
+    result = SuiteResult(
+        "schedules",
+        f"Pipe.step on {p} workers of simulated-latency stages (F = t, I = t, W = t, B = 2t), batch {BATCH}, CPU",
+        config={"t_ms": t * 1e3, "repeats": repeats, "microbatches": list(MICROBATCHES), "quick": options.quick},
+    )
+    t_measured = measured_sleep(t, 20 if options.quick else 100)
+    costs = {"F": t_measured, "I": t_measured, "W": t_measured, "B": 2 * t_measured}
+    result.config["measured_t_ms"] = round(t_measured * 1e3, 4)
+    table = Table(
+        "Achieved vs simulated makespan (simulated = the same plan's list scheduler with the measured sleep costs)",
+        [
+            Column("m", "m"),
+            Column("schedule", "schedule", align="<"),
+            Column("sim_ms", "simulated ms", "{:.2f}"),
+            Column("achieved_ms", "achieved ms", "{:.2f}"),
+            Column("eff", "sim/achieved", "{:.3f}"),
+            Column("bubble_sim", "bubble sim", "{:.3f}"),
+            Column("bubble", "bubble measured", "{:.3f}"),
+            Column("peak_mb", "peak mb/stage", align="<"),
+            Column("peak_vs_gpipe", "peak bytes / gpipe's", "{:.3f}"),
+            Column("goal", f">= {GOAL:g}", align="<"),
+        ],
+    )
+    contrast = Table(
+        "Forward + backward wall time of other paths on the same stages",
+        [Column("m", "m"), Column("case", "case", align="<"), Column("wall_ms", "wall ms", "{:.2f}"),
+         Column("vs_1f1b", "x 1f1b achieved", "{:.2f}")],
+    )
+    contrast.notes.append("pipe(x) + backward: GPipe forward on the workers, then autograd's backward, which on CPU "
+                          "runs every stage one after another on the caller's thread (torchgpipe does the same)")
+    table.notes.append("interleaved-1f1b and zb-v run 2 stages (2 layers) per worker, twice the model of the others: "
+                       "their byte ratio against GPipe's one-layer workers counts twice the layers")
+    table.notes.append("peak mb/stage: micro-batches whose activations a stage held at once (pipe.last_memory)")
+    result.tables += [table, contrast]
+    x = torch.randn(BATCH, WIDTH)
+    target = torch.randn(BATCH, WIDTH)
+    for m in MICROBATCHES:
+        gpipe_bytes: List[int] = []
+        one_f_one_b_wall = None
+        for name, options_, virtual in SCHEDULES:
+            options.say(f"schedules: m={m} {name}")
+            stages = p * virtual
+            model = nn.Sequential(*[SplitSleepLayer(t) for _ in range(stages)])
+            plan = build(name, stages, m, **options_)
+            simulated = plan.simulate(costs)
+            with Pipe(model, [1] * stages, chunks=m, checkpoint="never") as pipe:
+                pipe.step(x, target, _loss, schedule=name, reduction="sum", **options_)  # warm-up
+                makespans, bubbles = [], []
+                for _ in range(repeats):
+                    pipe.step(x, target, _loss, schedule=name, reduction="sum", **options_)
+                    makespans.append(pipe.last_step.makespan)
+                    bubbles.append(pipe.last_step.bubble_ratio)
+                memory = pipe.last_memory
+            achieved = statistics.median(makespans)
+            if name == "gpipe":
+                gpipe_bytes = list(memory.peak_bytes)
+            # Peak bytes saved for backward on a worker (all its stages), against GPipe's.
+            worker_bytes = _per_worker(memory.peak_bytes, plan.stage_to_worker)
+            if name == "1f1b":
+                one_f_one_b_wall = achieved
+            row: Dict[str, Any] = dict(m=m, schedule=name, sim_ms=simulated.makespan * 1e3, achieved_ms=achieved * 1e3,
+                                       bubble_sim=simulated.bubble_ratio, bubble=statistics.median(bubbles),
+                                       peak_mb=str(memory.peak_microbatches))
+            row["eff"] = result.ratio(f"m={m}/{name} simulated / achieved makespan", simulated.makespan, achieved)
+            # Worst worker: its peak bytes saved for backward over GPipe's on the same worker.
+            shares = [mine / theirs for mine, theirs in zip(worker_bytes, gpipe_bytes) if theirs]
+            if shares:
+                row["peak_vs_gpipe"] = result.ratio(f"m={m}/{name} worst worker peak bytes / gpipe's", max(shares), 1.0)
+            goal = Goal(f"m={m}: {name} simulated/achieved makespan", row["eff"], ">=", GOAL)
+            result.goals.append(goal)
+            row["goal"] = goal.status
+            if name == "1f1b" and shares:
+                result.goals.append(Goal(f"m={m}: 1f1b worst stage peak bytes / gpipe's (target p/m = {p / m:.3f})",
+                                         max(shares), "<=", p / m))
+            table.add(**row)
+        contrast_walls = _contrast(m, t, x, target, repeats, options)
+        for case, wall in contrast_walls.items():
+            contrast.add(m=m, case=case, wall_ms=wall * 1e3,
+                         vs_1f1b=result.ratio(f"m={m}/{case} wall / 1f1b achieved", wall, one_f_one_b_wall))
+    return result
+
+
+def _per_worker(per_stage: List[int], stage_to_worker: Tuple[int, ...]) -> List[int]:
+    """Sum stage figures over the stages each worker hosts (interleaved schedules share workers)."""
+    totals = [0] * (max(stage_to_worker) + 1)
+    for stage, value in enumerate(per_stage):
+        totals[stage_to_worker[stage]] += value
+    return totals
+
+
+def _contrast(m: int, t: float, x: torch.Tensor, target: torch.Tensor, repeats: int, options: Options) -> Dict[str, float]:
+    """Wall time of ``pipe(x)`` + autograd backward, for torchpipe and torchgpipe."""
+    walls: Dict[str, float] = {}
+    for peer in load_peers():
+        if peer.name not in ("torchpipe", "torchgpipe") or not peer.available or peer.make is None:
+            continue
+        options.say(f"schedules: m={m} {peer.label} forward() + autograd backward")
+        pipeline = peer.make(nn.Sequential(*[SplitSleepLayer(t) for _ in range(STAGES)]), m)
+        try:
+            samples: List[float] = []
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                _loss(pipeline(x), target).backward()
+                if i:
+                    samples.append(time.perf_counter() - start)
+            walls[f"{peer.label} forward() + autograd backward"] = statistics.median(samples)
+        finally:
+            close_pipeline(pipeline)
+    return walls
