@@ -13,7 +13,7 @@ def test_on_abort_wakes_a_job_blocked_outside_the_runtime():
     out = queue.SimpleQueue()
     workers = spawn_workers([None, None], out)
     try:
-        runtime = Runtime(workers, out)
+        runtime = Runtime(workers)
         external = threading.Event()  # stands for a host-table lookup waiting on another batch
         calls = []
 

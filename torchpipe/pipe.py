@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from queue import SimpleQueue
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
@@ -148,10 +147,9 @@ class Pipe(nn.Module):
         self.deferred_batch_norm = deferred_batch_norm
         object.__setattr__(self, "partitions", nn.ModuleList(partitions))
 
-        out_queue: "SimpleQueue[Any]" = SimpleQueue()
-        workers = spawn_workers(device_list, out_queue, name="torchpipe-stage", budget=budget)
+        workers = spawn_workers(device_list, name="torchpipe-stage", budget=budget)
         self._workers: List[Worker] = workers
-        self._runtime = Runtime(workers, out_queue)
+        self._runtime = Runtime(workers)
         counts: Dict[torch.device, int] = {}
         for device in device_list:
             counts[device] = counts.get(device, 0) + 1

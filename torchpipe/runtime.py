@@ -20,12 +20,11 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from queue import SimpleQueue
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .workers import Report, Task, Worker
+from .workers import Task, Worker
 
 __all__ = ["Program", "Runtime", "StepRecord", "ThreadState", "StepAborted"]
 
@@ -34,9 +33,6 @@ JobFunction = Callable[[Any, Tuple[Any, ...]], Any]
 
 class StepAborted(Exception):
     """Internal: a job was skipped because its step was aborted."""
-
-
-_SKIPPED = object()
 
 
 @dataclass
@@ -140,7 +136,7 @@ class ThreadState:
         self.inference = torch.is_inference_mode_enabled()
         self.autocast: List[Tuple[str, torch.dtype, bool]] = []
         for device_type in device_types:
-            if torch.is_autocast_enabled(device_type):
+            if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
                 self.autocast.append(
                     (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
                 )
@@ -222,6 +218,11 @@ class _Step:
         n = len(program.jobs)
         self.context = context
         self.on_abort = on_abort
+        # Each worker with jobs counts down once, after its last job of the step.
+        self.remaining_workers = sum(1 for jobs in program.worker_jobs if jobs)
+        self.finished = threading.Event()
+        if not self.remaining_workers:
+            self.finished.set()
         self.state = state
         self.values: List[Any] = [None] * n
         self.remaining_consumers = list(program.consumers)
@@ -257,6 +258,13 @@ class _Step:
                 self.values[index] = None
         return value
 
+    def worker_finished(self) -> None:
+        with self.guard:
+            self.remaining_workers -= 1
+            last = self.remaining_workers == 0
+        if last:
+            self.finished.set()
+
     def abort(self, error: Optional[BaseException]) -> None:
         with self.guard:
             if self.error is None and error is not None:
@@ -284,9 +292,8 @@ class Runtime:
     instead of a deadlock.
     """
 
-    def __init__(self, workers: Sequence[Worker], out_queue: "SimpleQueue[Report]") -> None:
+    def __init__(self, workers: Sequence[Worker]) -> None:
         self.workers = list(workers)
-        self.out_queue = out_queue
         self._lock = threading.Lock()
         self._step: Optional[_Step] = None
         self._tasks: Dict[int, Tuple[List[Task], List[Task]]] = {}
@@ -299,40 +306,47 @@ class Runtime:
             return cached[1]  # type: ignore[return-value]
         per_worker: List[List[Task]] = []
         for jobs in program.worker_jobs:
-            tasks = [Task(self._compute_for(job), None, job.label) for job in jobs]
-            if tasks:
-                tasks[-1].finalize = _worker_finished
-            per_worker.append(tasks)
+            per_worker.append([Task(self._compute_for(job, last=job is jobs[-1]), None, job.label) for job in jobs])
         if len(self._tasks) >= 32:  # programs are cached by their owner; keep this map bounded
             self._tasks.clear()
         self._tasks[id(program)] = (program, per_worker)  # type: ignore[assignment]
         return per_worker
 
-    def _compute_for(self, job: _Job) -> Callable[[], Any]:
+    def _compute_for(self, job: _Job, last: bool) -> Callable[[], None]:
+        """The task body of ``job``: wait for its inputs, run it, publish its result.
+
+        It never raises: a failure aborts the step right here, on the worker, so this worker
+        and every other one skip the rest of the step at once. The worker's last job of the
+        step counts the worker out, whatever happened.
+        """
         runtime = self
         index, deps, function, label = job.index, job.deps, job.function, job.label
 
-        def compute() -> Any:
+        def compute() -> None:
             step = runtime._step
             assert step is not None
-            if step.aborted:
-                return _SKIPPED
             try:
+                if step.aborted:
+                    return
                 inputs = tuple(step.take(d) for d in deps)
-            except StepAborted:
-                return _SKIPPED
-            state = step.state
-            torch._C._set_grad_enabled(state.grad_enabled)
-            start = time.perf_counter()
-            if state.plain:
-                value = function(step.context, inputs)
-            else:
-                with state.contexts(label):
+                state = step.state
+                torch._C._set_grad_enabled(state.grad_enabled)
+                start = time.perf_counter()
+                if state.plain:
                     value = function(step.context, inputs)
-            step.ends[index] = time.perf_counter()
-            step.starts[index] = start
-            step.set(index, value)
-            return None
+                else:
+                    with state.contexts(label):
+                        value = function(step.context, inputs)
+                step.ends[index] = time.perf_counter()
+                step.starts[index] = start
+                step.set(index, value)
+            except StepAborted:
+                pass
+            except BaseException as exc:  # noqa: B902 - KeyboardInterrupt in a stage reaches the caller too
+                step.abort(exc)
+            finally:
+                if last:
+                    step.worker_finished()
 
         return compute
 
@@ -363,32 +377,24 @@ class Runtime:
     def _run_locked(
         self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]]
     ) -> Dict[Hashable, Any]:
+        previous = self._step
+        if previous is not None:  # a step left behind by a second interrupt: let it drain first
+            previous.finished.wait()
         step = _Step(program, context, state, on_abort)
         self._step = step
         wall_start = time.perf_counter()
-        active = 0
         for worker, tasks in zip(self.workers, self._tasks_for(program)):
-            if tasks:
-                active += 1
-                put = worker.in_queue.put
-                for task in tasks:
-                    put(task)
+            put = worker.in_queue.put
+            for task in tasks:
+                put(task)
         interrupt: Optional[BaseException] = None
-        get = self.out_queue.get
-        while active:
+        while True:
             try:
-                ok, task, payload = get()
-            except BaseException as exc:  # KeyboardInterrupt while waiting: abort, then drain
+                step.finished.wait()
+                break
+            except BaseException as exc:  # noqa: B902 - KeyboardInterrupt while waiting: abort, drain
                 interrupt = interrupt or exc
                 step.abort(exc)
-                continue
-            if task.finalize is _worker_finished:
-                active -= 1
-            if not ok:
-                if not isinstance(payload, StepAborted):
-                    step.abort(payload)
-            elif task.finalize is not None and task.finalize is not _worker_finished:
-                task.finalize(payload)
         wall_end = time.perf_counter()
         self._step = None
         self.last_step = StepRecord(
@@ -404,7 +410,3 @@ class Runtime:
         if error is not None:
             raise error.with_traceback(error.__traceback__)
         return {job.key: step.values[job.index] for job in program.jobs if job.keep}
-
-
-def _worker_finished(result: Any) -> None:
-    """Marker finalize of each worker's last task in a step."""

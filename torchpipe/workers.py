@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -112,7 +114,7 @@ class Worker:
     def __init__(
         self,
         name: str,
-        out_queue: "queue.SimpleQueue[Report]",
+        out_queue: "Optional[queue.SimpleQueue[Report]]" = None,
         device: Optional[torch.device] = None,
         *,
         stream: Any = None,
@@ -127,7 +129,8 @@ class Worker:
                 stream = self.backend.new_stream(device)
         self.stream = stream
         self.in_queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self.out_queue = out_queue
+        # Reports of failed tasks and of tasks with a finalize (a private queue if none given).
+        self.out_queue: "queue.SimpleQueue[Report]" = out_queue if out_queue is not None else queue.SimpleQueue()
         self.intra_op_threads = intra_op_threads
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -179,7 +182,7 @@ class Worker:
 
 def spawn_workers(
     devices: Sequence[Optional[torch.device]],
-    out_queue: "queue.SimpleQueue[Report]",
+    out_queue: "Optional[queue.SimpleQueue[Report]]" = None,
     *,
     name: str = "torchpipe",
     budget: ThreadBudget = ThreadBudget(),
@@ -210,14 +213,29 @@ def spawn_workers(
     return workers
 
 
-def stop_workers(workers: Sequence[Worker]) -> None:
-    """Stop and join every worker (idempotent)."""
+STOP_TIMEOUT_S = 30.0
+
+
+def stop_workers(workers: Sequence[Worker], timeout: float = STOP_TIMEOUT_S) -> None:
+    """Stop and join every worker (idempotent).
+
+    A worker stuck in a task that never returns cannot be stopped from outside; rather than
+    hang ``close()`` or interpreter exit, the join gives up after ``timeout`` seconds and
+    warns, naming the thread (worker threads are daemons, so they do not block exit).
+    """
     for worker in workers:
         if worker.is_alive():
             worker.in_queue.put(_STOP)
+    deadline = time.monotonic() + timeout
+    stuck = []
     for worker in workers:
         if threading.current_thread() is not worker.thread:
-            worker.thread.join()
+            worker.thread.join(max(0.0, deadline - time.monotonic()))
+            if worker.thread.is_alive():
+                stuck.append(worker.name)
+    if stuck:
+        warnings.warn(f"worker threads {stuck} did not stop within {timeout:g} s (a task is still running); "
+                      "they are left behind as daemon threads", RuntimeWarning, stacklevel=2)
 
 
 class HostPool:

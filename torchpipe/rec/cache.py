@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CacheTooSmallError
-from .eviction import POLICIES, choose_victims
+from .eviction import POLICIES, LruIndex, select_victims
 from .swap_plan import SwapPlan
 
 __all__ = ["EmbeddingCache", "CacheStats"]
@@ -62,6 +62,17 @@ class EmbeddingCache:
         self._protect_count = torch.zeros(cache_rows, dtype=torch.int32)
         self._tick = 0
         self._seq = 0
+        # Derived bookkeeping that keeps planning proportional to the batch, not the cache:
+        # slots [_free_from, cache_rows) are the free ones (victims take free slots first, in
+        # slot order, and only `clear` frees slots), `_protected` counts slots with
+        # `_protect_count > 0`, and `_lru` lists the occupied slots in LRU order.
+        self._free_from = 0
+        self._protected = 0
+        self._lru = LruIndex(cache_rows) if policy == "lru" else None
+        # `check_fits` then `plan_swap` of the same keys (what a multi-table caller does) look
+        # them up once: the lookup is reused while neither the keys tensor nor the state changed.
+        self._state_version = 0
+        self._memo: tuple | None = None
         self.stats = CacheStats()
 
     # -- planning ---------------------------------------------------------------------
@@ -70,25 +81,66 @@ class EmbeddingCache:
             raise ValueError(f"unique_keys must be a 1-D integer tensor, got {unique_keys.dtype} "
                              f"of shape {tuple(unique_keys.shape)}")
         keys = unique_keys.to(torch.int64)
-        if keys.numel():
-            if int(keys.min()) < 0 or int(keys.max()) >= self.num_rows:
+        n = keys.numel()
+        if n:
+            # Fast path: strictly increasing keys (what `prepare_batch`'s dedup yields) are unique
+            # and have their extremes at the ends; anything else takes the general checks.
+            increasing = n == 1 or bool((keys[1:] > keys[:-1]).all())
+            low, high = (int(keys[0]), int(keys[-1])) if increasing else (int(keys.min()), int(keys.max()))
+            if low < 0 or high >= self.num_rows:
                 raise ValueError(f"table {self.name!r}: keys out of range [0, {self.num_rows})")
-            if torch.unique(keys).numel() != keys.numel():
+            if not increasing and torch.unique(keys).numel() != n:
                 raise ValueError(f"table {self.name!r}: plan_swap needs unique keys")
         return keys
 
+    def _locate(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int,
+                                                    CacheTooSmallError | None]:
+        """``(slots, hit_slots, available, error)`` of planning ``keys`` now. Holds ``_lock``.
+
+        ``slots``: each key's slot or -1 (a fresh tensor); ``hit_slots``: the slots of the
+        cached keys; ``available``: slots that may be evicted (unprotected, not holding a key
+        of the batch); ``error``: the `CacheTooSmallError` planning would raise, or None.
+        """
+        slots = self.slot_of_key.index_select(0, keys)
+        hit_slots = slots[slots >= 0]
+        unprotected = self.cache_rows - self._protected
+        available = unprotected - int(self._protect_count.index_select(0, hit_slots).eq(0).sum())
+        missing = int(keys.numel()) - int(hit_slots.numel())
+        error = None
+        if missing > available:
+            error = CacheTooSmallError(self.name, self.cache_rows, int(keys.numel()),
+                                       self._protected, missing, available)
+        return slots, hit_slots, available, error
+
     def _capacity_error(self, keys: torch.Tensor) -> CacheTooSmallError | None:
         """The error planning ``keys`` now would raise, or None. Holds ``_lock``."""
-        slots = self.slot_of_key[keys]
-        hit = slots >= 0
-        candidates = self._protect_count == 0
-        candidates[slots[hit]] = False
-        missing = int((~hit).sum())
-        available = int(candidates.sum())
-        if missing <= available:
-            return None
-        return CacheTooSmallError(self.name, self.cache_rows, int(keys.numel()),
-                                  int((self._protect_count > 0).sum()), missing, available)
+        return self._locate(keys)[-1]
+
+    def _victims(self, count: int, hit_slots: torch.Tensor) -> torch.Tensor:
+        """``count`` slots for the missing keys, in the policy's order. Holds ``_lock``."""
+        free = min(count, self.cache_rows - self._free_from)
+        victims = torch.arange(self._free_from, self._free_from + free, dtype=torch.int64)
+        if free == count:
+            return victims
+        batch_slot = torch.zeros(self.cache_rows, dtype=torch.bool)
+        batch_slot[hit_slots] = True
+        if self._lru is not None:
+            used = self._lru.select(count - free, self._last_used, self._protect_count, batch_slot)
+            if used is not None:
+                return torch.cat([victims, used])
+        candidates = (self._protect_count == 0) & ~batch_slot
+        return select_victims(candidates, count, self.policy, self.key_of_slot, self._last_used,
+                              self._freq_of_key, self._tick)
+
+    def _checked_and_located(self, unique_keys: torch.Tensor) -> tuple:
+        """`_check_keys` then `_locate` (under ``_lock``), reusing the last `check_fits`'s result."""
+        memo = self._memo
+        if (memo is not None and memo[0] is unique_keys and memo[1] == unique_keys._version
+                and memo[2] == self._state_version):
+            self._memo = None  # its `slots` tensor goes into a plan: use once
+            return memo[3], memo[4]
+        keys = self._check_keys(unique_keys)
+        return keys, self._locate(keys)
 
     def check_fits(self, unique_keys: torch.Tensor) -> None:
         """Raise `CacheTooSmallError` if `plan_swap` would; changes nothing.
@@ -97,41 +149,45 @@ class EmbeddingCache:
         """
         keys = self._check_keys(unique_keys)
         with self._lock:
-            error = self._capacity_error(keys)
-        if error is not None:
-            raise error
+            located = self._locate(keys)
+            self._memo = (unique_keys, unique_keys._version, self._state_version, keys, located)
+        if located[-1] is not None:
+            raise located[-1]
 
     def plan_swap(self, unique_keys: torch.Tensor) -> SwapPlan:
         """Assign a slot to every key, evicting unprotected rows; protect the keys until `release`.
 
         Raises `CacheTooSmallError` (with the numbers) before any state changes when the
-        unprotected slots cannot take the missing keys.
+        unprotected slots cannot take the missing keys. Victims follow the policy's order
+        (`torchpipe.rec.eviction`); the i-th missing key (in ``unique_keys`` order) gets the
+        i-th victim.
         """
-        keys = self._check_keys(unique_keys)
         with self._lock:
-            error = self._capacity_error(keys)
+            keys, (slots, hit_slots, _, error) = self._checked_and_located(unique_keys)
             if error is not None:
                 raise error
-            slots = self.slot_of_key[keys]
-            hit = slots >= 0
-            candidates_mask = self._protect_count == 0
-            candidates_mask[slots[hit]] = False
-            in_keys = keys[~hit]
-            in_slots = choose_victims(torch.nonzero(candidates_mask).flatten(), int(in_keys.numel()),
-                                      self.policy, self.key_of_slot, self._last_used, self._freq_of_key)
-            evicting = self.key_of_slot[in_slots] >= 0
+            miss = torch.nonzero(slots < 0).flatten()
+            in_keys = keys.index_select(0, miss)
+            in_slots = self._victims(int(miss.numel()), hit_slots)
+            previous = self.key_of_slot.index_select(0, in_slots)
+            evicting = previous >= 0
             out_slots = in_slots[evicting]
-            out_keys = self.key_of_slot[out_slots]
+            out_keys = previous[evicting]
             # Commit: nothing below can fail.
-            self.slot_of_key[out_keys] = -1
-            self.slot_of_key[in_keys] = in_slots
-            self.key_of_slot[in_slots] = in_keys
-            slots = slots.clone()
-            slots[~hit] = in_slots
+            self._state_version += 1
+            self._memo = None
+            self._free_from += int(in_slots.numel() - out_slots.numel())
+            self.slot_of_key.index_fill_(0, out_keys, -1)
+            self.slot_of_key.index_copy_(0, in_keys, in_slots)
+            self.key_of_slot.index_copy_(0, in_slots, in_keys)
+            slots.index_copy_(0, miss, in_slots)
             self._tick += 1
-            self._last_used[slots] = self._tick
-            self._freq_of_key[keys] += 1
-            self._protect_count[slots] += 1
+            self._last_used.index_fill_(0, slots, self._tick)
+            self._freq_of_key.index_add_(0, keys, torch.ones_like(keys))  # keys are unique
+            self._protected += int(self._protect_count.index_select(0, slots).eq(0).sum())
+            self._protect_count.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+            if self._lru is not None:
+                self._lru.add(self._tick, slots, self.key_of_slot, self._last_used)
             plan = SwapPlan(self.name, self._seq, keys, slots, out_keys, out_slots, in_keys, in_slots)
             self._seq += 1
             self.stats.plans += 1
@@ -147,7 +203,11 @@ class EmbeddingCache:
             if plan.released:
                 raise RuntimeError(f"swap plan {plan.seq} of table {self.name!r} released twice")
             plan.released = True
-            self._protect_count[plan.slots_of_keys] -= 1
+            self._state_version += 1
+            self._memo = None
+            slots = plan.slots_of_keys
+            self._protect_count.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+            self._protected -= int(self._protect_count.index_select(0, slots).eq(0).sum())
 
     # -- inspection -------------------------------------------------------------------
     def protected_slots(self) -> int:
@@ -174,3 +234,8 @@ class EmbeddingCache:
             self.slot_of_key.fill_(-1)
             self.key_of_slot.fill_(-1)
             self._last_used.fill_(-1)
+            self._free_from = 0
+            self._state_version += 1
+            self._memo = None
+            if self._lru is not None:
+                self._lru.clear()

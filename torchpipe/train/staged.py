@@ -19,7 +19,6 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from queue import SimpleQueue
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -123,17 +122,16 @@ class StagedPipeline:
         cores = ThreadBudget().threads_per_worker(1)
         if device_threads is None:
             device_threads = max(1, cores - (1 if host_threads else 0)) if self.device.type == "cpu" else 1
-        out_queue: "SimpleQueue[Any]" = SimpleQueue()
         workers: List[Worker] = []
         try:
             for i, wname in enumerate(self.worker_names):
                 device_of = self.device if i < 2 else None
-                workers.append(Worker(wname, out_queue, device_of, intra_op_threads=device_threads if i < 2 else 1))
+                workers.append(Worker(wname, device=device_of, intra_op_threads=device_threads if i < 2 else 1))
         except BaseException:
             stop_workers(workers)
             raise
         self._workers = workers
-        self._runtime = Runtime(workers, out_queue)
+        self._runtime = Runtime(workers)
         self._finalizer = weakref.finalize(self, stop_workers, list(workers))
         self._schedule = ClockSchedule(len(stages))
         self._values: List[Any] = [None] * len(stages)

@@ -1,0 +1,666 @@
+"""No hang, ever: every fault reaches the caller, the step is cancelled, the Pipe stays usable.
+
+DESIGN.md invariant 3 and issue 3 ("Errors and reliability"). Each test names the guarantee
+it checks and fails when that guarantee is broken: a wrong exception type, a traceback that
+lost the raising frame, a step that keeps running after the first error, a leaked thread, a
+Pipe that gives wrong outputs after an error, or a hang (bounded by explicit timeouts).
+"""
+import copy
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+from torch import nn
+
+import torchpipe
+from torchpipe import Pipe
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---------------------------------------------------------------------------------- helpers
+def torchpipe_threads():
+    return {t for t in threading.enumerate() if t.name.startswith("torchpipe")}
+
+
+def wait_until_gone(threads, timeout=5.0):
+    """Poll until every thread in ``threads`` has exited; return the ones still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [t for t in threads if t.is_alive()]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+        alive = [t for t in alive if t.is_alive()]
+    return alive
+
+
+@pytest.fixture
+def no_thread_leak():
+    """Every torchpipe thread started during the test is gone once its Pipes are closed."""
+    before = torchpipe_threads()
+    pipes = []
+    yield pipes
+    for pipe in pipes:
+        pipe.close()
+    new = torchpipe_threads() - before
+    assert not wait_until_gone(new), f"leaked threads: {sorted(t.name for t in new if t.is_alive())}"
+
+
+class StageError(Exception):
+    """A distinctive exception type: the caller must see exactly this type."""
+
+
+class Probe(nn.Module):
+    """Identity layer that counts its forward calls and can fail on a chosen call.
+
+    ``fail_on``: the 0-based call (micro-batch index within a step) that raises ``error``.
+    Calls made during checkpoint recompute are not counted.
+    """
+
+    def __init__(self, error=None, fail_on=None, sleep=0.0):
+        super().__init__()
+        self.error = error
+        self.fail_on = fail_on
+        self.sleep = sleep
+        self.calls = 0
+
+    def forward(self, x):
+        if torchpipe.is_recomputing():
+            return x * 1.0
+        index = self.calls
+        self.calls += 1
+        if self.sleep:
+            time.sleep(self.sleep)
+        if self.error is not None and (self.fail_on is None or index == self.fail_on):
+            explode_in_stage_forward(self.error)
+        return x * 1.0
+
+
+def explode_in_stage_forward(error):
+    raise error
+
+
+def frame_names(exc):
+    return [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
+
+
+def make_probed(stages, width=4):
+    """Linear + Probe per stage; returns (model, probes)."""
+    layers, probes = [], []
+    for _ in range(stages):
+        probe = Probe()
+        layers += [nn.Linear(width, width), probe]
+        probes.append(probe)
+    return nn.Sequential(*layers), probes
+
+
+def grads(module):
+    return {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+
+
+def assert_transparent(pipe, reference, x):
+    """pipe(x) and its parameter gradients equal the plain model's."""
+    pipe.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    out = pipe(x)
+    out.pow(2).sum().backward()
+    expected = reference(x)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected)
+    got, want = grads(pipe), grads(reference)
+    assert got.keys() == want.keys() and want
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+
+
+# ------------------------------------------------------------------- forward exceptions
+@pytest.mark.parametrize("microbatch", [0, 1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_forward_exception_reaches_caller_with_type_and_frame(stage, microbatch, no_thread_leak):
+    model, probes = make_probed(3)
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 2, 2], chunks=4, checkpoint="except_last")
+    no_thread_leak.append(pipe)
+    x = torch.randn(8, 4)
+    error = StageError(f"stage {stage} mb {microbatch}")
+    probes[stage].error, probes[stage].fail_on = error, microbatch
+
+    start = time.monotonic()
+    with pytest.raises(StageError) as info:
+        pipe(x)
+    assert time.monotonic() - start < 10
+    assert info.value is error
+    assert "explode_in_stage_forward" in frame_names(info.value)
+    assert probes[stage].calls >= microbatch + 1
+    # Later stages never saw the failed micro-batch (nor any after it).
+    for later in probes[stage + 1:]:
+        assert later.calls <= microbatch
+
+    probes[stage].error = None
+    for probe in probes:
+        probe.calls = 0
+    assert_transparent(pipe, reference, x)
+    assert [p.calls for p in probes] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("error_type", [KeyboardInterrupt, SystemExit, GeneratorExit])
+@pytest.mark.parametrize("stage", [0, 2])
+def test_base_exceptions_in_a_stage_reach_the_caller(error_type, stage, no_thread_leak):
+    model, probes = make_probed(3)
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 2, 2], chunks=3)
+    no_thread_leak.append(pipe)
+    workers = [w.thread for w in pipe._workers]
+    x = torch.randn(6, 4)
+    error = error_type("from a stage")
+    probes[stage].error, probes[stage].fail_on = error, 1
+
+    result = {}
+
+    def call():
+        try:
+            pipe(x)
+        except BaseException as exc:  # noqa: B902 - exactly what we check
+            result["error"] = exc
+
+    # Call from a helper thread so that a hang fails the test instead of freezing pytest.
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive(), f"{error_type.__name__} in stage {stage} hung the caller"
+    assert result.get("error") is error
+    assert "explode_in_stage_forward" in frame_names(error)
+    assert all(t.is_alive() for t in workers), "a worker thread died of a BaseException"
+
+    probes[stage].error = None
+    assert_transparent(pipe, reference, x)
+
+
+# ------------------------------------------------------------------ backward exceptions
+class _FailingBackward(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailingBackward.armed:
+            explode_in_backward()
+        return grad
+
+
+def explode_in_backward():
+    raise StageError("backward failed")
+
+
+class FailingBackward(nn.Module):
+    def forward(self, x):
+        return _FailingBackward.apply(x)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_backward_exception_reaches_caller(stage, checkpoint, no_thread_leak):
+    layers = []
+    for s in range(3):
+        layers.append(nn.Linear(4, 4))
+        layers.append(FailingBackward() if s == stage else nn.Identity())
+    model = nn.Sequential(*layers)
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 2, 2], chunks=2, checkpoint=checkpoint)
+    no_thread_leak.append(pipe)
+    x = torch.randn(4, 4)
+    _FailingBackward.armed = True
+    try:
+        out = pipe(x)
+        with pytest.raises(StageError) as info:
+            out.sum().backward()
+        assert "explode_in_backward" in frame_names(info.value)
+    finally:
+        _FailingBackward.armed = False
+    del out, info
+    assert_transparent(pipe, reference, x)
+
+
+class FailsWhenRecomputing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+        self.recomputes = 0
+
+    def forward(self, x):
+        if torchpipe.is_recomputing():
+            self.recomputes += 1
+            if self.armed:
+                explode_in_recompute()
+        return torch.sin(x)  # saves x, so backward must recompute this layer
+
+
+def explode_in_recompute():
+    raise StageError("recompute failed")
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_failure_during_checkpoint_recompute_reaches_caller(stage, no_thread_leak):
+    layers = []
+    faulty = FailsWhenRecomputing()
+    for s in range(2):
+        layers.append(faulty if s == stage else nn.Identity())
+        layers.append(nn.Linear(4, 4))
+    model = nn.Sequential(*layers)
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 2], chunks=2, checkpoint="always")
+    no_thread_leak.append(pipe)
+    x = torch.randn(4, 4)
+    faulty.armed = True
+    out = pipe(x)  # the forward does not recompute: no error yet
+    assert faulty.recomputes == 0
+    with pytest.raises(StageError) as info:
+        out.sum().backward()
+    assert "explode_in_recompute" in frame_names(info.value)
+    assert faulty.recomputes >= 1
+    faulty.armed = False
+    del out, info
+    assert_transparent(pipe, reference, x)
+
+
+# --------------------------------------------------------------------------- copy faults
+class ToMeta(nn.Module):
+    """Moves its output to the 'meta' device when armed: the next stage's copy must fail."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return x.to("meta") if self.armed else x * 1.0
+
+
+def test_copy_fault_on_stage_0_input_surfaces_with_its_type(no_thread_leak):
+    model, _ = make_probed(2)
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 2], chunks=2)
+    no_thread_leak.append(pipe)
+    with pytest.raises(NotImplementedError, match="meta") as info:
+        pipe(torch.randn(4, 4, device="meta"))
+    assert any("copy" in name for name in frame_names(info.value))
+    del info
+    assert_transparent(pipe, reference, torch.randn(4, 4))
+
+
+def test_copy_fault_between_stages_surfaces_with_its_type(no_thread_leak):
+    to_meta = ToMeta()
+    model = nn.Sequential(nn.Linear(4, 4), to_meta, nn.Linear(4, 4), nn.Identity())
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 2], chunks=2)
+    no_thread_leak.append(pipe)
+    to_meta.armed = True
+    with pytest.raises(NotImplementedError, match="meta"):
+        pipe(torch.randn(4, 4))
+    to_meta.armed = False
+    reference[1].armed = False
+    assert_transparent(pipe, reference, torch.randn(4, 4))
+
+
+# ----------------------------------------------------------------------------- early stop
+def test_early_stop_when_stage_0_fails_on_the_first_microbatch(no_thread_leak):
+    model, probes = make_probed(4)
+    pipe = Pipe(model, [2, 2, 2, 2], chunks=32, checkpoint="never")
+    no_thread_leak.append(pipe)
+    pipe(torch.randn(32, 4))  # warm up the workers
+    for probe in probes:
+        probe.calls = 0
+    probes[3].sleep = 0.2  # 32 micro-batches would take 6.4 s on the last stage
+    probes[0].error, probes[0].fail_on = StageError("first"), 0
+
+    start = time.monotonic()
+    with pytest.raises(StageError):
+        pipe(torch.randn(32, 4))
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.0, f"step took {elapsed:.2f}s after stage 0 failed on micro-batch 0"
+    assert [p.calls for p in probes[1:]] == [0, 0, 0], "later stages ran tasks of an aborted step"
+    # How many more micro-batches stage 0 itself runs: see the xfail test below.
+
+
+def test_the_failing_worker_starts_no_further_task_of_the_step(no_thread_leak):
+    model, probes = make_probed(2)
+    pipe = Pipe(model, [2, 2], chunks=8, checkpoint="never")
+    no_thread_leak.append(pipe)
+    pipe(torch.randn(8, 4))
+    probes[0].calls = probes[1].calls = 0
+    probes[0].error, probes[0].fail_on, probes[0].sleep = StageError("mb 0"), 0, 0.02
+    with pytest.raises(StageError):
+        pipe(torch.randn(8, 4))
+    assert probes[0].calls == 1, f"stage 0 ran {probes[0].calls} micro-batches of an aborted step"
+    assert probes[1].calls == 0
+
+
+def test_early_stop_bounded_when_a_middle_microbatch_fails(no_thread_leak):
+    model, probes = make_probed(3)
+    probes[2].sleep = 0.05
+    pipe = Pipe(model, [2, 2, 2], chunks=32, checkpoint="never")
+    no_thread_leak.append(pipe)
+    probes[0].error, probes[0].fail_on = StageError("mb 5"), 5
+    start = time.monotonic()
+    with pytest.raises(StageError):
+        pipe(torch.randn(32, 4))
+    elapsed = time.monotonic() - start
+    # Without cancellation the last stage would sleep 32 x 0.05 s.
+    assert elapsed < 1.2, elapsed
+    assert probes[2].calls <= 6
+    assert probes[1].calls <= 6
+
+
+def test_abort_wakes_stages_waiting_on_a_slow_failure(no_thread_leak):
+    """Stages 1..3 block on stage 0's output; stage 0 fails late. Nobody may stay blocked."""
+    model, probes = make_probed(4)
+    probes[0].sleep = 0.3
+    probes[0].error, probes[0].fail_on = StageError("late"), 0
+    pipe = Pipe(model, [2, 2, 2, 2], chunks=8, checkpoint="never")
+    no_thread_leak.append(pipe)
+    start = time.monotonic()
+    with pytest.raises(StageError):
+        pipe(torch.randn(8, 4))
+    assert time.monotonic() - start < 2.0
+
+
+# ------------------------------------------------------------ KeyboardInterrupt in caller
+_CALLER_INTERRUPT_SCRIPT = textwrap.dedent(
+    """
+    import _thread, os, signal, threading, time, copy
+    import torch
+    from torch import nn
+    from torchpipe import Pipe
+
+    MODE = {mode!r}
+
+    class InterruptCaller(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.armed = False
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.armed and self.calls == 1:
+                if MODE == "interrupt_main":
+                    _thread.interrupt_main()
+                else:
+                    os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.3)  # the caller is blocked waiting for the step meanwhile
+            return x * 1.0
+
+    torch.manual_seed(0)
+    slow = InterruptCaller()
+    model = nn.Sequential(nn.Linear(4, 4), slow, nn.Linear(4, 4), nn.Identity())
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [1, 1, 2], chunks=4, checkpoint="never")
+    x = torch.randn(8, 4)
+    pipe(x)
+
+    def watchdog():
+        time.sleep(6)
+        print("HANG: an interrupted call did not return", flush=True)
+        os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    # Several attempts: where the interrupt lands relative to the caller's bookkeeping varies.
+    for attempt in range(5):
+        slow.armed, slow.calls = True, 0
+        try:
+            pipe(x)
+        except KeyboardInterrupt:
+            print("caller got KeyboardInterrupt", flush=True)
+        else:
+            print("no KeyboardInterrupt", flush=True)
+        slow.armed = False
+        out = pipe(x)
+        torch.testing.assert_close(out, reference(x))
+    print("pipe works afterwards", flush=True)
+    workers = [t for t in threading.enumerate() if t.name.startswith("torchpipe")]
+    pipe.close()
+    for t in workers:
+        t.join(5)
+    assert not any(t.is_alive() for t in workers)
+    print("threads joined", flush=True)
+    """
+)
+
+
+def _run_caller_interrupt(mode):
+    script = _CALLER_INTERRUPT_SCRIPT.format(mode=mode)
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=40, env=env
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the caller hung after a KeyboardInterrupt ({mode}); output: {exc.stdout!r}")
+    assert "HANG" not in proc.stdout, proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("caller got KeyboardInterrupt") == 5, proc.stdout
+    assert "pipe works afterwards" in proc.stdout
+    assert "threads joined" in proc.stdout
+
+
+def test_sigint_in_caller_while_waiting_aborts_and_drains():
+    """A real Ctrl-C (SIGINT to the process) while the caller waits on the step."""
+    _run_caller_interrupt("sigint")
+
+
+def test_interrupt_main_in_caller_while_waiting_aborts_and_drains():
+    """``_thread.interrupt_main()``: the KeyboardInterrupt is raised at the caller's next bytecode,
+    typically just after a report was dequeued; no report may be lost to it."""
+    _run_caller_interrupt("interrupt_main")
+
+
+# ------------------------------------------------------------------------- thread leaks
+def _new_threads(before):
+    return torchpipe_threads() - before
+
+
+def test_close_joins_every_worker():
+    before = torchpipe_threads()
+    model, _ = make_probed(3)
+    pipe = Pipe(model, [2, 2, 2], chunks=2)
+    pipe(torch.randn(4, 4))
+    new = _new_threads(before)
+    assert len(new) == 3
+    pipe.close()
+    assert not wait_until_gone(new)
+    pipe.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        pipe(torch.randn(4, 4))
+
+
+def test_context_manager_joins_every_worker():
+    before = torchpipe_threads()
+    model, _ = make_probed(2)
+    with Pipe(model, [2, 2], chunks=2) as pipe:
+        pipe(torch.randn(4, 4))
+        new = _new_threads(before)
+        assert len(new) == 2
+    assert not wait_until_gone(new)
+
+
+def test_context_manager_joins_workers_after_an_error():
+    before = torchpipe_threads()
+    model, probes = make_probed(2)
+    probes[1].error = StageError("boom")
+    with pytest.raises(StageError):
+        with Pipe(model, [2, 2], chunks=2) as pipe:
+            new = _new_threads(before)
+            pipe(torch.randn(4, 4))
+    assert not wait_until_gone(new)
+
+
+def test_garbage_collection_joins_every_worker():
+    before = torchpipe_threads()
+    model, _ = make_probed(3)
+    pipe = Pipe(model, [2, 2, 2], chunks=2)
+    out = pipe(torch.randn(4, 4))
+    out.sum().backward()
+    new = _new_threads(before)
+    assert len(new) == 3
+    del pipe, out
+    gc.collect()
+    assert not wait_until_gone(new), "del pipe; gc.collect() left worker threads behind"
+
+
+def test_garbage_collection_after_a_failed_step_joins_every_worker():
+    before = torchpipe_threads()
+    model, probes = make_probed(2)
+    probes[0].error = StageError("boom")
+    pipe = Pipe(model, [2, 2], chunks=4)
+    try:
+        pipe(torch.randn(8, 4))
+    except StageError:
+        pass
+    new = _new_threads(before)
+    assert len(new) == 2
+    del pipe
+    probes[0].error = None  # the exception's traceback may hold frames; drop it too
+    gc.collect()
+    assert not wait_until_gone(new)
+
+
+# --------------------------------------------------------------------------- concurrency
+def _parameter_grads(module, out):
+    params = [p for p in module.parameters()]
+    return torch.autograd.grad(out.pow(2).sum(), params)
+
+
+def test_two_threads_calling_one_pipe_get_correct_outputs_and_gradients(no_thread_leak):
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 8)
+    )
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 2, 2], chunks=4, checkpoint="except_last")
+    no_thread_leak.append(pipe)
+    iterations = 40
+    failures = []
+    done = []
+
+    def worker(seed):
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            for i in range(iterations):
+                # Different shapes too, so that a mixed-up step shows as a shape error.
+                x = torch.randn(4 + 4 * seed, 8, generator=generator)
+                out = pipe(x)
+                got = _parameter_grads(pipe, out)
+                expected = reference(x)
+                want = _parameter_grads(reference, expected)
+                torch.testing.assert_close(out, expected, msg=f"thread {seed} iteration {i}")
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, msg=f"grad, thread {seed} iteration {i}")
+            done.append(seed)
+        except BaseException as exc:  # noqa: B902
+            failures.append((seed, repr(exc)))
+
+    threads = [threading.Thread(target=worker, args=(seed,), daemon=True) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "concurrent calls hung"
+    assert not failures, failures
+    assert sorted(done) == [1, 2]
+
+
+def test_concurrent_failing_calls_do_not_leak_into_other_threads(no_thread_leak):
+    """Thread A's inputs make stage 0 fail; thread B's interleaved calls must still succeed,
+    and every one of A's calls must fail (no error is swallowed or handed to B)."""
+    MARK = 12345.0
+
+    class FailIfMarked(nn.Module):
+        def forward(self, x):
+            if x[0, 0].item() == MARK:
+                raise StageError("marked input")
+            return x * 1.0
+
+    model = nn.Sequential(FailIfMarked(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 1, 1], chunks=2, checkpoint="never")
+    no_thread_leak.append(pipe)
+    results = {"good": 0, "bad": 0, "wrong": []}
+
+    def bad():
+        for i in range(30):
+            x = torch.randn(4, 4)
+            x[0, 0] = MARK
+            try:
+                pipe(x)
+            except StageError:
+                results["bad"] += 1
+            except BaseException as exc:  # noqa: B902
+                results["wrong"].append(f"bad call {i}: {exc!r}")
+            else:
+                results["wrong"].append(f"bad call {i}: no error")
+
+    def good():
+        for i in range(30):
+            x = torch.randn(4, 4)
+            try:
+                out = pipe(x)
+            except BaseException as exc:  # noqa: B902
+                results["wrong"].append(f"good call {i}: {exc!r}")
+                continue
+            if not torch.allclose(out, reference(x)):
+                results["wrong"].append(f"good call {i}: wrong output")
+            results["good"] += 1
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (bad, good)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "concurrent calls hung"
+    assert not results["wrong"], results["wrong"]
+    assert results["good"] == 30 and results["bad"] == 30
+
+
+def test_a_stage_calling_its_own_pipe_gets_runtime_error(no_thread_leak):
+    class CallsOwnPipe(nn.Module):
+        pipe = None
+        armed = True
+
+        def forward(self, x):
+            if self.armed:
+                return self.pipe(x)
+            return x * 1.0
+
+    layer = CallsOwnPipe()
+    model = nn.Sequential(nn.Linear(4, 4), layer)
+    reference = nn.Sequential(copy.deepcopy(model[0]))
+    pipe = Pipe(model, [1, 1], chunks=2)
+    no_thread_leak.append(pipe)
+    CallsOwnPipe.pipe = pipe
+    try:
+        result = {}
+
+        def call():
+            try:
+                pipe(torch.randn(4, 4))
+            except BaseException as exc:  # noqa: B902
+                result["error"] = exc
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "re-entrant call deadlocked"
+        assert isinstance(result.get("error"), RuntimeError), result
+        assert "own pipeline" in str(result["error"]) or "re-entrant" in str(result["error"])
+        layer.armed = False
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(pipe(x), reference(x))
+    finally:
+        CallsOwnPipe.pipe = None

@@ -1,0 +1,466 @@
+"""The runtime: Program validation, execution of hand-made programs, value lifetime,
+StepRecord timings and abort propagation."""
+import gc
+import inspect
+import json
+import queue
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+from torchpipe.runtime import Program, Runtime, StepRecord
+from torchpipe.workers import spawn_workers, stop_workers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def new_runtime(workers, out_queue):
+    """``Runtime(workers)``; older runtimes also took the workers' shared out_queue."""
+    if len(inspect.signature(Runtime).parameters) >= 2:
+        return Runtime(workers, out_queue)
+    return Runtime(workers)
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.fixture
+def make_runtime():
+    made = []
+
+    def make(num_workers):
+        out_queue = queue.SimpleQueue()
+        workers = spawn_workers([torch.device("cpu")] * num_workers, out_queue, name="torchpipe-rt")
+        made.append(workers)
+        return new_runtime(workers, out_queue)
+
+    yield make
+    for workers in made:
+        stop_workers(workers)
+        assert not any(w.is_alive() for w in workers)
+
+
+def const(value):
+    return lambda ctx, inputs: value
+
+
+# --------------------------------------------------------------------------- Program errors
+def test_duplicate_key_is_rejected():
+    program = Program(2)
+    program.add(0, "a", const(1))
+    with pytest.raises(ValueError, match="duplicate.*'a'"):
+        program.add(1, "a", const(2))
+
+
+@pytest.mark.parametrize("worker", [-1, 2, 5])
+def test_worker_out_of_range_is_rejected(worker):
+    with pytest.raises(ValueError, match=str(worker)):
+        Program(2).add(worker, "a", const(1))
+
+
+def test_unknown_dependency_names_the_job_and_the_key():
+    program = Program(2)
+    program.add(0, "a", const(1))
+    program.add(1, "b", const(2), deps=["a", "ghost"], label="job b")
+    with pytest.raises(ValueError) as info:
+        program.freeze()
+    assert "job b" in str(info.value) and "ghost" in str(info.value)
+
+
+def test_dependency_cycle_would_deadlock():
+    program = Program(2)
+    program.add(0, "a", const(1), deps=["b"], label="job a")
+    program.add(1, "b", const(2), deps=["a"], label="job b")
+    with pytest.raises(ValueError, match="deadlock") as info:
+        program.freeze()
+    assert "job a" in str(info.value) and "job b" in str(info.value)
+
+
+def test_self_dependency_would_deadlock():
+    program = Program(1)
+    program.add(0, "a", const(1), deps=["a"], label="loner")
+    with pytest.raises(ValueError, match="deadlock.*loner"):
+        program.freeze()
+
+
+def test_worker_order_deadlock_without_a_dependency_cycle():
+    """No cycle in the dependency graph, but a1 needs b2 (queued behind b1 on worker 1) and b1
+    needs a2 (queued behind a1 on worker 0): executing in worker order would deadlock."""
+    program = Program(2)
+    program.add(0, "a1", const(1), deps=["b2"], label="a1")
+    program.add(0, "a2", const(2), label="a2")
+    program.add(1, "b1", const(3), deps=["a2"], label="b1")
+    program.add(1, "b2", const(4), label="b2")
+    with pytest.raises(ValueError, match="deadlock") as info:
+        program.freeze()
+    message = str(info.value)
+    assert "a1" in message and "b1" in message
+    assert "a2" not in message and "b2" not in message
+
+
+def test_a_frozen_program_cannot_grow_and_freeze_is_idempotent():
+    program = Program(1)
+    program.add(0, "a", const(1))
+    assert program.freeze() is program
+    assert program.freeze() is program
+    with pytest.raises(RuntimeError, match="frozen"):
+        program.add(0, "b", const(2))
+
+
+def test_forward_references_across_workers_are_fine():
+    program = Program(2)
+    program.add(0, "a", const(1), deps=["b"])  # b is added later
+    program.add(1, "b", const(2))
+    program.freeze()
+
+
+def test_runtime_rejects_a_program_for_another_number_of_workers(make_runtime):
+    runtime = make_runtime(2)
+    program = Program(3)
+    program.add(0, "a", const(1))
+    with pytest.raises(ValueError, match="3"):
+        runtime.run(program, None)
+
+
+# ------------------------------------------------------------------------------ execution
+def test_hand_made_program_with_cross_worker_dependencies(make_runtime):
+    runtime = make_runtime(3)
+    where = {}
+
+    def job(name, fn):
+        def run(ctx, inputs):
+            where[name] = threading.current_thread()
+            return fn(ctx, *inputs)
+
+        return run
+
+    program = Program(3)
+    program.add(0, "x", job("x", lambda ctx: ctx["base"]))
+    program.add(1, "y", job("y", lambda ctx, x: x * 10), deps=["x"])
+    program.add(2, "z", job("z", lambda ctx, x, y: (x, y)), deps=["x", "y"], keep=True)
+    program.add(0, "w", job("w", lambda ctx, z, x: z[1] + x + 1), deps=["z", "x"], keep=True)
+    for base in (1, 2, 3):  # the same program runs many steps
+        result = runtime.run(program, {"base": base})
+        assert result == {"z": (base, base * 10), "w": base * 10 + base + 1}
+    for name, worker in zip("xyzw", (0, 1, 2, 0)):
+        assert where[name] is runtime.workers[worker].thread, name
+
+
+def test_jobs_of_one_worker_run_in_program_order(make_runtime):
+    runtime = make_runtime(2)
+    log = []
+    program = Program(2)
+    # Worker 1's jobs become ready in reverse order, but must run in their listed order.
+    program.add(0, "slow", lambda ctx, inputs: time.sleep(0.05))
+    program.add(1, "first", lambda ctx, inputs: log.append("first"), deps=["slow"])
+    program.add(1, "second", lambda ctx, inputs: log.append("second"))
+    runtime.run(program, None)
+    assert log == ["first", "second"]
+
+
+def test_an_empty_worker_list_entry_is_fine(make_runtime):
+    runtime = make_runtime(3)
+    program = Program(3)
+    program.add(2, "only", const("v"), keep=True)
+    assert runtime.run(program, None) == {"only": "v"}
+
+
+class Payload:
+    """A weak-referenceable value."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+def test_values_are_dropped_after_their_last_consumer(make_runtime):
+    runtime = make_runtime(3)
+    refs = {}
+    observed = {}
+
+    def produce(name):
+        def run(ctx, inputs):
+            value = Payload(name)
+            refs[name] = weakref.ref(value)
+            return value
+
+        return run
+
+    def consume(ctx, inputs):
+        return len(inputs)
+
+    def check_dropped(ctx, inputs):
+        # a has two consumers (b, c), both finished before d: a's value must be gone. A consumer's
+        # frame may still hold its inputs for an instant after it reported, so poll briefly.
+        deadline = time.monotonic() + 2
+        while refs["a"]() is not None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        observed["a during step"] = refs["a"]() is None
+        return Payload("kept")
+
+    program = Program(3)
+    program.add(0, "a", produce("a"))
+    program.add(1, "b", consume, deps=["a"])
+    program.add(2, "c", consume, deps=["a"])
+    program.add(0, "d", check_dropped, deps=["b", "c"], keep=True)
+    program.add(1, "orphan", produce("orphan"))  # no consumer, not kept
+    program.add(2, "kept", produce("kept"), keep=True)
+    result = runtime.run(program, None)
+    assert observed["a during step"], "a's value outlived its last consumer during the step"
+    assert refs["orphan"]() is None, "a non-kept value without consumers outlived the step"
+    assert refs["kept"]() is result["kept"]
+    assert set(result) == {"d", "kept"}
+
+
+def test_tensor_values_are_freed_after_the_step(make_runtime):
+    runtime = make_runtime(2)
+    refs = []
+
+    def produce(ctx, inputs):
+        t = torch.randn(1000)
+        refs.append(weakref.ref(t))
+        return t
+
+    program = Program(2)
+    program.add(0, "a", produce)
+    program.add(1, "b", lambda ctx, inputs: inputs[0] + 1, keep=True, deps=["a"])
+    result = runtime.run(program, None)
+    assert refs[0]() is None
+    assert isinstance(result["b"], torch.Tensor)
+
+
+def test_a_job_calling_its_own_runtime_gets_runtime_error(make_runtime):
+    runtime = make_runtime(1)
+    inner = Program(1)
+    inner.add(0, "i", const(0))
+
+    def reenter(ctx, inputs):
+        return runtime.run(inner, None)
+
+    program = Program(1)
+    program.add(0, "outer", reenter)
+    caught = {}
+
+    def call():
+        try:
+            runtime.run(program, None)
+        except BaseException as exc:  # noqa: B902
+            caught["error"] = exc
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "re-entrant run deadlocked"
+    assert isinstance(caught["error"], RuntimeError)
+    assert runtime.run(inner, None) == {}
+
+
+# ------------------------------------------------------------------------- abort and errors
+def explode_in_job():
+    raise Boom("job failed")
+
+
+def test_abort_wakes_jobs_waiting_on_a_failed_dependency(make_runtime):
+    runtime = make_runtime(3)
+    ran = []
+
+    def fail(ctx, inputs):
+        time.sleep(0.1)  # the other workers are blocked on this job meanwhile
+        explode_in_job()
+
+    def record(name):
+        return lambda ctx, inputs: ran.append(name)
+
+    program = Program(3)
+    program.add(0, "fail", fail)
+    program.add(0, "after", record("after"))
+    program.add(1, "wait1", record("wait1"), deps=["fail"])
+    program.add(1, "then1", record("then1"))
+    program.add(2, "wait2", record("wait2"), deps=["wait1"])
+    program.add(2, "indep", record("indep"))
+    start = time.monotonic()
+    with pytest.raises(Boom) as info:
+        runtime.run(program, None)
+    assert time.monotonic() - start < 2.0
+    assert "explode_in_job" in [f.name for f in __import__("traceback").extract_tb(info.value.__traceback__)]
+    assert "wait1" not in ran and "wait2" not in ran and "then1" not in ran
+
+
+def test_the_failing_worker_runs_none_of_its_later_jobs(make_runtime):
+    runtime = make_runtime(2)
+    ran = []
+    program = Program(2)
+    program.add(0, "fail", lambda ctx, inputs: explode_in_job())
+    for i in range(10):
+        program.add(0, f"after{i}", lambda ctx, inputs, i=i: ran.append(i))
+    program.add(1, "wait", lambda ctx, inputs: ran.append("wait"), deps=["after9"])
+    with pytest.raises(Boom):
+        runtime.run(program, None)
+    assert ran == [], f"jobs of the aborted step ran after the failure: {ran}"
+
+
+def test_failure_while_another_worker_is_busy_returns_after_that_job_only(make_runtime):
+    runtime = make_runtime(3)
+    ran = []
+
+    def slow(ctx, inputs):
+        time.sleep(0.3)
+        ran.append("slow")
+
+    def fail(ctx, inputs):
+        explode_in_job()
+
+    program = Program(3)
+    program.add(0, "slow", slow)
+    for i in range(20):
+        program.add(0, f"more{i}", lambda ctx, inputs, i=i: (time.sleep(0.3), ran.append(i)))
+    program.add(1, "fail", fail)
+    program.add(2, "consume", lambda ctx, inputs: ran.append("consume"), deps=["more19"])
+    start = time.monotonic()
+    with pytest.raises(Boom):
+        runtime.run(program, None)
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.5, f"{elapsed:.2f}s: the rest of the step was not cancelled"
+    assert "consume" not in ran and 19 not in ran
+
+
+def test_the_next_step_is_clean_after_a_failed_step(make_runtime):
+    runtime = make_runtime(2)
+    should_fail = {"on": True}
+
+    def maybe_fail(ctx, inputs):
+        if should_fail["on"]:
+            explode_in_job()
+        return ctx
+
+    program = Program(2)
+    program.add(0, "a", maybe_fail)
+    program.add(1, "slow", lambda ctx, inputs: time.sleep(0.05))
+    program.add(1, "b", lambda ctx, inputs: inputs[0] * 2, deps=["a"], keep=True)
+    with pytest.raises(Boom):
+        runtime.run(program, 5)
+    failed = runtime.last_step
+    assert failed is not None
+    should_fail["on"] = False
+    for value in range(5):
+        assert runtime.run(program, value) == {"b": value * 2}
+    assert runtime.last_step is not failed
+
+
+def test_base_exception_in_a_job_reaches_the_caller(make_runtime):
+    runtime = make_runtime(2)
+    for error in (KeyboardInterrupt("k"), SystemExit(4)):
+        program = Program(2)
+
+        def fail(ctx, inputs, error=error):
+            raise error
+
+        program.add(0, "a", fail)
+        program.add(1, "b", const(1), deps=["a"], keep=True)
+        with pytest.raises(type(error)) as info:
+            runtime.run(program, None)
+        assert info.value is error
+    ok = Program(2)
+    ok.add(0, "a", const(3))
+    ok.add(1, "b", lambda ctx, inputs: inputs[0], deps=["a"], keep=True)
+    assert runtime.run(ok, None) == {"b": 3}
+
+
+def test_first_error_wins_when_several_jobs_fail(make_runtime):
+    runtime = make_runtime(2)
+    first = Boom("first")
+
+    def fail_first(ctx, inputs):
+        raise first
+
+    def fail_later(ctx, inputs):
+        time.sleep(0.05)
+        raise ValueError("later")
+
+    program = Program(2)
+    program.add(0, "a", fail_first)
+    program.add(1, "b", fail_later)
+    with pytest.raises(Boom) as info:
+        runtime.run(program, None)
+    assert info.value is first
+
+
+# ----------------------------------------------------------------------------- StepRecord
+def test_step_record_of_a_real_step_is_consistent(make_runtime):
+    runtime = make_runtime(2)
+    program = Program(2)
+    program.add(0, "a", lambda ctx, inputs: time.sleep(0.02), label="A")
+    program.add(1, "b", lambda ctx, inputs: time.sleep(0.02), deps=["a"], label="B")
+    program.add(0, "c", lambda ctx, inputs: time.sleep(0.02), label="C")
+    runtime.run(program, None)
+    record = runtime.last_step
+    assert record.labels == ["A", "B", "C"]
+    assert record.workers == [0, 1, 0]
+    assert record.worker_names == [w.name for w in runtime.workers]
+    assert all(0 <= e - s for s, e in zip(record.starts, record.ends))
+    assert all(e - s >= 0.015 for s, e in zip(record.starts, record.ends))
+    assert record.wall_start <= min(record.starts) and max(record.ends) <= record.wall_end
+    # B starts after A ended (dependency); C starts after A ended (same worker).
+    assert record.starts[1] >= record.ends[0] and record.starts[2] >= record.ends[0]
+    makespan = max(record.ends) - min(record.starts)
+    assert record.makespan == pytest.approx(makespan)
+    busy = record.busy()
+    assert busy[0] == pytest.approx((record.ends[0] - record.starts[0]) + (record.ends[2] - record.starts[2]))
+    assert busy[1] == pytest.approx(record.ends[1] - record.starts[1])
+    assert record.bubble_ratio == pytest.approx(1 - sum(busy) / (2 * makespan))
+    assert 0 <= record.bubble_ratio < 1
+
+    trace = json.loads(json.dumps(record.chrome_trace()))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == set(record.worker_names)
+    assert sorted(e["name"] for e in spans) == ["A", "B", "C"]
+    origin = min(record.starts)
+    for e in spans:
+        i = record.labels.index(e["name"])
+        assert e["tid"] == record.workers[i]
+        assert e["ts"] == pytest.approx((record.starts[i] - origin) * 1e6)
+        assert e["dur"] == pytest.approx((record.ends[i] - record.starts[i]) * 1e6)
+    assert min(e["ts"] for e in spans) == 0
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(makespan * 1e6)
+
+
+def test_step_record_arithmetic_by_hand(tmp_path):
+    record = StepRecord(
+        labels=["a", "b", "skipped"],
+        workers=[0, 1, 1],
+        worker_names=["w0", "w1"],
+        starts=[10.0, 11.0, -1.0],
+        ends=[11.0, 12.0, -1.0],
+        wall_start=9.5,
+        wall_end=12.5,
+    )
+    assert record.makespan == pytest.approx(2.0)
+    assert record.busy() == pytest.approx([1.0, 1.0])
+    assert record.bubble_ratio == pytest.approx(0.5)
+    trace = record.chrome_trace()
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["ts"], e["dur"]) for e in spans] == [("a", 0.0, 1e6), ("b", 1e6, 1e6)]
+    path = tmp_path / "trace.json"
+    record.save_chrome_trace(str(path))
+    assert json.loads(path.read_text()) == json.loads(json.dumps(trace))
+
+    empty = StepRecord([], [], ["w0"], [], [], 0.0, 1.0)
+    assert empty.makespan == 0.0 and empty.bubble_ratio == 0.0
+    assert [e for e in empty.chrome_trace()["traceEvents"] if e["ph"] == "X"] == []
+
+
+def test_step_record_of_an_aborted_step_skips_jobs_that_never_ran(make_runtime):
+    runtime = make_runtime(2)
+    program = Program(2)
+    program.add(0, "a", lambda ctx, inputs: explode_in_job(), label="A")
+    program.add(1, "b", const(1), deps=["a"], label="B")
+    with pytest.raises(Boom):
+        runtime.run(program, None)
+    record = runtime.last_step
+    assert record.starts[1] == -1.0
+    assert [e["name"] for e in record.chrome_trace()["traceEvents"] if e["ph"] == "X"] == []
+    assert record.busy()[1] == 0.0
