@@ -11,6 +11,8 @@ for torchpipe, torchgpipe and fairscale, all timed in the same run (interleaved 
 """
 from __future__ import annotations
 
+import threading
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -66,6 +68,28 @@ def _build(peer: Peer, chunks: int, x: torch.Tensor, expected: torch.Tensor) -> 
         close_pipeline(pipeline)
         raise
     return pipeline
+
+
+def thread_handoff_us(rounds: int) -> float:
+    """Microseconds per lock ping-pong round trip between two threads: the cost of waking a thread here."""
+    ping, pong = threading.Lock(), threading.Lock()
+    ping.acquire()
+    pong.acquire()
+
+    def partner() -> None:
+        for _ in range(rounds):
+            ping.acquire()
+            pong.release()
+
+    thread = threading.Thread(target=partner, name="bench-handoff")
+    thread.start()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        ping.release()
+        pong.acquire()
+    elapsed = time.perf_counter() - start
+    thread.join()
+    return elapsed / rounds * 1e6
 
 
 def run(options: Options) -> SuiteResult:
@@ -204,6 +228,13 @@ def _run(options: Options) -> SuiteResult:
     result.notes.append(f"torch.set_num_threads({INTRA_OP_THREADS}) for the whole suite (caller and every thread "
                         "it starts), so that all cases run with the same intra-op threading")
     result.notes.append("each pipeline's output was checked against the plain model before timing")
+    handoff = thread_handoff_us(2000 if options.quick else 20000)
+    result.config["thread_handoff_round_trip_us"] = round(handoff, 1)
+    result.notes.append(
+        f"this machine's thread hand-off: a lock ping-pong between two threads takes {handoff:.1f} us per round trip "
+        "(measured now). Every pipeline pays at least one hand-off per (stage, micro-batch) and one GIL hand-off per "
+        "torch op while several stages run; where a round trip costs hundreds of us, that bounds the overhead from below"
+    )
     if options.quick:
         result.notes.append("quick run: few short repeats, figures are indicative only")
     return result
