@@ -8,6 +8,7 @@ and pooling need, so a pipeline can run it on a host worker ahead of the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
@@ -76,22 +77,55 @@ def table_layouts(tables: list[EmbeddingBagConfig]) -> list[TableLayout]:
     return layouts
 
 
-def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKeys:
-    """Check ``kjt`` against ``layouts`` and dedup keys per table; raises `RecInputError`."""
+def initial_weight(config: EmbeddingBagConfig, layout: TableLayout,
+                   weights: Optional[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The table's starting rows: the given weight, else the config's ``init_fn`` on empty rows.
+
+    One rule for the cached collection and the full-table reference, so both start equal.
+    """
+    weight = weights.get(layout.name) if weights is not None else None
+    if weight is None:
+        weight = torch.empty(layout.num_rows, layout.dim)
+        if config.init_fn is not None:
+            with torch.no_grad():
+                config.init_fn(weight)
+    return weight
+
+
+def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
+    """Check a batch's KJT against the tables: names, key dtype, no weights, keys in range.
+
+    Raises `RecInputError` naming what is wrong; reads the batch only, so a caller can run
+    it before anything (cache, tables, pipeline) changes.
+    """
     if not isinstance(kjt, KeyedJaggedTensor):
         raise RecInputError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
-    expected = [f for layout in layouts for f in layout.feature_names]
+    table_of = {f: layout for layout in layouts for f in layout.feature_names}
     given = list(kjt.keys())
-    unknown = [f for f in given if f not in expected]
+    unknown = [f for f in given if f not in table_of]
     if unknown:
-        raise RecInputError(f"unknown feature names {unknown}; the tables have features {expected}")
-    missing = [f for f in expected if f not in given]
+        raise RecInputError(f"unknown feature names {unknown}; the tables have features {list(table_of)}")
+    missing = [f for f in table_of if f not in given]
     if missing:
         raise RecInputError(f"features {missing} are missing from the batch")
     if kjt.values().dtype not in (torch.int32, torch.int64):
         raise RecInputError(f"feature values must be int32 or int64 keys, got {kjt.values().dtype}")
     if kjt.weights_or_none() is not None:
         raise RecInputError("weighted KeyedJaggedTensors are not supported")
+    for feature, keys in zip(given, torch.split(kjt.values(), kjt.length_per_key())):
+        layout = table_of[feature]
+        if keys.numel():
+            low, high = torch.aminmax(keys)
+            if int(low) < 0 or int(high) >= layout.num_rows:
+                bad = keys[(keys < 0) | (keys >= layout.num_rows)]
+                raise RecInputError(
+                    f"feature {feature!r} (table {layout.name!r}) has keys out of range "
+                    f"[0, {layout.num_rows}): e.g. {bad[:5].tolist()}")
+
+
+def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKeys:
+    """Check ``kjt`` against ``layouts`` and dedup keys per table; raises `RecInputError`."""
+    check_kjt(kjt, layouts)
     features = kjt.to_dict()
     batch_size = kjt.stride()
     tables: dict[str, TableBatch] = {}
@@ -100,13 +134,7 @@ def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKe
         lengths: list[torch.Tensor] = []
         for feature in layout.feature_names:
             jagged = features[feature]
-            keys = jagged.values().to(torch.int64)
-            if keys.numel() and (int(keys.min()) < 0 or int(keys.max()) >= layout.num_rows):
-                bad = keys[(keys < 0) | (keys >= layout.num_rows)]
-                raise RecInputError(
-                    f"feature {feature!r} (table {layout.name!r}) has keys out of range "
-                    f"[0, {layout.num_rows}): e.g. {bad[:5].tolist()}")
-            values.append(keys)
+            values.append(jagged.values().to(torch.int64))
             lengths.append(jagged.lengths().to(torch.int64))
         all_keys = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         all_lengths = torch.cat(lengths)

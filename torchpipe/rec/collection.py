@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
-from .batch_keys import BatchKeys, TableLayout, prepare_batch, table_layouts
+from .batch_keys import BatchKeys, TableLayout, initial_weight, prepare_batch, table_layouts
 from .cache import CacheStats, EmbeddingCache
 from .errors import StaleBatchError
 from .fused_lookup import fused_pooled_lookup
@@ -75,12 +75,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for config, layout in zip(tables, self.layouts):
             rows = cache_rows[layout.name] if isinstance(cache_rows, dict) else cache_rows
             width = self.optimizer.state_width(layout.dim)
-            weight = weights[layout.name] if weights is not None and layout.name in weights else None
-            if weight is None:
-                weight = torch.empty(layout.num_rows, layout.dim)
-                if config.init_fn is not None:
-                    with torch.no_grad():
-                        config.init_fn(weight)
+            weight = initial_weight(config, layout, weights)
             host = HostEmbeddingTable(layout.num_rows, layout.dim, width, pin_memory=pin_memory, weight=weight,
                                       state=self.optimizer.init_state(layout.num_rows, layout.dim))
             cache = EmbeddingCache(layout.num_rows, rows, policy, layout.name)

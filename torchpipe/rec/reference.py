@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
-from .batch_keys import prepare_batch, table_layouts
+from .batch_keys import initial_weight, prepare_batch, table_layouts
 from .fused_lookup import fused_pooled_lookup
 from .optim import SGD, RowOptimizer
 
@@ -28,12 +28,7 @@ class FullTableEmbeddingBagCollection(nn.Module):
         self.layouts = table_layouts(tables)
         self.rows: dict[str, torch.Tensor] = {}
         for config, layout in zip(tables, self.layouts):
-            weight = weights[layout.name] if weights is not None and layout.name in weights else None
-            if weight is None:
-                weight = torch.empty(layout.num_rows, layout.dim)
-                if config.init_fn is not None:
-                    with torch.no_grad():
-                        config.init_fn(weight)
+            weight = initial_weight(config, layout, weights)
             state = self.optimizer.init_state(layout.num_rows, layout.dim)
             self.rows[layout.name] = torch.cat([weight, state], dim=1).to(self.device)
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)

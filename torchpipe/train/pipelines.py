@@ -19,8 +19,8 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from ..devices import get_backend
-from ..rec import BatchPlan, CachedEmbeddingBagCollection, RecInputError
-from ..rec.batch_keys import BatchKeys
+from ..rec import BatchPlan, CachedEmbeddingBagCollection
+from ..rec.batch_keys import BatchKeys, check_kjt
 from .schedule import Clock
 from .staged import PipelineFailure, PipelineStage, StagedPipeline
 
@@ -184,26 +184,7 @@ def check_features(kjt: Any, collection: CachedEmbeddingBagCollection) -> None:
     Runs on the caller's thread before the batch enters the pipeline, so a bad batch changes
     nothing: no cache, table or pipeline state. (The input-dist stage validates again.)
     """
-    if not isinstance(kjt, KeyedJaggedTensor):
-        raise RecInputError(f"batch.sparse_features must be a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
-    rows = {f: layout.num_rows for layout in collection.layouts for f in layout.feature_names}
-    given = list(kjt.keys())
-    unknown = [f for f in given if f not in rows]
-    if unknown:
-        raise RecInputError(f"unknown feature names {unknown}; the tables have features {list(rows)}")
-    missing = [f for f in rows if f not in given]
-    if missing:
-        raise RecInputError(f"features {missing} are missing from the batch")
-    if kjt.values().dtype not in (torch.int32, torch.int64):
-        raise RecInputError(f"feature values must be int32 or int64 keys, got {kjt.values().dtype}")
-    lengths = kjt.length_per_key()
-    for feature, values in zip(given, torch.split(kjt.values(), lengths)):
-        if values.numel():
-            low, high = torch.aminmax(values)
-            if int(low) < 0 or int(high) >= rows[feature]:
-                bad = values[(values < 0) | (values >= rows[feature])]
-                raise RecInputError(f"feature {feature!r} has keys out of range [0, {rows[feature]}): "
-                                    f"e.g. {bad[:5].tolist()}")
+    check_kjt(kjt, collection.layouts)
 
 
 class EmbCacheTrainPipeline(_ReadyPipeline):
