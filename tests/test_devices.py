@@ -463,3 +463,41 @@ def test_a_backend_failing_to_make_a_stream_leaks_no_thread():
     for t in alive:
         t.join(5)
     assert not any(t.is_alive() for t in alive)
+
+
+def test_a_task_with_its_own_stream_runs_inside_it():
+    import contextlib
+
+    import torch as _torch
+
+    from torchpipe.devices import Backend, use_backend
+    from torchpipe.workers import Task, Worker, stop_workers
+
+    active = []
+
+    class Streams(Backend):
+        type = "meta"
+
+        def new_stream(self, device):
+            return "worker-stream"
+
+        def use_stream(self, stream):
+            @contextlib.contextmanager
+            def scope():
+                active.append(stream)
+                try:
+                    yield
+                finally:
+                    active.pop()
+
+            return scope()
+
+    done = []
+    with use_backend("meta", Streams()):
+        worker = Worker("torchpipe-stream-task", device=_torch.device("meta"))
+        try:
+            worker.put(Task(lambda: done.append(list(active)), stream="copy-stream"))
+            worker.put(Task(lambda: done.append(list(active))))
+        finally:
+            stop_workers([worker])
+    assert done == [["worker-stream", "copy-stream"], ["worker-stream"]]

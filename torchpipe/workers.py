@@ -45,22 +45,25 @@ _STOP = object()
 class Task:
     """A unit of work for one worker.
 
-    ``compute`` runs on the worker thread, inside the worker's device and stream.
-    ``finalize``, when given, runs on the scheduling thread with ``compute``'s result.
-    ``label`` names the task in errors, profiler traces and step records ("stage 2 F mb 5").
+    ``compute`` runs on the worker thread, inside the worker's device and stream (or inside
+    ``stream``, when the task names one: a copy stream, say). ``finalize``, when given, runs
+    on the scheduling thread with ``compute``'s result. ``label`` names the task in errors,
+    profiler traces and step records ("stage 2 F mb 5").
     """
 
-    __slots__ = ("compute", "finalize", "label")
+    __slots__ = ("compute", "finalize", "label", "stream")
 
     def __init__(
         self,
         compute: Callable[[], Any],
         finalize: Optional[Callable[[Any], None]] = None,
         label: str = "",
+        stream: Any = None,
     ) -> None:
         self.compute = compute
         self.finalize = finalize
         self.label = label
+        self.stream = stream
 
     def __repr__(self) -> str:
         return f"Task({self.label!r})"
@@ -170,7 +173,11 @@ class Worker:
             if task is _STOP:
                 return
             try:
-                result = task.compute()
+                if task.stream is None or self.backend is None:
+                    result = task.compute()
+                else:
+                    with self.backend.use_stream(task.stream):
+                        result = task.compute()
             except BaseException as exc:  # noqa: B902 - KeyboardInterrupt must reach the caller too
                 put((False, task, exc))
                 del exc
