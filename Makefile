@@ -4,7 +4,8 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.installed
+# One stamp per torch requirement: `make TORCH=... test` reinstalls when the pin changes.
+STAMP := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.\n' '_')
 
 .PHONY: demo test bench install clean
 
@@ -16,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q "fbgemm-gpu-cpu==1.8.0" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
 	$(PIP) install -q --no-deps "torchrec==1.9.2"
 	$(PIP) install -q -e ".[test,bench]"
+	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 install: $(STAMP)
