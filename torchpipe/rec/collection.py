@@ -154,6 +154,21 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise StaleBatchError(f"batch {plan.seq} was already released")
         return self._lookup(plan, release_after_backward=False)
 
+    def snapshot_rows(self, plan: BatchPlan) -> dict[str, torch.Tensor]:
+        """Copies of the batch's cached rows with their optimizer state, taken before its step.
+
+        The fused optimizer updates rows during backward; if the step fails after that
+        (later in backward, or in the dense optimizer), `restore_rows` puts them back, so the
+        cache holds exactly the state after the last completed step.
+        """
+        return {name: self.slots[name].index_select(0, p.slots_of_keys.to(self.device))
+                for name, p in plan.tables.items()}
+
+    def restore_rows(self, plan: BatchPlan, rows: dict[str, torch.Tensor]) -> None:
+        """Undo a failed step's row updates with a `snapshot_rows` copy."""
+        for name, p in plan.tables.items():
+            self.slots[name].index_copy_(0, p.slots_of_keys.to(self.device), rows[name])
+
     def release(self, plan: BatchPlan) -> None:
         """End the protection of the batch's keys (after its backward, or when dropping it)."""
         if plan.released:

@@ -300,8 +300,14 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self._wait_h2d(item)
         armed = _Armed(item.device_batch.sparse_features, item.plan, threading.get_ident(), item)
         self._armed = armed
+        before = self.collection.snapshot_rows(item.plan)
         try:
             output = train_step(self.model, self.optimizer, item.device_batch)
+        except BaseException:
+            # Rows may already carry this step's fused update: put them back (nothing lost,
+            # nothing half-applied).
+            self.collection.restore_rows(item.plan, before)
+            raise
         finally:
             self._armed = None
         if not armed.used:
