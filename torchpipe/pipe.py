@@ -7,9 +7,8 @@ thread, also when several partitions share a device, so pipelining happens on CP
 """
 from __future__ import annotations
 
-import threading
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn

@@ -16,7 +16,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
-from ..checkpoint import is_checkpointing, is_recomputing
+from ..checkpoint import is_checkpointing
 from ..copy import mark_ready, receive
 from ..microbatch import Batch
 from .tracker import SkipKey, skip_name, use_skip_tracker

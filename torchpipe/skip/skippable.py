@@ -7,7 +7,7 @@ it runs (:func:`verify_skippables`) and the pipeline knows which partitions talk
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Type
 
 from torch import Tensor, nn
 

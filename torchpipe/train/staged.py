@@ -15,7 +15,6 @@ That gives both orders a stage pipeline needs without extra locks: stage ``i`` o
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
