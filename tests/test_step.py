@@ -199,3 +199,45 @@ def test_bad_arguments():
                 pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
         with pytest.raises(TypeError, match="scalar"):
             pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(reduction="none"), reduction="sum")
+
+
+class CountBackward(torch.autograd.Function):
+    """An op on the activation path (no parameters) that counts its backward calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        CountBackward.calls += 1
+        return grad * 2
+
+
+class CountLayer(nn.Module):
+    def forward(self, x):
+        return CountBackward.apply(x)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_zero_bubble_weight_pass_does_not_redo_the_input_pass(checkpoint):
+    # Each stage: Linear -> counted op -> Linear. One backward of the counted op per stage and
+    # micro-batch in every schedule: W must start from what I left at the parameter branches,
+    # not walk the stage graph again.
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(6, 6), CountLayer(), nn.Linear(6, 6))])
+
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    results = {}
+    for schedule in ("1f1b", "zb-h1"):
+        net = model()
+        with Pipe(net, [3, 3, 3], chunks=4, checkpoint=checkpoint) as pipe:
+            CountBackward.calls = 0
+            pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+            results[schedule] = (CountBackward.calls, [p.grad.clone() for p in net.parameters()])
+    assert results["zb-h1"][0] == results["1f1b"][0] == 3 * 4
+    for a, b in zip(results["zb-h1"][1], results["1f1b"][1]):
+        torch.testing.assert_close(a, b)

@@ -8,9 +8,8 @@ worker. So backward pipelines on every backend, and the plan decides when activa
 freed: 1F1B holds at most ``p - s`` micro-batches on stage ``s``, GPipe holds all ``m``.
 
 Action kinds: ``F`` forward (the last stage also computes the loss), ``B`` full backward,
-``I`` input-gradient backward (keeps the graph), ``W`` weight-gradient backward. ``W``
-runs ``autograd.backward(..., inputs=parameters)``, which walks the stage's graph again:
-correct, but on real compute an ``I`` + ``W`` pair costs more than one ``B``.
+``I`` input-gradient backward (keeps the graph), ``W`` weight-gradient backward, which
+starts from the gradients ``I`` left at the parameter branches (see split_backward.py).
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from .lowering import StageRunner, needs_receive, run_partition
 from .microbatch import Batch
 from .runtime import Program
 from .skip.portal import SkipStore, StageSkips
+from .split_backward import WeightSplit
 
 __all__ = ["StepContext", "lower_step", "MemoryRecord"]
 
@@ -69,7 +69,7 @@ class StepContext:
 class _Saved:
     """What a stage keeps from its forward of one micro-batch until its backward."""
 
-    __slots__ = ("leaves", "outputs", "grads", "bytes", "skips")
+    __slots__ = ("leaves", "outputs", "grads", "bytes", "skips", "split")
 
     def __init__(self, leaves: List[Tensor], outputs: List[Tensor], nbytes: int, skips: StageSkips) -> None:
         self.leaves = leaves
@@ -77,6 +77,7 @@ class _Saved:
         self.outputs = outputs
         self.grads: Optional[List[Optional[Tensor]]] = None
         self.bytes = nbytes
+        self.split: Optional[WeightSplit] = None  # set by I, used by W
 
 
 class _Handoff:
@@ -199,6 +200,7 @@ def _release(ctx: StepContext, index: int, saved: _Saved) -> None:
     saved.leaves = []
     saved.outputs = []
     saved.grads = None
+    saved.split = None
 
 
 def _pairs(saved: _Saved, grads: Sequence[Optional[Tensor]]) -> Tuple[List[Tensor], List[Tensor]]:
@@ -234,6 +236,7 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> C
 
 def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
     """Gradients for the stage inputs (and popped skips) only; the graph is kept for ``W``."""
+    parameters = [p for p in stage.partition.parameters() if p.requires_grad]
 
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
         saved: _Saved = inputs[0].saved
@@ -244,7 +247,8 @@ def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) ->
         if not wanted or not outputs:
             all_grads: List[Optional[Tensor]] = [None] * len(wanted)
         else:
-            all_grads = list(torch.autograd.grad(outputs, wanted, grad_outputs, retain_graph=True, allow_unused=True))
+            saved.split = WeightSplit(outputs, wanted, parameters)
+            all_grads = saved.split.input_grads(outputs, grad_outputs, wanted)
         leaf_grads = all_grads[: len(saved.leaves)]
         _send_skip_grads(stage, ctx, microbatch, saved, all_grads[len(saved.leaves):])
         handoff = _leaf_grads(stage, saved, leaf_grads)
@@ -266,7 +270,9 @@ def _weight_grad(stage: StageRunner, microbatch: int, first: bool) -> Callable[[
             # The first stage has no input leaves: its I did nothing, and its W also carries
             # the gradient into the caller's input when that requires one.
             torch.autograd.backward(outputs, grad_outputs)
-        elif outputs and parameters:
+        elif outputs and parameters and saved.split is not None:
+            saved.split.weight_grads(outputs, grad_outputs, parameters)
+        elif outputs and parameters:  # I had no input to differentiate: W is the whole backward
             torch.autograd.backward(outputs, grad_outputs, inputs=parameters)
         _release(ctx, index, saved)
 

@@ -1,0 +1,130 @@
+"""Split one stage's backward into its input-gradient half (``I``) and weight-gradient half (``W``).
+
+Zero-bubble schedules run ``I`` early (the previous stage waits for it) and ``W`` late (to
+fill bubbles). Running ``autograd.backward(..., inputs=parameters)`` for ``W`` would walk
+the whole stage graph a second time. Instead, before ``I`` runs, the stage graph is searched
+for its *frontier*: the nodes on the path to the stage inputs that also feed a parameter
+through a branch of their own (a Linear's ``AddmmBackward`` feeds the bias and, through
+``TBackward``, the weight). A hook on each frontier node keeps the gradient that reaches it
+during ``I``, while autograd computes nothing for the parameters (it skips outputs that no
+requested input needs). ``W`` then starts from those kept gradients and runs only the
+parameter branches: per frontier node, once to get the gradients entering its parameter
+branches, then once more through the branches into ``.grad``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+
+__all__ = ["WeightSplit"]
+
+Node = Any  # torch.autograd.graph.Node
+Edge = Tuple[Node, int]
+
+
+def _is_accumulator(node: Node) -> bool:
+    return type(node).__name__ == "AccumulateGrad"
+
+
+class _Reach:
+    """Memoised 'does this node lead to any of these leaf tensors' over one autograd graph."""
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.ids: Set[int] = {id(t) for t in tensors}
+        self.memo: Dict[Node, bool] = {}
+
+    def __call__(self, root: Optional[Node]) -> bool:
+        if root is None:
+            return False
+        if root in self.memo:
+            return self.memo[root]
+        # Iterative post-order: deep stage graphs must not hit Python's recursion limit.
+        stack: List[Tuple[Node, bool]] = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in self.memo and not expanded:
+                continue
+            if _is_accumulator(node):
+                self.memo[node] = id(node.variable) in self.ids
+                continue
+            children = [child for child, _ in node.next_functions if child is not None]
+            if expanded:
+                self.memo[node] = any(self.memo.get(child, False) for child in children)
+                continue
+            self.memo[node] = False  # provisional, breaks cycles (there are none in autograd)
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if child not in self.memo)
+        return self.memo[root]
+
+
+class WeightSplit:
+    """The plan of one stage's split backward for one micro-batch; see the module docstring."""
+
+    def __init__(self, outputs: Sequence[Tensor], leaves: Sequence[Tensor], parameters: Sequence[Tensor]) -> None:
+        reaches_leaf, reaches_parameter = _Reach(leaves), _Reach(parameters)
+        self.frontier: Dict[Node, List[Edge]] = {}
+        # Outputs whose graph never reaches the stage inputs: W back-propagates them whole.
+        self.detached_outputs: List[int] = []
+        seen: Set[Node] = set()
+        stack: List[Node] = []
+        for index, output in enumerate(outputs):
+            if output.grad_fn is None or not reaches_leaf(output.grad_fn):
+                self.detached_outputs.append(index)
+            elif output.grad_fn not in seen:
+                seen.add(output.grad_fn)
+                stack.append(output.grad_fn)
+        while stack:
+            node = stack.pop()
+            side: List[Edge] = []
+            for child, slot in node.next_functions:
+                if child is None:
+                    continue
+                if reaches_leaf(child):
+                    if child not in seen and not _is_accumulator(child):
+                        seen.add(child)
+                        stack.append(child)
+                elif reaches_parameter(child):
+                    side.append((child, slot))
+            if side:
+                self.frontier[node] = side
+        self.kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
+        self._hooks = [node.register_prehook(self._keeper(node)) for node in self.frontier]
+
+    def _keeper(self, node: Node) -> Any:
+        def keep(grad_outputs: Tuple[Optional[Tensor], ...]) -> None:
+            self.kept[node] = grad_outputs
+
+        return keep
+
+    def input_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> List[Optional[Tensor]]:
+        """``I``: gradients for ``leaves``; the graph is kept and the frontier's gradients too."""
+        try:
+            return list(torch.autograd.grad(outputs, leaves, grad_outputs, retain_graph=True, allow_unused=True))
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+
+    def weight_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Optional[Tensor]], parameters: Sequence[Tensor]) -> None:
+        """``W``: accumulate the parameters' gradients into ``.grad``, from what ``I`` kept."""
+        params = list(parameters)
+        for node, side in self.frontier.items():
+            kept = self.kept.get(node)
+            if kept is None:  # the node got no gradient in I (its outputs were unused)
+                continue
+            roots = [GradientEdge(node, i) for i, g in enumerate(kept) if g is not None]
+            grads = [g for g in kept if g is not None]
+            if not roots:
+                continue
+            side_edges = [GradientEdge(child, slot) for child, slot in side]
+            entering = torch.autograd.grad(roots, side_edges, grads, retain_graph=True, allow_unused=True)
+            pairs = [(edge, g) for edge, g in zip(side_edges, entering) if g is not None]
+            if pairs:
+                torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs], inputs=params)
+        detached = [(outputs[i], grad_outputs[i]) for i in self.detached_outputs if grad_outputs[i] is not None]
+        if detached:
+            torch.autograd.backward([o for o, _ in detached], [g for _, g in detached], inputs=params)
+        self.kept.clear()
