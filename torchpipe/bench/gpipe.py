@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..schedule import build
-from .peers import SHIMS_APPLIED, Peer, close_pipeline, load_peers, release
+from .peers import SHIMS_APPLIED, Peer, build_peers, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
 from .timing import compare
@@ -196,21 +196,8 @@ def run(options: Options) -> SuiteResult:
         ideal_fwd_nominal = (m + p - 1) * t
         ideal_fb = build("gpipe", p, m).simulate({"F": t_f, "B": t_b}).makespan
         sim_bubble = build("gpipe", p, m, backward=False).simulate().bubble_ratio
-        pipelines: Dict[str, nn.Module] = {}
-        unavailable: Dict[str, str] = {}
         records: List[Tuple[float, ...]] = []
-        for peer in peers:
-            if not peer.available:
-                unavailable[peer.name] = peer.reason
-                continue
-            try:
-                pipeline = _make(peer, m, t, x)
-            except Exception as exc:
-                unavailable[peer.name] = f"{type(exc).__name__}: {exc}"
-                result.notes.append(f"{peer.label} unavailable at m={m}: {unavailable[peer.name]}")
-                continue
-            pipelines[peer.name] = pipeline
-            del pipeline
+        pipelines, unavailable = build_peers(peers, lambda peer: _make(peer, m, t, x), f"m={m}", result.notes)
         try:
             if "torchpipe" in pipelines:
                 plan_bubble = pipelines["torchpipe"].plan(m, backward=False).simulate().bubble_ratio  # type: ignore[operator]

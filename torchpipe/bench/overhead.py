@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from .peers import SHIMS_APPLIED, Peer, close_pipeline, load_peers, release
+from .peers import SHIMS_APPLIED, Peer, build_peers, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
 from .timing import compare
@@ -157,21 +157,11 @@ def _run(options: Options) -> SuiteResult:
             "plain": _step(make_model(), x),
             "loop": _chunked_step(make_model(), x, chunks),
         }
-        pipelines: List[nn.Module] = []
-        unavailable: Dict[str, str] = {}
-        for peer in peers:
-            if not peer.available:
-                unavailable[peer.name] = peer.reason
-                continue
-            try:
-                pipeline = _build(peer, chunks, x, expected)
-            except Exception as exc:
-                unavailable[peer.name] = f"{type(exc).__name__}: {exc}"
-                result.notes.append(f"{peer.label} unavailable at chunks={chunks}: {unavailable[peer.name]}")
-                continue
-            pipelines.append(pipeline)
-            cases[peer.name] = _step(pipeline, x)
-            del pipeline
+        built, unavailable = build_peers(peers, lambda peer: _build(peer, chunks, x, expected), f"chunks={chunks}",
+                                         result.notes)
+        pipelines: List[nn.Module] = list(built.values())
+        cases.update({name: _step(pipeline, x) for name, pipeline in built.items()})
+        del built
         try:
             measured = compare(cases, config)
         finally:

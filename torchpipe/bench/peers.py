@@ -15,7 +15,7 @@ import sys
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
@@ -123,6 +123,27 @@ _LOADERS = {"torchpipe": _torchpipe, "torchgpipe": _torchgpipe, "fairscale": _fa
 
 def load_peers(names=PEER_NAMES) -> List[Peer]:
     return [_LOADERS[name]() for name in names]
+
+
+def build_peers(peers: List[Peer], build: Callable[[Peer], Any], where: str,
+                notes: List[str]) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """Build one pipeline per available peer with ``build(peer)``.
+
+    Returns ``(pipelines, unavailable)`` by peer name; a peer that fails to import or to
+    build is recorded with its reason (and a note naming ``where``) instead of failing the run.
+    """
+    pipelines: Dict[str, Any] = {}
+    unavailable: Dict[str, str] = {}
+    for peer in peers:
+        if not peer.available:
+            unavailable[peer.name] = peer.reason
+            continue
+        try:
+            pipelines[peer.name] = build(peer)
+        except Exception as exc:
+            unavailable[peer.name] = f"{type(exc).__name__}: {exc}"
+            notes.append(f"{peer.label} unavailable at {where}: {unavailable[peer.name]}")
+    return pipelines, unavailable
 
 
 def close_pipeline(pipeline: object) -> None:
