@@ -33,15 +33,22 @@ class Tag(nn.Module):
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_backward_per_partition_runs_in_reverse_micro_batch_order(checkpoint, requires_grad):
+@pytest.mark.parametrize("extra", [[0, 0, 0, 0], [0, 3, 0, 6]])
+def test_backward_per_partition_runs_in_reverse_micro_batch_order(checkpoint, requires_grad, extra):
+    # No phony edges enforce this (see torchpipe/lowering.py): it must follow from every
+    # partition building its nodes on its own thread, in micro-batch order. Uneven partitions
+    # (``extra`` layers) change which nodes are ready when.
     forward_log, backward_log = [], []
     partitions, m = 4, 8
-    layers = []
+    layers, balance = [], []
     for p in range(partitions):
-        layers += [nn.Linear(8, 8), Tag(p, forward_log, backward_log), nn.Tanh()]
+        block = [nn.Linear(8, 8), Tag(p, forward_log, backward_log), nn.Tanh()]
+        block += [nn.Linear(8, 8) for _ in range(extra[p])]
+        layers += block
+        balance.append(len(block))
     model = nn.Sequential(*layers)
     x = torch.randn(m * 2, 8, requires_grad=requires_grad)
-    with Pipe(model, [3] * partitions, chunks=m, checkpoint=checkpoint) as pipe:
+    with Pipe(model, balance, chunks=m, checkpoint=checkpoint) as pipe:
         for _ in range(3):
             forward_log.clear()
             backward_log.clear()

@@ -4,11 +4,22 @@ This is the only bridge between the planning layer (actions such as ``2F5``) and
 (jobs with dependencies): every job is made from exactly one action of the plan, on the
 worker that the plan names, in the plan's order. So the plan that ``plan.table()`` prints is
 the plan that runs.
+
+Backward order on the ``forward()`` path (invariant 2: per partition, backward runs in the
+reverse order of forward) needs no phony fork/join edges here, unlike torchgpipe. Every
+autograd node of a partition — its copies included — is created by that partition's own
+worker thread, micro-batch after micro-batch, so the nodes of micro-batch ``i + 1`` carry
+higher sequence numbers than those of ``i``; autograd's ready queue runs the higher
+sequence number first, and a partition receives the gradient of ``i + 1`` no later than the
+one of ``i`` (by induction from the last partition, where the gathered output hands every
+micro-batch its gradient at once). torchgpipe builds its copy nodes on the scheduler thread,
+which breaks that numbering and is why it needs the phony edges; a join node per task costs
+a Python autograd Function and a GIL hand-off (half of the per-task overhead on our CPU
+box). ``tests/test_backward_order.py`` checks the invariant for every checkpoint mode.
 """
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -16,7 +27,6 @@ from torch import Tensor, nn
 
 from .checkpoint import RNGGuard, checkpoint
 from .copy import mark_ready, receive
-from .dependency import first_grad_tensor, join
 from .devices import Backend, get_backend
 from .microbatch import Batch
 from .runtime import Program
@@ -63,27 +73,15 @@ class StageRunner:
 class ForwardContext:
     """Per-step data of a forward pass: the micro-batches and how to treat them."""
 
-    __slots__ = ("batches", "input_events", "checkpoint_stop", "order", "rng_sections", "last_output", "skips")
+    __slots__ = ("batches", "input_events", "checkpoint_stop", "rng_sections", "skips")
 
-    def __init__(self, batches: List[Batch], input_events: List[Any], checkpoint_stop: int, order: bool, num_stages: int) -> None:
+    def __init__(self, batches: List[Batch], input_events: List[Any], checkpoint_stop: int) -> None:
         self.batches = batches
         self.input_events = input_events
         self.checkpoint_stop = checkpoint_stop
-        self.order = order
         # Checkpointing replays RNG: then forwards on a shared generator must not interleave draws.
         self.rng_sections = checkpoint_stop > 0
-        self.last_output: List[Optional[Tensor]] = [None] * num_stages
         self.skips = SkipStore()
-
-
-def _join_batch(batch: Batch, after: Tensor) -> Batch:
-    """Join the first floating-point tensor of ``batch`` after ``after`` (see dependency.py)."""
-    values = list(batch.values)
-    for i, value in enumerate(values):
-        if isinstance(value, Tensor) and value.is_floating_point():
-            values[i] = join(value, after)
-            return Batch(values[0] if batch.atomic else tuple(values))
-    return batch
 
 
 def _starts_in_place(partition: nn.Module) -> bool:
@@ -150,7 +148,6 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
 
 
 def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContext, Tuple[Any, ...]], Any]:
-    index = stage.index
     backend, stream = stage.backend, stage.stream
     on_cpu = backend.type == "cpu"
 
@@ -162,13 +159,7 @@ def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContex
             ctx.batches[microbatch] = None  # type: ignore[call-overload]  # the pipeline owns it now
         if needs_receive(stage, batch, event):
             batch = receive(batch, event, stage.device, stream, stage.copy_stream_for)
-        if ctx.order:
-            previous = ctx.last_output[index]
-            if previous is not None:
-                batch = _join_batch(batch, previous)
         output = run_partition(stage, ctx, microbatch, batch)
-        if ctx.order:
-            ctx.last_output[index] = first_grad_tensor(output.values)
         return output, (None if on_cpu else mark_ready(backend, stream))
 
     return run

@@ -239,7 +239,7 @@ class Pipe(nn.Module):
             stop = 0
         self._prepare_batch_norm(m)
         input_events = [self._input_event(b) for b in batches]
-        context = ForwardContext(batches, input_events, stop, torch.is_grad_enabled() and m > 1, len(self._stages))
+        context = ForwardContext(batches, input_events, stop)
         program = self._forward_program(m)
         device_types = sorted({d.type for d in self.devices})
         results = self._runtime.run(program, context, device_types)
