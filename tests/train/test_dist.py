@@ -32,21 +32,29 @@ def concat_samples(batches):
     return RecBatch(torch.cat([b.dense_features for b in batches]), kjt, torch.cat([b.labels for b in batches]))
 
 
-class SparseOnly(torch.nn.Module):
-    def __init__(self, ebc):
+class SparseAndDense(torch.nn.Module):
+    """Pooled embeddings plus a replicated dense layer; integer weights keep the sums exact."""
+
+    def __init__(self, ebc, dense_in):
         super().__init__()
         self.ebc = ebc
+        self.dense = torch.nn.Linear(dense_in, 1)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in self.dense.parameters():
+                p.copy_(torch.randint(-2, 3, p.shape, generator=g).float())
 
     def forward(self, batch):
         pooled = self.ebc(batch.sparse_features).values()
-        loss = (pooled.sum(dim=1) * batch.labels).sum()
-        return loss, pooled.detach()
+        score = pooled.sum(dim=1) + self.dense(batch.dense_features).squeeze(1)
+        loss = (score * batch.labels).sum()
+        return loss, score.detach()
 
 
 def worker(rank: int, init_file: str, tests_dir: str) -> None:
     sys.path.insert(0, tests_dir)
     torch.set_num_threads(1)
-    from train_helpers import integer_weights, make_batches, make_tables, window_minimum
+    from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
 
     from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
     from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
@@ -76,10 +84,17 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
         # 2. training through the pipeline (small cache) == single-process full-table training
         rows = window_minimum(mine, global_batches)
         ebc = CachedEmbeddingBagCollection(mine, rows, optimizer=SGD(lr=1.0), weights=weights, policy="lfu")
-        model = SparseOnly(ebc)
-        reference = SparseOnly(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights))
-        with EmbCacheTrainPipeline(model, None, collection=ebc, sharding=sharding, host_threads=2,
-                                   device_threads=1) as pipe:
+        model = SparseAndDense(ebc, DENSE_IN)
+        if rank == 1:  # a replica that starts off: the pipeline broadcasts rank 0's dense weights
+            with torch.no_grad():
+                model.dense.weight.add_(5)
+        reference = SparseAndDense(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights),
+                                   DENSE_IN)
+        lr = 2.0 ** -6  # exact in float32 with the integer data
+        ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=lr)
+        opt = torch.optim.SGD(model.dense.parameters(), lr=lr)
+        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
+                                   device_threads=1, dense_grads="sum") as pipe:
             outputs = []
             it = iter(per_rank[rank])
             while True:
@@ -90,11 +105,16 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
             pipe.flush()
         assert len(outputs) == STEPS
         for step, batch in enumerate(global_batches):
-            loss, pooled = reference(batch)
+            ref_opt.zero_grad()
+            loss, score = reference(batch)
             loss.backward()
-            assert torch.equal(outputs[step], pooled[lo:hi]), f"rank {rank}: step {step} differs"
+            ref_opt.step()
+            assert torch.equal(outputs[step], score[lo:hi]), f"rank {rank}: step {step} differs"
         for t in mine:
             assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name))
+        # The dense replica saw every rank's samples through the gradient all-reduce.
+        for got, want in zip(model.dense.parameters(), reference.dense.parameters()):
+            assert torch.equal(got, want), f"rank {rank}: dense parameters differ"
         assert ebc.cache_stats()[mine[0].name].swapped_out > 0
         dist.barrier()
     finally:

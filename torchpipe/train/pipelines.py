@@ -41,15 +41,49 @@ class RecBatch:
                         self.labels.to(device, non_blocking=non_blocking))
 
 
-def train_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], batch: Any) -> Any:
-    """One synchronous step, exactly as every pipeline here runs it (and as TorchRec does)."""
+def train_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], batch: Any,
+               before_step: Optional[Callable[[], None]] = None) -> Any:
+    """One synchronous step, exactly as every pipeline here runs it (and as TorchRec does).
+
+    ``before_step`` runs between backward and the optimizer step (the dense gradient
+    all-reduce of a sharded pipeline).
+    """
     if optimizer is not None:
         optimizer.zero_grad()
     losses, output = model(batch)
     torch.sum(losses).backward()
+    if before_step is not None:
+        before_step()
     if optimizer is not None:
         optimizer.step()
     return output
+
+
+def broadcast_from_first_rank(parameters: List[torch.Tensor], group: Any) -> None:
+    """Copy the first rank's parameter values to every rank of ``group``."""
+    import torch.distributed as dist
+
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for p in parameters:
+            dist.broadcast(p.data, src=source, group=group)
+
+
+def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: bool) -> None:
+    """Sum (or average) the dense gradients over ``group`` in one flat all-reduce, like DDP."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 @dataclass(eq=False)
@@ -212,6 +246,12 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     The model calls the collection with ``batch.sparse_features`` as TorchRec's EBC is
     called; a forward pre-hook hands the collection the batch's plan.
 
+    Across processes (``sharding=``), the rest of the model is a replica on every rank, as
+    with TorchRec's DMP + DDP: its parameters are broadcast from the first rank when the
+    pipeline is built, and its gradients are all-reduced before the dense optimizer steps,
+    averaged (``dense_grads='mean'``, DDP's rule) or summed (``'sum'``, for a loss that sums
+    over samples).
+
     Failure: the first error of any stage surfaces with its type; in-flight batches are
     dropped *after* their swaps are completed (swaps move rows, they never change them),
     so the host tables plus the cache hold exactly the state after `steps_done` steps,
@@ -222,13 +262,23 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                  device: Union[str, torch.device] = "cpu", *,
                  collection: Optional[CachedEmbeddingBagCollection] = None, host_threads: int = 3,
                  device_threads: Optional[int] = None, overlap: bool = True,
-                 sharding: Optional[Any] = None, keep_records: int = 0) -> None:
+                 sharding: Optional[Any] = None, dense_grads: str = "mean", keep_records: int = 0) -> None:
+        if dense_grads not in ("mean", "sum"):
+            raise ValueError(f"dense_grads must be 'mean' (DDP's rule) or 'sum', got {dense_grads!r}")
         super().__init__(model, optimizer, device)
         self.collection = collection if collection is not None else find_collection(model)
         if self.collection.device != self.device:
             raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
                              f"{self.device}")
         self._sharding = sharding
+        # Across processes the dense part is replicated: its gradients are all-reduced over the
+        # sharding's output group before the dense optimizer steps ('mean' like DDP, or 'sum').
+        self._dense_sync: Optional[Callable[[], None]] = None
+        if sharding is not None:
+            dense = [p for p in model.parameters() if p.requires_grad]
+            group, average = sharding.output_group, dense_grads == "mean"
+            broadcast_from_first_rank(dense, group)  # every replica starts equal, as DDP does
+            self._dense_sync = lambda: all_reduce_dense_grads(dense, group, average)
         self._live: List[_Item] = []  # planned, not yet released; in plan order
         self._live_lock = threading.Lock()
         self._armed: Optional[_Armed] = None
@@ -302,7 +352,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self._armed = armed
         before = self.collection.snapshot_rows(item.plan)
         try:
-            output = train_step(self.model, self.optimizer, item.device_batch)
+            output = train_step(self.model, self.optimizer, item.device_batch, self._dense_sync)
         except BaseException:
             # Rows may already carry this step's fused update: put them back (nothing lost,
             # nothing half-applied).
