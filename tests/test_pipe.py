@@ -1,6 +1,5 @@
 """Pipe gives the outputs and gradients of the plain nn.Sequential (transparency)."""
 import copy
-import itertools
 
 import pytest
 import torch

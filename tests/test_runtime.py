@@ -1,6 +1,5 @@
 """The runtime: Program validation, execution of hand-made programs, value lifetime,
 StepRecord timings and abort propagation."""
-import gc
 import inspect
 import json
 import queue

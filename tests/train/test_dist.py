@@ -53,6 +53,7 @@ class SparseAndDense(torch.nn.Module):
 
 def worker(rank: int, init_file: str, tests_dir: str) -> None:
     sys.path.insert(0, tests_dir)
+    sys.path.insert(0, os.path.join(os.path.dirname(tests_dir), "rec"))  # rec_helpers, as tests/conftest.py does
     torch.set_num_threads(1)
     from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
 

@@ -7,37 +7,17 @@ pipeline runs the very same ops as the synchronous reference loop (same model co
 
 from __future__ import annotations
 
-import copy
 from typing import List, Optional
 
 import torch
+from rec_helpers import integer_weights, make_tables, zipf_keys  # noqa: F401 (re-exported to the tests)
 from torch import nn
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec import KeyedJaggedTensor
 
 from torchpipe.rec import CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RowOptimizer
 from torchpipe.train import RecBatch, train_step
 
 DENSE_IN = 3
-
-
-def make_tables(num_rows=(40, 24), dim: int = 4) -> List[EmbeddingBagConfig]:
-    pooling = (PoolingType.SUM, PoolingType.MEAN)
-    return [EmbeddingBagConfig(num_embeddings=n, embedding_dim=dim, name=f"t{i}",
-                               feature_names=[f"f{i}a", f"f{i}b"], pooling=pooling[i % 2])
-            for i, n in enumerate(num_rows)]
-
-
-def integer_weights(tables, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return {t.name: torch.randint(-3, 4, (t.num_embeddings, t.embedding_dim), generator=g).float() for t in tables}
-
-
-def zipf_keys(num_rows: int, count: int, g: torch.Generator, alpha: float = 1.1) -> torch.Tensor:
-    if count == 0:
-        return torch.empty(0, dtype=torch.int64)
-    probs = 1.0 / torch.arange(1, num_rows + 1, dtype=torch.float64) ** alpha
-    ranks = torch.multinomial(probs, count, replacement=True, generator=g)
-    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(num_rows))[ranks]
 
 
 def make_batches(tables, steps: int, batch_size: int = 4, max_bag: int = 3, seed: int = 0) -> List[RecBatch]:
