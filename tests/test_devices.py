@@ -185,7 +185,7 @@ def test_cpu_to_accelerator_pipe_follows_the_stream_protocol(fake, no_cpu_record
     # waited for the copy stream before using the copied tensors.
     copy_streams = {c[2] for c in fake.of("use_stream") if c[2] is not worker_stream}
     assert copy_streams, "the copy did not run on a copy stream"
-    waits = fake.of("wait_stream")
+    waits = [c for c in fake.of("wait_stream") if c[0] != threading.current_thread().name]
     assert len(waits) == 2
     assert all(c[0] == worker_name and c[2] is worker_stream and c[3] in copy_streams for c in waits)
 
@@ -248,6 +248,47 @@ def test_accelerator_to_accelerator_pipe_waits_on_the_producers_events(fake, no_
         assert any(t == name and s is stream for t, _, _, s in records), name
     assert all(d == META for _, _, d, _ in records)
     assert not fake.of("wait_stream") or all(c[2] is not c[3] for c in fake.of("wait_stream"))
+
+
+def _fence_positions(fake, caller, streams):
+    """Indexes in ``fake.calls`` of the caller's fence-in and fence-out waits for ``streams``."""
+    fence_in = [i for i, c in enumerate(fake.calls)
+                if c[0] == caller and c[1] == "wait_stream" and c[3] is fake.default_stream and c[2] in streams]
+    fence_out = [i for i, c in enumerate(fake.calls)
+                 if c[0] == caller and c[1] == "wait_stream" and c[2] is fake.default_stream and c[3] in streams]
+    return fence_in, fence_out
+
+
+@pytest.mark.parametrize("how", ["forward", "step", "failing step"])
+def test_worker_streams_wait_for_the_caller_and_the_caller_waits_for_them(fake, how):
+    """Parameters the caller updates on its stream are read by the workers only after the
+    update, and the caller's stream sees every gradient and loss the workers wrote."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    caller = threading.current_thread().name
+    with Pipe(model, [1, 1, 1], devices=["meta", "meta", "meta"], chunks=2, checkpoint="never") as pipe:
+        worker_streams = [w.stream for w in pipe._workers]
+        worker_names = {w.name for w in pipe._workers}
+        fake.calls.clear()
+        x, y = torch.randn(4, 4, device="meta"), torch.randn(4, 4, device="meta")
+        if how == "forward":
+            pipe(x)
+        elif how == "step":
+            pipe.step(x, y, nn.MSELoss())
+        else:
+            with pytest.raises(TypeError, match="scalar"):
+                pipe.step(x, y, nn.MSELoss(reduction="none"), reduction="sum")
+        fence_in, fence_out = _fence_positions(fake, caller, worker_streams)
+        # Stream work of the workers (entering a stream at thread start queues nothing).
+        worker_calls = [i for i, c in enumerate(fake.calls)
+                        if c[0] in worker_names and c[1] not in ("use_device", "use_stream")]
+        copy_streams = [s for stage in pipe._stages for _, s in stage.streams()[1:]]
+
+    assert sorted(fake.calls[i][2].name for i in fence_in) == sorted(s.name for s in worker_streams)
+    assert sorted(fake.calls[i][3].name for i in fence_out) == sorted(s.name for s in worker_streams)
+    assert worker_calls and max(fence_in) < min(worker_calls), "a worker ran before its stream waited for the caller"
+    assert min(fence_out) > max(worker_calls), "the caller's stream stopped waiting before the workers finished"
+    _, copy_fence_out = _fence_positions(fake, caller, copy_streams)
+    assert len(copy_fence_out) == len(copy_streams)
 
 
 def test_accelerator_to_cpu_copy_waits_on_the_producer_on_the_copy_stream(fake, no_cpu_record_stream):

@@ -19,6 +19,7 @@ the accumulators need no lock.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Dict, Optional, Tuple, Type, TypeVar
 
 import torch
@@ -34,6 +35,9 @@ __all__ = ["DeferredBatchNorm", "set_microbatches"]
 TModule = TypeVar("TModule", bound=nn.Module)
 
 # Input ranks each plain batch norm accepts; a converted layer keeps its source's check.
+# torch 2.13 added ``bias=`` to batch norm; older versions always have a bias when affine.
+_BATCH_NORM_HAS_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
+
 _INPUT_DIMS: Dict[Type[_BatchNorm], Tuple[int, ...]] = {
     nn.BatchNorm1d: (2, 3),
     nn.BatchNorm2d: (4,),
@@ -62,8 +66,14 @@ class DeferredBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, chunks: int = 1, device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None, *, bias: bool = True) -> None:
+        if _BATCH_NORM_HAS_BIAS:
+            extra = {"bias": bias}
+        elif not bias:
+            raise ValueError(f"bias=False needs torch >= 2.13's batch norm; torch {torch.__version__} has no such option")
+        else:
+            extra = {}
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True,
-                         device=device, dtype=dtype, bias=bias)
+                         device=device, dtype=dtype, **extra)
         _check_microbatches(chunks)
         self.chunks = chunks
         self.microbatches = chunks

@@ -46,8 +46,7 @@ def _set_flag(name: str) -> Iterator[None]:
 # Checkpointing with RNG replay
 # --------------------------------------------------------------------------------------------
 import contextlib  # noqa: E402
-import weakref  # noqa: E402
-from typing import Any, Callable, Dict, List, Optional  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
@@ -57,16 +56,19 @@ from .microbatch import Batch  # noqa: E402
 
 __all__ += ["checkpoint", "RNGGuard"]
 
-_generator_locks: "weakref.WeakKeyDictionary[torch.Generator, threading.Lock]" = weakref.WeakKeyDictionary()
+# One lock per generator, keyed by id: some torch versions (2.11) cannot weak-reference a
+# Generator. The entry keeps its generator alive so that an id is never reused; the
+# generators locked here are the devices' default generators, which live as long as torch.
+_generator_locks: Dict[int, Tuple[torch.Generator, threading.Lock]] = {}
 _generator_locks_guard = threading.Lock()
 
 
 def _lock_for(generator: torch.Generator) -> threading.Lock:
     with _generator_locks_guard:
-        lock = _generator_locks.get(generator)
-        if lock is None:
-            lock = _generator_locks[generator] = threading.Lock()
-        return lock
+        entry = _generator_locks.get(id(generator))
+        if entry is None:
+            entry = _generator_locks[id(generator)] = (generator, threading.Lock())
+        return entry[1]
 
 
 class RNGGuard:

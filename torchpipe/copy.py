@@ -9,7 +9,7 @@ Copies use ``Tensor.to``, so autograd routes gradients back to the producer's de
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Tuple
 
 import torch
 from torch import Tensor
@@ -17,7 +17,7 @@ from torch import Tensor
 from .devices import Backend, get_backend
 from .microbatch import Batch
 
-__all__ = ["mark_ready", "receive"]
+__all__ = ["mark_ready", "receive", "streams_wait_for_caller", "caller_waits_for_streams"]
 
 
 def mark_ready(backend: Backend, stream: Any) -> Any:
@@ -77,3 +77,29 @@ def receive(
         for tensor in moved_batch.tensors():
             backend.record_stream(tensor, stream)
     return moved_batch
+
+
+def streams_wait_for_caller(streams: Iterable[Tuple[torch.device, Any]]) -> None:
+    """Order every worker stream after the work the caller has queued so far.
+
+    Call it on the caller's thread before a step's jobs are queued. The caller may have just
+    written what the stages read — ``optimizer.step()`` and ``zero_grad()`` on its current
+    stream, say — and a worker stream does not wait for another stream by itself.
+    """
+    for device, stream in streams:
+        backend = get_backend(device)
+        if backend.type != "cpu":
+            backend.wait_stream(stream, backend.current_stream(device))
+
+
+def caller_waits_for_streams(streams: Iterable[Tuple[torch.device, Any]]) -> None:
+    """Order the caller's current stream after everything the worker streams have queued.
+
+    Call it on the caller's thread once a step's jobs have all run: gradients, losses and
+    freed activations were written or used on worker streams, and whatever the caller does
+    next (read a loss, step an optimizer, reuse memory) must come after them.
+    """
+    for device, stream in streams:
+        backend = get_backend(device)
+        if backend.type != "cpu":
+            backend.wait_stream(backend.current_stream(device), stream)

@@ -62,6 +62,10 @@ class StageRunner:
         view.worker, view.stream, view._copy_streams = host.worker, host.stream, host._copy_streams
         return view
 
+    def streams(self) -> List[Tuple[torch.device, Any]]:
+        """Every stream this stage queues work on: its compute stream and its copy streams."""
+        return [(self.device, self.stream), *self._copy_streams.items()]
+
     def copy_stream_for(self, device: torch.device) -> Any:
         """This stage's stream for incoming copies on ``device`` (created on first use)."""
         stream = self._copy_streams.get(device)

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from .copy import mark_ready
+from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend
 from .lowering import ForwardContext, StageRunner, lower_forward
 from .microbatch import Batch, TensorOrTensors, gather, scatter
@@ -241,8 +241,7 @@ class Pipe(nn.Module):
         input_events = [self._input_event(b) for b in batches]
         context = ForwardContext(batches, input_events, stop)
         program = self._forward_program(m)
-        device_types = sorted({d.type for d in self.devices})
-        results = self._runtime.run(program, context, device_types)
+        results = self._run(program, context)
         ordered = [results[key] for key in sorted(results, key=lambda action: action.microbatch)]
         return gather(self._hand_back(ordered))
 
@@ -291,13 +290,36 @@ class Pipe(nn.Module):
         self._prepare_batch_norm(m)
         plan, program = self._step_program(schedule, m, options)
         context = StepContext(batches, targets, [self._input_event(b) for b in batches], loss_fn, scales, stop, len(self._stages))
-        self._runtime.run(program, context, sorted({d.type for d in self.devices}))
+        self._run(program, context)
         self._last_plan = plan
         self.last_memory: Optional[MemoryRecord] = context.memory
         losses = [loss for loss in context.losses]
         device = losses[-1].device  # type: ignore[union-attr]
         weighted = [loss.to(device) * scale for loss, scale in zip(losses, scales)]  # type: ignore[union-attr]
         return torch.stack(weighted).sum()
+
+    def _run(self, program: Program, context: Any) -> Dict[Any, Any]:
+        """Run one step's program with the worker streams fenced against the caller's stream.
+
+        On accelerators each worker computes on its own stream: those streams first wait for
+        what the caller queued (parameter updates), and the caller's stream then waits for
+        everything the step queued (gradients, losses, memory the step freed), also when
+        the step fails. On the CPU the fences are no-ops.
+        """
+        streams = self._worker_streams()
+        streams_wait_for_caller(streams)
+        try:
+            return self._runtime.run(program, context, sorted({d.type for d in self.devices}))
+        finally:
+            caller_waits_for_streams(self._worker_streams())
+
+    def _worker_streams(self) -> List[Tuple[torch.device, Any]]:
+        """Each distinct (device, stream) the stages queue work on, copy streams included."""
+        seen: Dict[int, Tuple[torch.device, Any]] = {}
+        for stage in self._stages:
+            for device, stream in stage.streams():
+                seen.setdefault(id(stream), (device, stream))
+        return list(seen.values())
 
     def _prepare_batch_norm(self, num_microbatches: int) -> None:
         if self.deferred_batch_norm:

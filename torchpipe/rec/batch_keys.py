@@ -134,8 +134,9 @@ def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKe
         lengths: list[torch.Tensor] = []
         for feature in layout.feature_names:
             jagged = features[feature]
-            values.append(jagged.values().to(torch.int64))
-            lengths.append(jagged.lengths().to(torch.int64))
+            # Keys are planned on the host: a device KJT is read back here, once.
+            values.append(jagged.values().to("cpu", torch.int64))
+            lengths.append(jagged.lengths().to("cpu", torch.int64))
         all_keys = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         all_lengths = torch.cat(lengths)
         offsets = torch.zeros(all_lengths.numel() + 1, dtype=torch.int64)

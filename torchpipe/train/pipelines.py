@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
+from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend
 from ..rec import BatchPlan, CachedEmbeddingBagCollection
 from ..rec.batch_keys import BatchKeys, check_kjt
@@ -39,6 +40,12 @@ class RecBatch:
         return RecBatch(self.dense_features.to(device, non_blocking=non_blocking),
                         self.sparse_features.to(device, non_blocking=non_blocking),
                         self.labels.to(device, non_blocking=non_blocking))
+
+    def record_stream(self, stream: Any) -> None:
+        """Keep the device copies alive for ``stream`` (they were made on a copy stream)."""
+        self.dense_features.record_stream(stream)
+        self.sparse_features.record_stream(stream)
+        self.labels.record_stream(stream)
 
 
 def train_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], batch: Any,
@@ -121,7 +128,15 @@ class _ReadyPipeline:
         return item
 
     def _wait_h2d(self, item: _Item) -> None:
-        self._backend.wait_event(self._backend.current_stream(self.device), item.event)
+        """On the compute stream: wait for the batch's copy, and keep its memory for this stream."""
+        stream = self._backend.current_stream(self.device)
+        self._backend.wait_event(stream, item.event)
+        if self._backend.type != "cpu" and hasattr(item.device_batch, "record_stream"):
+            item.device_batch.record_stream(stream)
+
+    def streams(self) -> List[Tuple[torch.device, Any]]:
+        """Every stream the pipeline queues device work on."""
+        return self.pipeline.device_streams()
 
     def _train(self, item: _Item) -> Any:
         self._wait_h2d(item)
@@ -132,12 +147,25 @@ class _ReadyPipeline:
 
     # -- delegation ------------------------------------------------------------------
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        """One finished step's model output; StopIteration once every batch was trained."""
-        return self.pipeline.progress(dataloader_iter)
+        """One finished step's model output; StopIteration once every batch was trained.
+
+        On an accelerator the output is safe to use on the caller's current stream: the
+        pipeline's streams wait for the caller's work first, and the caller's stream waits
+        for theirs before this returns.
+        """
+        streams_wait_for_caller(self.streams())
+        try:
+            return self.pipeline.progress(dataloader_iter)
+        finally:
+            caller_waits_for_streams(self.streams())
 
     def flush(self) -> List[Any]:
         """Train every in-flight batch; their outputs, in order."""
-        return self.pipeline.flush()
+        streams_wait_for_caller(self.streams())
+        try:
+            return self.pipeline.flush()
+        finally:
+            caller_waits_for_streams(self.streams())
 
     def schedule_table(self, num_batches: int) -> str:
         return self.pipeline.schedule_table(num_batches)
@@ -279,6 +307,11 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             group, average = sharding.output_group, dense_grads == "mean"
             broadcast_from_first_rank(dense, group)  # every replica starts equal, as DDP does
             self._dense_sync = lambda: all_reduce_dense_grads(dense, group, average)
+        # Swaps run on host threads but move rows in device memory: on an accelerator they get
+        # their own stream, ordered after the train steps that last updated the evicted rows
+        # and before the train step of their batch (events; no-ops on the CPU).
+        self._swap_stream = self._backend.new_stream(self.device)
+        self._trained_event: Any = None
         self._live: List[_Item] = []  # planned, not yet released; in plan order
         self._live_lock = threading.Lock()
         self._armed: Optional[_Armed] = None
@@ -319,11 +352,21 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         return item
 
     def _swap(self, item: _Item) -> _Item:
-        collection, plan = self.collection, item.plan
+        collection, plan, backend, stream = self.collection, item.plan, self._backend, self._swap_stream
         assert plan is not None
-        collection.write_back(plan, collection.gather_out(plan))
-        collection.scatter_in(plan, collection.fetch_in(plan))
+        with backend.use_device(self.device), backend.use_stream(stream):
+            # Evicted rows were last updated by batches whose train steps are all queued by
+            # now (their keys were unprotected when this batch was planned): wait for them.
+            trained = self._trained_event
+            if trained is not None:
+                backend.wait_event(stream, trained)
+            collection.write_back(plan, collection.gather_out(plan))
+            collection.scatter_in(plan, collection.fetch_in(plan))
+            item.extra["swapped"] = mark_ready(backend, stream)
         return item
+
+    def streams(self) -> List[Tuple[torch.device, Any]]:
+        return [*super().streams(), (self.device, self._swap_stream)]
 
     def _inject_plan(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:
         armed = self._armed
@@ -348,6 +391,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     def _train_cached(self, item: _Item) -> Any:
         assert item.plan is not None
         self._wait_h2d(item)
+        swapped = item.extra.get("swapped")
+        if swapped is not None:
+            self._backend.wait_event(self._backend.current_stream(self.device), swapped)
         armed = _Armed(item.device_batch.sparse_features, item.plan, threading.get_ident(), item)
         self._armed = armed
         before = self.collection.snapshot_rows(item.plan)
@@ -360,6 +406,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             raise
         finally:
             self._armed = None
+            self._trained_event = mark_ready(self._backend, self._backend.current_stream(self.device))
         if not armed.used:
             raise RuntimeError("the model did not call the cached collection with batch.sparse_features")
         item.trained = True
@@ -381,21 +428,28 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self.collection.clear_abort()
         with self._live_lock:
             live, self._live = self._live, []
-        for item in live:  # plan order: swaps complete in ticket order
-            plan = item.plan
-            assert plan is not None
-            if not item.trained and not plan.scattered:
-                if not plan.written:
-                    self.collection.write_back(plan, self.collection.gather_out(plan))
-                self.collection.scatter_in(plan, self.collection.fetch_in(plan))
-            if not plan.released:
-                self.collection.release(plan)
+        backend, swap = self._backend, self._swap_stream
+        others = super().streams()
+        for _, stream in others:  # the swaps below come after every step's device work ...
+            backend.wait_stream(swap, stream)
+        with backend.use_device(self.device), backend.use_stream(swap):
+            for item in live:  # plan order: swaps complete in ticket order
+                plan = item.plan
+                assert plan is not None
+                if not item.trained and not plan.scattered:
+                    if not plan.written:
+                        self.collection.write_back(plan, self.collection.gather_out(plan))
+                    self.collection.scatter_in(plan, self.collection.fetch_in(plan))
+                if not plan.released:
+                    self.collection.release(plan)
+        for _, stream in others:  # ... and the next steps come after them
+            backend.wait_stream(stream, swap)
 
     # -- public --------------------------------------------------------------------------
     def flush(self) -> List[Any]:
         """Train every in-flight batch, then write every cached row back to the host tables."""
-        outputs = self.pipeline.flush()
-        self.collection.flush()
+        outputs = super().flush()
+        self.collection.flush()  # on the caller's stream, which now waits for the pipeline's
         return outputs
 
     def hit_rate(self) -> float:

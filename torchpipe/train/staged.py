@@ -165,6 +165,10 @@ class StagedPipeline:
                 assigned.append(int(w))
         return assigned
 
+    def device_streams(self) -> List[Tuple[torch.device, Any]]:
+        """The streams of the compute and copy workers (CPU streams on the CPU)."""
+        return [(self.device, worker.stream) for worker in self._workers[:2]]
+
     @property
     def depth(self) -> int:
         return len(self.stages)

@@ -1,0 +1,217 @@
+"""On a real CUDA device: worker streams, copies, events and fences keep every result equal
+to the un-pipelined model. Skipped without CUDA (CI has none); run on a GPU machine with
+``python -m pytest tests/test_cuda.py``.
+
+The race tests use layers big enough that a kernel takes milliseconds, so that a missing
+wait between the caller's stream and a worker stream reads stale memory and shows up as
+a wrong loss, not as a lucky pass.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from torchpipe import Pipe, is_recomputing
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda", 0)
+LAYOUTS = {
+    "four streams on one GPU": ["cuda:0"] * 4,
+    "cpu and gpu alternating": ["cpu", "cuda:0", "cuda:0", "cpu"],
+}
+SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"virtual_stages": 2}), ("zb-v", {})]
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    """TF32 would make the reference and the micro-batches round differently."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+    torch.cuda.synchronize()
+
+
+def make_model(width=32, depth=8):
+    return nn.Sequential(*[nn.Linear(width, width) if i % 2 == 0 else nn.Tanh() for i in range(depth)])
+
+
+def grads(module):
+    return {name: p.grad.detach().to("cpu") for name, p in module.named_parameters()}
+
+
+def close(a, b, **tolerance):
+    torch.testing.assert_close(a.to("cpu"), b.to("cpu"), **tolerance)
+
+
+# ------------------------------------------------------------------ default devices
+@pytest.mark.default_devices
+def test_default_devices_are_every_gpu_as_in_torchgpipe():
+    count = torch.cuda.device_count()
+    with Pipe(make_model(depth=2 * count), [2] * count, chunks=2) as pipe:
+        assert pipe.devices == [torch.device("cuda", i) for i in range(count)]
+        assert pipe(torch.randn(4, 32, device=CUDA)).device == torch.device("cuda", count - 1)
+    with pytest.raises(IndexError, match=f"devices: {count}, partitions: {count + 1}"):
+        Pipe(make_model(depth=2 * count + 2), [2] * (count + 1))
+
+
+# ------------------------------------------------------------------ forward() path
+def test_bitwise_for_one_chunk_without_checkpointing():
+    model = make_model()
+    reference = copy.deepcopy(model).to(CUDA)
+    x = torch.randn(16, 32, device=CUDA)
+    with Pipe(model, [2, 2, 2, 2], devices=LAYOUTS["four streams on one GPU"], chunks=1, checkpoint="never") as pipe:
+        out = pipe(x)
+        out.pow(2).sum().backward()
+        got = grads(pipe)
+    expected = reference(x)
+    expected.pow(2).sum().backward()
+    assert torch.equal(out, expected)
+    want = grads(reference)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("chunks", [1, 4, 7])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_outputs_and_every_gradient_match(layout, chunks, checkpoint):
+    devices = LAYOUTS[layout]
+    model = make_model()
+    reference = copy.deepcopy(model).to(CUDA)
+    x = torch.randn(10, 32, device=devices[0], requires_grad=True)
+    x_ref = x.detach().to(CUDA).requires_grad_()
+    with Pipe(model, [2, 2, 2, 2], devices=devices, chunks=chunks, checkpoint=checkpoint) as pipe:
+        out = pipe(x)
+        assert out.device == torch.device(devices[-1])
+        out.pow(2).sum().backward()
+        got = grads(pipe)
+    expected = reference(x_ref)
+    expected.pow(2).sum().backward()
+    close(out, expected, rtol=1e-5, atol=1e-5)
+    close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    for name, want in grads(reference).items():
+        close(got[name], want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class RecordDropout(nn.Dropout):
+    def __init__(self, p, log):
+        super().__init__(p)
+        self.log = log
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.log.append(("recompute" if is_recomputing() else "forward", out.detach().clone()))
+        return out
+
+
+def test_dropout_on_the_cuda_generator_is_replayed_on_recompute():
+    """Four partitions share cuda:0's generator; each recompute must see its forward's mask."""
+    logs = [[] for _ in range(4)]
+    layers = []
+    for log in logs:
+        layers += [RecordDropout(0.5, log), nn.Linear(256, 256)]
+    with Pipe(nn.Sequential(*layers), [2, 2, 2, 2], devices=["cuda:0"] * 4, chunks=8, checkpoint="always") as pipe:
+        x = torch.randn(64, 256, device=CUDA)
+        for _ in range(3):
+            for log in logs:
+                log.clear()
+            pipe(x).sum().backward()
+            for log in logs:
+                forward = [t for kind, t in log if kind == "forward"]
+                recompute = [t for kind, t in log if kind == "recompute"]
+                assert len(forward) == len(recompute) == 8
+                for again in recompute:
+                    assert any(torch.equal(again, first) for first in forward)
+
+
+def test_autocast_reaches_the_workers():
+    model = make_model()
+    reference = copy.deepcopy(model).to(CUDA)
+    x = torch.randn(8, 32, device=CUDA)
+    with Pipe(model, [2, 2, 2, 2], devices=["cuda:0"] * 4, chunks=1, checkpoint="never") as pipe:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = pipe(x)
+            expected = reference(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
+# ------------------------------------------------------------------ Pipe.step
+@pytest.mark.parametrize("schedule,options", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_step_loss_and_every_gradient_match(schedule, options, checkpoint):
+    partitions = 8 if schedule in ("interleaved-1f1b", "zb-v") else 4
+    model = make_model(depth=2 * partitions)
+    reference = copy.deepcopy(model).to(CUDA)
+    x, y = torch.randn(12, 32, device=CUDA), torch.randn(12, 32, device=CUDA)
+    loss_fn = nn.MSELoss()
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    with Pipe(model, [2] * partitions, devices=["cuda:0"] * partitions, chunks=4, checkpoint=checkpoint) as pipe:
+        loss = pipe.step(x, y, loss_fn, schedule=schedule, **options)
+        got = grads(pipe)
+    close(loss, expected, rtol=1e-5, atol=1e-6)
+    for name, want in grads(reference).items():
+        close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def big_model(width=2048, depth=8):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) if i % 2 == 0 else nn.Tanh() for i in range(depth)])
+
+
+@pytest.mark.parametrize("path", ["step 1f1b", "step zb-h1", "forward+backward"])
+def test_training_loop_with_the_optimizer_on_the_callers_stream(path):
+    """optimizer.step() and loss.item() run on the caller's stream, the stages on their own:
+    the pipeline must order its streams after the caller's and the caller's after its own."""
+    model = big_model()
+    reference = copy.deepcopy(model).to(CUDA)
+    x, y = torch.randn(512, 2048, device=CUDA), torch.randn(512, 2048, device=CUDA)
+    loss_fn = nn.MSELoss()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    ref_losses = []
+    for _ in range(4):
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    with Pipe(model, [2, 2, 2, 2], devices=["cuda:0"] * 4, chunks=4, checkpoint="never") as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        losses = []
+        for _ in range(4):
+            opt.zero_grad()
+            if path.startswith("step"):
+                loss = pipe.step(x, y, loss_fn, schedule=path.split()[1])
+            else:
+                loss = loss_fn(pipe(x), y)
+                loss.backward()
+            losses.append(loss.item())  # read on the caller's stream, right away
+            opt.step()
+        final = {name: p.detach().to("cpu") for name, p in pipe.named_parameters()}
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    for name, p in reference.named_parameters():
+        close(final[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_1f1b_holds_less_gpu_memory_than_gpipe():
+    """Measured by the CUDA allocator, not by our own counter: 1F1B frees activations early."""
+    peaks = {}
+    x, y = torch.randn(1024, 2048, device=CUDA), torch.randn(1024, 2048, device=CUDA)
+    with Pipe(big_model(), [2, 2, 2, 2], devices=["cuda:0"] * 4, chunks=16, checkpoint="never") as pipe:
+        for schedule in ("gpipe", "1f1b", "gpipe", "1f1b"):  # twice: the second run has warm caches
+            for p in pipe.parameters():
+                p.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+            torch.cuda.synchronize()
+            peaks[schedule] = torch.cuda.max_memory_allocated() - base
+            assert pipe.last_memory is not None
+    # All four stages share the GPU: GPipe holds 16 micro-batches per stage, 1F1B 4+3+2+1 in all.
+    assert peaks["1f1b"] < 0.5 * peaks["gpipe"], peaks
