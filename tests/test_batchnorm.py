@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import List, Optional, Tuple
 
 import pytest
@@ -168,12 +169,17 @@ def test_state_dict_round_trip_with_plain_batch_norm() -> None:
         assert torch.equal(back.state_dict()[key], value)
 
 
+_HAS_BIAS_OPTION = "bias" in inspect.signature(nn.BatchNorm2d.__init__).parameters
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 3, 1)
         self.norm = nn.BatchNorm2d(3)
-        self.inner = nn.Sequential(nn.BatchNorm2d(3, affine=False), nn.BatchNorm2d(3, bias=False))
+        # bias=False exists from torch 2.13; older versions get a plain affine one instead.
+        without_bias = nn.BatchNorm2d(3, bias=False) if _HAS_BIAS_OPTION else nn.BatchNorm2d(3)
+        self.inner = nn.Sequential(nn.BatchNorm2d(3, affine=False), without_bias)
         self.untracked = nn.BatchNorm2d(3, track_running_stats=False)
 
 
@@ -194,7 +200,7 @@ def test_conversion_replaces_nested_batch_norms_and_keeps_objects() -> None:
     assert not isinstance(block.untracked, DeferredBatchNorm)
     assert block.norm.weight is weight and block.norm.running_mean is running_mean
     assert block.norm.training and not converted[1].training and not block.inner[0].training
-    assert block.inner[0].weight is None and block.inner[1].bias is None
+    assert block.inner[0].weight is None and (block.inner[1].bias is None) == _HAS_BIAS_OPTION
     assert block.inner[1].weight is not None
 
     # An optimizer built before the conversion still trains the converted model.

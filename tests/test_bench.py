@@ -4,6 +4,7 @@ import math
 import threading
 
 import pytest
+import torch
 
 from torchpipe.bench import SUITES, Goal, SuiteResult, TimingConfig, compare
 from torchpipe.bench.__main__ import main, parse_args
@@ -75,7 +76,7 @@ def test_quick_suite_json(suite, tmp_path, capsys):
 
 
 def test_cli_knows_every_suite_and_all():
-    assert {"overhead", "gpipe"} <= set(SUITES)
+    assert {"overhead", "gpipe", "cuda"} <= set(SUITES)
     assert parse_args(["all", "--quick"]).suite == "all"
     assert parse_args(["gpipe", "--repeats", "2"]).repeats == 2
     with pytest.raises(SystemExit):
@@ -129,4 +130,48 @@ def test_schedules_suite_quick(tmp_path):
     for name, value in result["ratios"].items():
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
     one_f_one_b = [row for row in rows if row["schedule"] == "1f1b"]
+    assert all(row["peak_mb"] == "[4, 3, 2, 1]" for row in one_f_one_b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
+def test_cuda_suite_skips_without_cuda(tmp_path, capsys):
+    from torchpipe.bench.cuda import SKIP_NOTE
+
+    path = tmp_path / "cuda.json"
+    main(["cuda", "--json", str(path)])
+    result = _strict_load(path)["suites"]["cuda"]
+    assert SKIP_NOTE in result["notes"]
+    assert result["tables"] == [] and result["goals"] == [] and result["ratios"] == {}
+    printed = capsys.readouterr().out
+    assert "== cuda:" in printed and SKIP_NOTE in printed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_suite_quick(tmp_path, capsys):
+    from torchpipe.bench import cuda
+
+    path = tmp_path / "cuda.json"
+    before = _pipeline_threads()
+    returned = main(["cuda", "--quick", "--json", str(path)])
+    doc = _strict_load(path)
+    assert doc == json.loads(json.dumps(returned))
+    result = _check_document(doc, "cuda")
+    assert cuda.SKIP_NOTE not in result["notes"]
+    assert result["config"]["gpu"] and result["config"]["cuda"]
+    assert "== cuda:" in capsys.readouterr().out
+    assert _pipeline_threads() <= before, "the benchmark must close every Pipe it builds"
+    ratios = result["ratios"]
+    for chunks in cuda.CHUNKS:
+        assert f"overhead/chunks={chunks}/torchpipe step / loop step" in ratios
+    for chunks in cuda.REAL_CHUNKS:
+        assert f"real/chunks={chunks}/loop step / plain step" in ratios
+        for checkpoint in cuda.CHECKPOINTS:
+            for name in ("torchpipe", *[f"step {s}" for s in cuda.STEP_SCHEDULES]):
+                assert f"real/chunks={chunks}/checkpoint={checkpoint}/{name} step / loop step" in ratios
+    for batch in cuda.MEMORY_BATCHES:
+        for name in ("1f1b", "zb-h1"):
+            assert f"memory/batch={batch}/{name} peak increase / gpipe's" in ratios
+    memory = result["tables"][-1]["rows"]
+    one_f_one_b = [row for row in memory if row["case"] == "Pipe.step(schedule='1f1b')"]
+    assert len(one_f_one_b) == len(cuda.MEMORY_BATCHES)
     assert all(row["peak_mb"] == "[4, 3, 2, 1]" for row in one_f_one_b)

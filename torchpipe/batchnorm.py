@@ -68,7 +68,7 @@ class DeferredBatchNorm(_BatchNorm):
                  dtype: Optional[torch.dtype] = None, *, bias: bool = True) -> None:
         if _BATCH_NORM_HAS_BIAS:
             extra = {"bias": bias}
-        elif not bias:
+        elif affine and not bias:
             raise ValueError(f"bias=False needs torch >= 2.13's batch norm; torch {torch.__version__} has no such option")
         else:
             extra = {}

@@ -208,9 +208,19 @@ def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: _Replay) ->
     ``is_checkpointing``/``is_recomputing`` flags come from ``replay``'s contexts.
     """
     atomic = batch.atomic
+    failures: List[BaseException] = []
 
     def run(*values: Any) -> Any:
-        return function(values[0] if atomic else values)
+        # An exception must not leave torch's checkpoint half-entered: some versions (2.11)
+        # resume their context only on success, which would leave the checkpoint's
+        # saved-tensor hooks installed on this worker thread for every later step.
+        if _flags.recomputing:  # a failed recompute surfaces through backward as it is
+            return function(values[0] if atomic else values)
+        try:
+            return function(values[0] if atomic else values)
+        except BaseException as exc:  # noqa: B902 - re-raised below, unchanged
+            failures.append(exc)
+            return None
 
     output = _torch_checkpoint.checkpoint(
         run,
@@ -219,4 +229,6 @@ def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: _Replay) ->
         preserve_rng_state=False,
         context_fn=lambda: (replay.forward_context(), replay.recompute_context()),
     )
+    if failures:
+        raise failures.pop()  # no local name: the traceback must not keep the exception alive
     return Batch(output)

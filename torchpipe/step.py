@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
@@ -98,7 +98,10 @@ class _CountSaved:
         self.nbytes = 0
 
     def pack(self, tensor: Tensor) -> Tensor:
-        self.nbytes += tensor.numel() * tensor.element_size()
+        # Parameters (a Linear saves its weight, maybe as a view) are not activations.
+        base = tensor._base if tensor._base is not None else tensor
+        if not isinstance(base, nn.Parameter):
+            self.nbytes += tensor.numel() * tensor.element_size()
         return tensor
 
     @staticmethod

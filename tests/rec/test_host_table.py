@@ -11,10 +11,10 @@ import torch
 from torchpipe.rec import CacheAbortedError, HostEmbeddingTable
 
 
-def test_init_lookup_update_and_no_pinning_on_cpu() -> None:
+def test_init_lookup_update_and_pinning_only_with_an_accelerator() -> None:
     weight = torch.arange(12.0).view(6, 2)
     table = HostEmbeddingTable(6, 2, 1, weight=weight)
-    assert not table.rows.is_pinned()
+    assert table.rows.is_pinned() == torch.cuda.is_available()
     assert torch.equal(table.weight, weight) and torch.equal(table.state, torch.zeros(6, 1))
     table.update(torch.tensor([4, 1]), torch.tensor([[9.0, 9.0, 1.0], [8.0, 8.0, 2.0]]))
     assert torch.equal(table.lookup(torch.tensor([1, 4])), torch.tensor([[8.0, 8.0, 2.0], [9.0, 9.0, 1.0]]))

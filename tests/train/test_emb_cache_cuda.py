@@ -1,12 +1,12 @@
 """EmbCacheTrainPipeline with the row cache on a CUDA device: swaps on their own stream,
-train steps on the compute stream, outputs read on the caller's; still equal, bitwise, to
-the synchronous full-table loop on the same device. Skipped without CUDA."""
+train steps on the compute stream, outputs read on the caller's; still equal to the
+synchronous full-table loop on the same device. Skipped without CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from train_helpers import (TinyDLRM, assert_same_state, drain, emb_width, integer_weights, make_batches, make_tables,
+from train_helpers import (TinyDLRM, emb_width, integer_weights, make_batches, make_tables,
                            window_minimum)
 
 from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
@@ -17,6 +17,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA = torch.device("cuda", 0)
 
 
+DELAY_CYCLES = 20_000_000  # about 12 ms of GPU clock
+
+
+class StallingDLRM(TinyDLRM):
+    """Stalls its stream before each forward: a swap or a caller that does not wait for the
+    compute stream then reads rows or outputs before the train step wrote them."""
+
+    def forward(self, batch):
+        torch.cuda._sleep(DELAY_CYCLES)
+        return super().forward(batch)
+
+
 def build_on_cuda(tables, batches, cached: bool):
     weights = integer_weights(tables)
     if cached:
@@ -24,7 +36,7 @@ def build_on_cuda(tables, batches, cached: bool):
         ebc = CachedEmbeddingBagCollection(tables, rows, optimizer=SGD(lr=2.0 ** -7), weights=weights, device=CUDA)
     else:
         ebc = FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=2.0 ** -7), weights=weights, device=CUDA)
-    model = TinyDLRM(ebc, emb_width(tables))
+    model = StallingDLRM(ebc, emb_width(tables))
     model.bottom.to(CUDA)
     model.top.to(CUDA)
     return model, torch.optim.SGD(model.parameters(), lr=2.0 ** -12)
@@ -36,12 +48,27 @@ def test_emb_cache_pipeline_on_cuda_equals_the_full_table_loop() -> None:
     reference, ref_opt = build_on_cuda(tables, batches, cached=False)
     ref_outputs = [train_step(reference, ref_opt, b.to(CUDA)) for b in batches]
     model, opt = build_on_cuda(tables, batches, cached=True)
+    outputs = []
     with EmbCacheTrainPipeline(model, opt, device=CUDA, host_threads=3) as pipe:
-        outputs = drain(pipe, iter(batches))
+        it = iter(batches)
+        while True:
+            try:
+                loss, logit = pipe.progress(it)
+            except StopIteration:
+                break
+            # Copied on the caller's stream right away: too early unless that stream waits.
+            outputs.append((loss.clone(), logit.clone()))
         pipe.flush()
     assert model.ebc.cache_stats()["t0"].swapped_out > 0, "the cache never evicted: the test proves nothing"
     assert len(outputs) == len(ref_outputs)
+    # Not bitwise as on the CPU: CUDA's index_add and matmul reductions use atomics, so float
+    # sums round in a run-dependent order. A race (a stale row, a lost update) is far larger.
     for step, ((loss, logit), (ref_loss, ref_logit)) in enumerate(zip(outputs, ref_outputs)):
-        assert torch.equal(loss, ref_loss), f"loss differs at step {step}"
-        assert torch.equal(logit, ref_logit), f"output differs at step {step}"
-    assert_same_state(model, reference)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-3, msg=f"loss differs at step {step}")
+        torch.testing.assert_close(logit, ref_logit, rtol=1e-5, atol=1e-3, msg=f"output differs at step {step}")
+    cached, full = model.ebc, reference.ebc
+    cached.flush()
+    for layout in cached.layouts:
+        torch.testing.assert_close(cached.full_weight(layout.name), full.full_weight(layout.name), rtol=1e-5, atol=1e-3)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-4, msg=name)

@@ -1,11 +1,14 @@
 """The pipelines the benchmarks compare: torchpipe and its anchors, built the same way.
 
-Each peer is a factory ``(module, chunks) -> nn.Module`` for a 4-partition CPU pipeline
-with ``checkpoint='never'``. The anchors are optional (``pip install .[bench]``): when one
-cannot be imported or run, its rows say ``unavailable: <reason>`` instead of failing the
-run. If an import fails only because torch removed an old private API, a small shim for
-that API is installed *in this process only* and the import retried; every shim applied
-is reported in the output so that no number silently depends on one.
+Each peer is a factory ``make(module, chunks, device="cpu", *, checkpoint="never")`` that
+returns a pipeline with one partition per child of ``module``, every partition on
+``device``: ``"cpu"`` by default (the CPU suites), ``"cuda:0"`` in the ``cuda`` suite, where
+torchpipe gives each partition its own worker thread and stream and torchgpipe and
+fairscale accept the repeated device. The anchors are optional (``pip install .[bench]``):
+when one cannot be imported or run, its rows say ``unavailable: <reason>`` instead of
+failing the run. If an import fails only because torch removed an old private API, a small
+shim for that API is installed *in this process only* and the import retried; every shim
+applied is reported in the output so that no number silently depends on one.
 """
 from __future__ import annotations
 
@@ -15,13 +18,18 @@ import sys
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+import torch
 from torch import nn
 
 __all__ = ["Peer", "PEER_NAMES", "load_peers", "close_pipeline", "release", "SHIMS_APPLIED"]
 
 PEER_NAMES = ("torchpipe", "torchgpipe", "fairscale")
+
+Device = Union[str, torch.device]
+MakePipeline = Callable[..., nn.Module]
+"""``make(module, chunks, device="cpu", *, checkpoint="never") -> nn.Module``."""
 
 SHIMS_APPLIED: List[str] = []
 """Human-readable descriptions of the shims installed in this process."""
@@ -33,7 +41,7 @@ class Peer:
 
     name: str
     label: str
-    make: Optional[Callable[[nn.Sequential, int], nn.Module]]
+    make: Optional[MakePipeline]
     reason: str = ""
     version: str = ""
 
@@ -81,8 +89,9 @@ def _import(name: str) -> types.ModuleType:
 def _torchpipe() -> Peer:
     from .. import Pipe, __version__
 
-    def make(module: nn.Sequential, chunks: int) -> nn.Module:
-        return Pipe(module, balance=[1] * len(module), devices=None, chunks=chunks, checkpoint="never")
+    def make(module: nn.Sequential, chunks: int, device: Device = "cpu", *, checkpoint: str = "never") -> nn.Module:
+        n = len(module)
+        return Pipe(module, balance=[1] * n, devices=[device] * n, chunks=chunks, checkpoint=checkpoint)
 
     return Peer("torchpipe", "torchpipe Pipe", make, version=__version__)
 
@@ -93,9 +102,9 @@ def _torchgpipe() -> Peer:
     except Exception as exc:  # any import-time failure makes the row unavailable
         return Peer("torchgpipe", "torchgpipe GPipe", None, f"import torchgpipe failed: {type(exc).__name__}: {exc}")
 
-    def make(module: nn.Sequential, chunks: int) -> nn.Module:
+    def make(module: nn.Sequential, chunks: int, device: Device = "cpu", *, checkpoint: str = "never") -> nn.Module:
         n = len(module)
-        return torchgpipe.GPipe(module, balance=[1] * n, devices=["cpu"] * n, chunks=chunks, checkpoint="never")
+        return torchgpipe.GPipe(module, balance=[1] * n, devices=[device] * n, chunks=chunks, checkpoint=checkpoint)
 
     return Peer("torchgpipe", "torchgpipe GPipe", make, version=getattr(torchgpipe, "__version__", ""))
 
@@ -109,11 +118,11 @@ def _fairscale() -> Peer:
     except Exception as exc:
         return Peer("fairscale", "fairscale Pipe", None, f"import fairscale.nn failed: {type(exc).__name__}: {exc}")
 
-    def make(module: nn.Sequential, chunks: int) -> nn.Module:
+    def make(module: nn.Sequential, chunks: int, device: Device = "cpu", *, checkpoint: str = "never") -> nn.Module:
         n = len(module)
         with warnings.catch_warnings():  # its constructor warns that it is deprecated
             warnings.simplefilter("ignore")
-            return fs_nn.Pipe(module, balance=[1] * n, devices=["cpu"] * n, chunks=chunks, checkpoint="never")
+            return fs_nn.Pipe(module, balance=[1] * n, devices=[device] * n, chunks=chunks, checkpoint=checkpoint)
 
     return Peer("fairscale", "fairscale Pipe", make, version=getattr(fairscale, "__version__", ""))
 

@@ -55,8 +55,9 @@ SUITES: Dict[str, Suite] = {
     "gpipe": _lazy(".gpipe"),
     "rec": _lazy(".rec"),
     "schedules": _lazy(".schedules"),
+    "cuda": _lazy(".cuda"),
 }
-"""Suite name -> runner. ``schedules`` and ``rec`` are expected to join later."""
+"""Suite name -> runner. ``cuda`` needs a GPU: without one it returns at once, its notes saying it was skipped."""
 
 
 def register(name: str, suite: Suite) -> None:

@@ -140,7 +140,7 @@ def run(options: Options) -> SuiteResult:
             model = nn.Sequential(*[SplitSleepLayer(t) for _ in range(stages)])
             plan = build(name, stages, m, **options_)
             simulated = plan.simulate(costs)
-            with Pipe(model, [1] * stages, chunks=m, checkpoint="never") as pipe:
+            with Pipe(model, [1] * stages, devices=["cpu"] * stages, chunks=m, checkpoint="never") as pipe:
                 pipe.step(x, target, _loss, schedule=name, reduction="sum", **options_)  # warm-up
                 makespans, bubbles = [], []
                 for _ in range(repeats):

@@ -27,7 +27,7 @@ def run(out_dir: str, steps: int = 60) -> None:
         nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 4),
     )
     loss_fn = nn.CrossEntropyLoss()
-    with Pipe(model, balance=[2, 2, 3, 3], chunks=8, checkpoint="except_last") as pipe:
+    with Pipe(model, balance=[2, 2, 3, 3], devices=["cpu"] * 4, chunks=8, checkpoint="except_last") as pipe:
         optimizer = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
         print(f"model: {sum(p.numel() for p in pipe.parameters())} parameters, {pipe}")
         losses = []

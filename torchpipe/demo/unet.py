@@ -57,7 +57,8 @@ def run(steps: int = 20) -> None:
     targets = images.flip(-1)  # learn to mirror the image: needs the skips to be sharp
     balance = balance_by_time(4, model, images[:8], timeout=0.5)
     print(f"\nU-Net with {len(model)} layers; balance_by_time -> {balance}")
-    with Pipe(model, balance, chunks=4, checkpoint="except_last", deferred_batch_norm=True) as pipe:
+    with Pipe(model, balance, devices=["cpu"] * len(balance), chunks=4, checkpoint="except_last",
+              deferred_batch_norm=True) as pipe:
         optimizer = torch.optim.Adam(pipe.parameters(), lr=3e-3)
         first = last = None
         for _ in progress(steps, "U-Net  pipe.step(zb-h1)   "):
