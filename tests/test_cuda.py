@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipe import Pipe, is_recomputing
+from test_pipe import RecordDropout  # (kind, batch size, output) per call
+
+from torchpipe import Pipe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -97,17 +99,6 @@ def test_outputs_and_every_gradient_match(layout, chunks, checkpoint):
         close(got[name], want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-class RecordDropout(nn.Dropout):
-    def __init__(self, p, log):
-        super().__init__(p)
-        self.log = log
-
-    def forward(self, x):
-        out = super().forward(x)
-        self.log.append(("recompute" if is_recomputing() else "forward", out.detach().clone()))
-        return out
-
-
 def test_dropout_on_the_cuda_generator_is_replayed_on_recompute():
     """Four partitions share cuda:0's generator; each recompute must see its forward's mask."""
     logs = [[] for _ in range(4)]
@@ -121,8 +112,8 @@ def test_dropout_on_the_cuda_generator_is_replayed_on_recompute():
                 log.clear()
             pipe(x).sum().backward()
             for log in logs:
-                forward = [t for kind, t in log if kind == "forward"]
-                recompute = [t for kind, t in log if kind == "recompute"]
+                forward = [t for kind, _, t in log if kind == "forward"]
+                recompute = [t for kind, _, t in log if kind == "recompute"]
                 assert len(forward) == len(recompute) == 8
                 for again in recompute:
                     assert any(torch.equal(again, first) for first in forward)

@@ -31,7 +31,7 @@ from . import overhead
 from .peers import SHIMS_APPLIED, Peer, build_peers, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
-from .timing import compare
+from .timing import Measurement, compare
 
 SKIP_NOTE = "CUDA is not available on this machine: suite skipped"
 DEVICE = "cuda:0"
@@ -159,37 +159,28 @@ def _build_tiny(peer: Peer, chunks: int, x: torch.Tensor, expected: torch.Tensor
     return pipeline
 
 
+def _measure(result: SuiteResult, key: str, cases: Dict[str, Callable[[], None]], pipelines: List[nn.Module],
+             config: Any) -> Dict[str, Measurement]:
+    """Time ``cases`` from an idle GPU, then close the pipelines and free their memory."""
+    try:
+        torch.cuda.synchronize()
+        measured = compare(cases, config)
+    finally:
+        release(pipelines, cases)
+        _empty_cache()
+    for name, m in measured.items():
+        result.measurements[f"{key}/{name}"] = m.to_json()
+    return measured
+
+
 def _overhead(options: Options, result: SuiteResult, peers: List[Peer], device: torch.device, config: Any) -> None:
-    steps = Table(
+    steps, summary = overhead.overhead_tables(
         f"Overhead on CUDA: {STAGES} x Linear({overhead.WIDTH},{overhead.WIDTH}), batch {BATCH}, every stage on "
         f"{DEVICE}, checkpoint='never', forward+backward: step time (median of repeats)",
-        [
-            Column("chunks", "chunks"),
-            Column("case", "case", align="<"),
-            Column("step_ms", "step ms", "{:.3f}"),
-            Column("spread", "spread", "{:.0%}"),
-            Column("iters", "iters/repeat"),
-            Column("vs_plain", "x plain", "{:.2f}"),
-            Column("vs_loop", "x loop", "{:.2f}"),
-            Column("overhead_us", "overhead us/(stage,mb)", "{:.1f}"),
-        ],
-    )
+        "Overhead on CUDA per (stage, micro-batch) fwd+bwd, us = (pipe step - chunked-loop step) / (stages x chunks)")
     steps.notes.append("plain = model(x).sum().backward() on the whole batch; loop = torch.cat([model(c) for c in "
                        "x.chunk(chunks)]).sum().backward(), the same arithmetic as a pipeline without its runtime; "
                        "all on the caller's thread and the default stream")
-    summary = Table(
-        "Overhead on CUDA per (stage, micro-batch) fwd+bwd, us = (pipe step - chunked-loop step) / (stages x chunks)",
-        [
-            Column("chunks", "chunks"),
-            Column("torchpipe", "torchpipe us", "{:.1f}"),
-            Column("torchgpipe", "torchgpipe us", "{:.1f}"),
-            Column("fairscale", "fairscale us", "{:.1f}"),
-            Column("tg_over_tp", "torchgpipe/torchpipe", "{:.2f}x"),
-            Column("fs_over_tp", "fairscale/torchpipe", "{:.2f}x"),
-            Column("goal_us", f"<= {overhead.GOAL_US:g} us", align="<"),
-            Column("goal_ratio", f">= {overhead.GOAL_VS_TORCHGPIPE:g}x less", align="<"),
-        ],
-    )
     summary.notes.append("targets are the CPU overhead suite's; torchpipe runs each stage on its own worker thread "
                          "and stream, torchgpipe and fairscale run every stage on one worker (one device)")
     result.tables += [steps, summary]
@@ -210,49 +201,10 @@ def _overhead(options: Options, result: SuiteResult, peers: List[Peer], device: 
         pipelines: List[nn.Module] = list(built.values())
         cases.update({name: _synchronized(overhead._step(pipeline, x)) for name, pipeline in built.items()})
         del built
-        try:
-            torch.cuda.synchronize()
-            measured = compare(cases, config)
-        finally:
-            release(pipelines, cases)
-            _empty_cache()
-        for name, m in measured.items():
-            result.measurements[f"overhead/chunks={chunks}/{name}"] = m.to_json()
+        measured = _measure(result, f"overhead/chunks={chunks}", cases, pipelines, config)
 
-        plain = measured["plain"].median
-        loop = measured["loop"].median
-        per_mb: Dict[str, Optional[float]] = {}
-        for name in ["plain", "loop", *[p.name for p in peers]]:
-            if name in unavailable:
-                steps.add(chunks=chunks, case=f"{labels[name]}: unavailable: {unavailable[name]}")
-                per_mb[name] = None
-                continue
-            m = measured[name]
-            row: Dict[str, Any] = dict(chunks=chunks, case=labels[name], step_ms=m.median * 1e3, spread=m.spread,
-                                       iters=m.iters, vs_plain=m.median / plain, vs_loop=m.median / loop)
-            result.ratio(f"overhead/chunks={chunks}/{name} step / plain step", m.median, plain)
-            if name not in ("plain", "loop"):
-                per_mb[name] = (m.median - loop) / (STAGES * chunks)
-                row["overhead_us"] = per_mb[name] * 1e6
-                result.ratio(f"overhead/chunks={chunks}/{name} step / loop step", m.median, loop)
-            steps.add(**row)
-
-        tp = per_mb.get("torchpipe")
-        row = dict(chunks=chunks)
-        for name in ("torchpipe", "torchgpipe", "fairscale"):
-            value = per_mb.get(name)
-            row[name] = None if value is None else value * 1e6
-        row["tg_over_tp"] = result.ratio(f"overhead/chunks={chunks}/torchgpipe overhead / torchpipe overhead",
-                                         per_mb.get("torchgpipe"), tp)
-        row["fs_over_tp"] = result.ratio(f"overhead/chunks={chunks}/fairscale overhead / torchpipe overhead",
-                                         per_mb.get("fairscale"), tp)
-        goal_us = Goal(f"CUDA chunks={chunks}: torchpipe overhead per (stage, mb), us",
-                       None if tp is None else tp * 1e6, "<=", overhead.GOAL_US)
-        goal_ratio = Goal(f"CUDA chunks={chunks}: torchgpipe overhead / torchpipe overhead",
-                          row["tg_over_tp"], ">=", overhead.GOAL_VS_TORCHGPIPE)
-        row["goal_us"], row["goal_ratio"] = goal_us.status, goal_ratio.status
-        result.goals += [goal_us, goal_ratio]
-        summary.add(**row)
+        overhead.report_chunks(result, steps, summary, chunks, measured, unavailable, labels,
+                               key_prefix="overhead/", goal_prefix="CUDA ")
 
 
 # ---------------------------------------------------------------------------- part 2: real layers
@@ -416,13 +368,11 @@ def _real_layers(options: Options, result: SuiteResult, peers: List[Peer], devic
             for checkpoint in CHECKPOINTS:
                 _add_real_cases(result, peers, chunks, checkpoint, x, y, loss_fn, expected, expected_loss, device,
                                 labels, cases, pipelines, unavailable)
-            torch.cuda.synchronize()
-            measured = compare(cases, config)
-        finally:
+        except BaseException:
             release(pipelines, cases)
             _empty_cache()
-        for name, m in measured.items():
-            result.measurements[f"real/chunks={chunks}/{name}"] = m.to_json()
+            raise
+        measured = _measure(result, f"real/chunks={chunks}", cases, pipelines, config)
 
         plain = measured["plain"].median
         loop = measured["loop"].median

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch import nn
 from .peers import SHIMS_APPLIED, Peer, build_peers, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
-from .timing import compare
+from .timing import Measurement, compare
 
 STAGES = 4
 WIDTH = 16
@@ -70,6 +70,71 @@ def _build(peer: Peer, chunks: int, x: torch.Tensor, expected: torch.Tensor) -> 
     return pipeline
 
 
+def overhead_tables(steps_title: str, summary_title: str) -> Tuple[Table, Table]:
+    """The step-time table and the per-(stage, micro-batch) summary, shared with the cuda suite."""
+    steps = Table(steps_title, [
+        Column("chunks", "chunks"),
+        Column("case", "case", align="<"),
+        Column("step_ms", "step ms", "{:.3f}"),
+        Column("spread", "spread", "{:.0%}"),
+        Column("iters", "iters/repeat"),
+        Column("vs_plain", "x plain", "{:.2f}"),
+        Column("vs_loop", "x loop", "{:.2f}"),
+        Column("overhead_us", "overhead us/(stage,mb)", "{:.1f}"),
+    ])
+    summary = Table(summary_title, [
+        Column("chunks", "chunks"),
+        Column("torchpipe", "torchpipe us", "{:.1f}"),
+        Column("torchgpipe", "torchgpipe us", "{:.1f}"),
+        Column("fairscale", "fairscale us", "{:.1f}"),
+        Column("tg_over_tp", "torchgpipe/torchpipe", "{:.2f}x"),
+        Column("fs_over_tp", "fairscale/torchpipe", "{:.2f}x"),
+        Column("goal_us", f"<= {GOAL_US:g} us", align="<"),
+        Column("goal_ratio", f">= {GOAL_VS_TORCHGPIPE:g}x less", align="<"),
+    ])
+    return steps, summary
+
+
+def report_chunks(result: SuiteResult, steps: Table, summary: Table, chunks: int, measured: Dict[str, Measurement],
+                  unavailable: Dict[str, str], labels: Dict[str, str], key_prefix: str = "",
+                  goal_prefix: str = "") -> None:
+    """Rows, ratios and goals of one chunk count: overhead = (pipe - loop) / (stages x chunks)."""
+    plain = measured["plain"].median
+    loop = measured["loop"].median
+    overhead: Dict[str, Optional[float]] = {}
+    for name in labels:
+        if name in unavailable:
+            steps.add(chunks=chunks, case=f"{labels[name]}: unavailable: {unavailable[name]}")
+            overhead[name] = None
+            continue
+        m = measured[name]
+        row: Dict[str, Any] = dict(chunks=chunks, case=labels[name], step_ms=m.median * 1e3, spread=m.spread,
+                                   iters=m.iters, vs_plain=m.median / plain, vs_loop=m.median / loop)
+        result.ratio(f"{key_prefix}chunks={chunks}/{name} step / plain step", m.median, plain)
+        if name not in ("plain", "loop"):
+            overhead[name] = (m.median - loop) / (STAGES * chunks)
+            row["overhead_us"] = overhead[name] * 1e6
+            result.ratio(f"{key_prefix}chunks={chunks}/{name} step / loop step", m.median, loop)
+        steps.add(**row)
+
+    tp = overhead.get("torchpipe")
+    summary_row: Dict[str, Any] = dict(chunks=chunks)
+    for name in ("torchpipe", "torchgpipe", "fairscale"):
+        value = overhead.get(name)
+        summary_row[name] = None if value is None else value * 1e6
+    summary_row["tg_over_tp"] = result.ratio(f"{key_prefix}chunks={chunks}/torchgpipe overhead / torchpipe overhead",
+                                             overhead.get("torchgpipe"), tp)
+    summary_row["fs_over_tp"] = result.ratio(f"{key_prefix}chunks={chunks}/fairscale overhead / torchpipe overhead",
+                                             overhead.get("fairscale"), tp)
+    goal_us = Goal(f"{goal_prefix}chunks={chunks}: torchpipe overhead per (stage, mb), us",
+                   None if tp is None else tp * 1e6, "<=", GOAL_US)
+    goal_ratio = Goal(f"{goal_prefix}chunks={chunks}: torchgpipe overhead / torchpipe overhead",
+                      summary_row["tg_over_tp"], ">=", GOAL_VS_TORCHGPIPE)
+    summary_row["goal_us"], summary_row["goal_ratio"] = goal_us.status, goal_ratio.status
+    result.goals += [goal_us, goal_ratio]
+    summary.add(**summary_row)
+
+
 def thread_handoff_us(rounds: int) -> float:
     """Microseconds per lock ping-pong round trip between two threads: the cost of waking a thread here."""
     ping, pong = threading.Lock(), threading.Lock()
@@ -116,32 +181,9 @@ def _run(options: Options) -> SuiteResult:
     with torch.no_grad():
         expected = make_model()(x)
 
-    steps = Table(
-        "Step time (median of repeats; 'spread' = (max-min)/median over repeats)",
-        [
-            Column("chunks", "chunks"),
-            Column("case", "case", align="<"),
-            Column("step_ms", "step ms", "{:.3f}"),
-            Column("spread", "spread", "{:.0%}"),
-            Column("iters", "iters/repeat"),
-            Column("vs_plain", "x plain", "{:.2f}"),
-            Column("vs_loop", "x loop", "{:.2f}"),
-            Column("overhead_us", "overhead us/(stage,mb)", "{:.1f}"),
-        ],
-    )
-    summary = Table(
-        "Runtime overhead per (stage, micro-batch) fwd+bwd, us = (pipe step - chunked-loop step) / (stages x chunks)",
-        [
-            Column("chunks", "chunks"),
-            Column("torchpipe", "torchpipe us", "{:.1f}"),
-            Column("torchgpipe", "torchgpipe us", "{:.1f}"),
-            Column("fairscale", "fairscale us", "{:.1f}"),
-            Column("tg_over_tp", "torchgpipe/torchpipe", "{:.2f}x"),
-            Column("fs_over_tp", "fairscale/torchpipe", "{:.2f}x"),
-            Column("goal_us", f"<= {GOAL_US:g} us", align="<"),
-            Column("goal_ratio", f">= {GOAL_VS_TORCHGPIPE:g}x less", align="<"),
-        ],
-    )
+    steps, summary = overhead_tables("Step time (median of repeats; 'spread' = (max-min)/median over repeats)",
+                                     "Runtime overhead per (stage, micro-batch) fwd+bwd, us = (pipe step - "
+                                     "chunked-loop step) / (stages x chunks)")
     steps.notes.append(
         "plain = model(x) on the whole batch; loop = torch.cat([model(c) for c in x.chunk(chunks)]).sum().backward(), "
         "the same arithmetic as a pipeline without its runtime"
@@ -169,44 +211,9 @@ def _run(options: Options) -> SuiteResult:
         for name, m in measured.items():
             result.measurements[f"chunks={chunks}/{name}"] = m.to_json()
 
-        plain = measured["plain"].median
-        loop = measured["loop"].median
-        overhead: Dict[str, Optional[float]] = {}
         labels = {"plain": "plain model, whole batch", "loop": "plain model, chunked loop"}
         labels.update({p.name: p.label for p in peers})
-        for name in ["plain", "loop", *[p.name for p in peers]]:
-            if name in unavailable:
-                steps.add(chunks=chunks, case=f"{labels[name]}: unavailable: {unavailable[name]}")
-                overhead[name] = None
-                continue
-            m = measured[name]
-            row = dict(chunks=chunks, case=labels[name], step_ms=m.median * 1e3, spread=m.spread,
-                       iters=m.iters, vs_plain=m.median / plain, vs_loop=m.median / loop)
-            if name not in ("plain", "loop"):
-                overhead[name] = (m.median - loop) / (STAGES * chunks)
-                row["overhead_us"] = overhead[name] * 1e6
-                result.ratio(f"chunks={chunks}/{name} step / loop step", m.median, loop)
-                result.ratio(f"chunks={chunks}/{name} step / plain step", m.median, plain)
-            else:
-                result.ratio(f"chunks={chunks}/{name} step / plain step", m.median, plain)
-            steps.add(**row)
-
-        tp = overhead.get("torchpipe")
-        row = dict(chunks=chunks)
-        for name in ("torchpipe", "torchgpipe", "fairscale"):
-            value = overhead.get(name)
-            row[name] = None if value is None else value * 1e6
-        row["tg_over_tp"] = result.ratio(f"chunks={chunks}/torchgpipe overhead / torchpipe overhead",
-                                         overhead.get("torchgpipe"), tp)
-        row["fs_over_tp"] = result.ratio(f"chunks={chunks}/fairscale overhead / torchpipe overhead",
-                                         overhead.get("fairscale"), tp)
-        goal_us = Goal(f"chunks={chunks}: torchpipe overhead per (stage, mb), us",
-                       None if tp is None else tp * 1e6, "<=", GOAL_US)
-        goal_ratio = Goal(f"chunks={chunks}: torchgpipe overhead / torchpipe overhead",
-                          row["tg_over_tp"], ">=", GOAL_VS_TORCHGPIPE)
-        row["goal_us"], row["goal_ratio"] = goal_us.status, goal_ratio.status
-        result.goals += [goal_us, goal_ratio]
-        summary.add(**row)
+        report_chunks(result, steps, summary, chunks, measured, unavailable, labels)
 
     if SHIMS_APPLIED:
         result.notes += [f"shim applied: {s}" for s in SHIMS_APPLIED]
