@@ -50,21 +50,22 @@ def make_kjt(tables: list[EmbeddingBagConfig], keys_per_feature: dict[str, list[
                                                lengths=torch.tensor(lengths, dtype=torch.int64))
 
 
+def zipf_kjt(tables: list[EmbeddingBagConfig], batch_size: int, max_bag: int, g: torch.Generator) -> KeyedJaggedTensor:
+    """One batch: per feature, bags of 0..max_bag Zipf keys (draws from ``g`` in a fixed order)."""
+    names, values, lengths = [], [], []
+    for table in tables:
+        for feature in table.feature_names:
+            names.append(feature)
+            bag_lengths = torch.randint(0, max_bag + 1, (batch_size,), generator=g)
+            lengths.append(bag_lengths)
+            values.append(zipf_keys(table.num_embeddings, int(bag_lengths.sum()), g))
+    return KeyedJaggedTensor.from_lengths_sync(keys=names, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
 def zipf_batches(tables: list[EmbeddingBagConfig], steps: int, batch_size: int = 4, max_bag: int = 3,
                  seed: int = 0) -> list[KeyedJaggedTensor]:
     g = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(steps):
-        names, values, lengths = [], [], []
-        for table in tables:
-            for feature in table.feature_names:
-                names.append(feature)
-                bag_lengths = torch.randint(0, max_bag + 1, (batch_size,), generator=g)
-                lengths.append(bag_lengths)
-                values.append(zipf_keys(table.num_embeddings, int(bag_lengths.sum()), g))
-        batches.append(KeyedJaggedTensor.from_lengths_sync(keys=names, values=torch.cat(values),
-                                                           lengths=torch.cat(lengths)))
-    return batches
+    return [zipf_kjt(tables, batch_size, max_bag, g) for _ in range(steps)]
 
 
 def loss_coefficients(width: int, batch_size: int, steps: int, seed: int = 1) -> list[torch.Tensor]:

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-from rec_helpers import integer_weights, make_tables, zipf_keys  # noqa: F401 (re-exported to the tests)
+from rec_helpers import integer_weights, make_tables, zipf_kjt  # noqa: F401 (make_tables re-exported to the tests)
 from torch import nn
-from torchrec import KeyedJaggedTensor
 
 from torchpipe.rec import CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RowOptimizer
 from torchpipe.train import RecBatch, train_step
@@ -24,14 +23,7 @@ def make_batches(tables, steps: int, batch_size: int = 4, max_bag: int = 3, seed
     g = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(steps):
-        names, values, lengths = [], [], []
-        for table in tables:
-            for feature in table.feature_names:
-                names.append(feature)
-                bag = torch.randint(0, max_bag + 1, (batch_size,), generator=g)
-                lengths.append(bag)
-                values.append(zipf_keys(table.num_embeddings, int(bag.sum()), g))
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=names, values=torch.cat(values), lengths=torch.cat(lengths))
+        kjt = zipf_kjt(tables, batch_size, max_bag, g)
         dense = torch.randint(-2, 3, (batch_size, DENSE_IN), generator=g).float()
         labels = torch.randint(-2, 3, (batch_size,), generator=g).float()
         batches.append(RecBatch(dense, kjt, labels))
