@@ -17,6 +17,7 @@ import traceback
 
 import pytest
 import torch
+from thread_helpers import wait_until_gone
 from torch import nn
 
 import torchpipe
@@ -28,16 +29,6 @@ pytestmark = pytest.mark.timeout(60)
 # ---------------------------------------------------------------------------------- helpers
 def torchpipe_threads():
     return {t for t in threading.enumerate() if t.name.startswith("torchpipe")}
-
-
-def wait_until_gone(threads, timeout=5.0):
-    """Poll until every thread in ``threads`` has exited; return the ones still alive."""
-    deadline = time.monotonic() + timeout
-    alive = [t for t in threads if t.is_alive()]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.01)
-        alive = [t for t in alive if t.is_alive()]
-    return alive
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from thread_helpers import wait_until_gone
 from torch import nn
 
 import torchpipe.workers as workers_module
@@ -30,15 +31,6 @@ def new_runtime(workers, out_queue):
     if len(inspect.signature(Runtime).parameters) >= 2:
         return Runtime(workers, out_queue)
     return Runtime(workers)
-
-
-def wait_until_gone(threads, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    alive = [t for t in threads if t.is_alive()]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.01)
-        alive = [t for t in alive if t.is_alive()]
-    return alive
 
 
 def get(q, timeout=5.0):
