@@ -45,6 +45,7 @@ class StageRunner:
         self.partition = partition
         self.device = device
         self.backend: Backend = get_backend(device)
+        self.on_cpu = self.backend.type == "cpu"
         self.worker = worker
         self.stream = worker.stream
         self._copy_streams: Dict[torch.device, Any] = {}
@@ -118,7 +119,12 @@ def _check_input_untouched(stage: StageRunner, batch: Batch, versions: Tuple[int
 
 def needs_receive(stage: StageRunner, batch: Batch, event: Any) -> bool:
     """Whether a batch must go through :func:`receive` (streams or devices differ)."""
-    return stage.backend.type != "cpu" or event is not None or any(t.device != stage.device for t in batch.tensors())
+    if stage.on_cpu and event is None:
+        for value in batch.values:
+            if isinstance(value, Tensor) and not value.is_cpu:
+                return True
+        return False
+    return True
 
 
 def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips] = None) -> Batch:
@@ -128,8 +134,10 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
     :class:`SkipStore`); ``record`` collects stashes and pops for an explicit backward.
     """
     partition = stage.partition
-    training = partition.training
     checkpointed = microbatch < ctx.checkpoint_stop
+    if not (checkpointed or ctx.rng_sections or stage.has_skips):
+        return Batch(partition(batch.value))  # the common case: nothing to set up around the call
+    training = partition.training
     replay = stage.rng.new_replay(training) if checkpointed else None
     tracker = None
     if stage.has_skips:

@@ -329,6 +329,8 @@ class Pipe(nn.Module):
 
     def _input_event(self, batch: Batch) -> Any:
         for tensor in batch.tensors():
+            if tensor.is_cpu:
+                continue
             backend = get_backend(tensor.device)
             if backend.type != "cpu":
                 return mark_ready(backend, backend.current_stream(tensor.device))

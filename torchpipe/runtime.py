@@ -102,6 +102,13 @@ class Program:
         for job in self.jobs:
             for dep in job.deps:
                 self.consumers[dep] += 1
+        # Per-step constants, computed once: what a step's record and its takes need.
+        self.labels = [job.label for job in self.jobs]
+        self.job_workers = [job.worker for job in self.jobs]
+        self.keep = [job.keep for job in self.jobs]
+        # A result with a single consumer is dropped by that consumer without a shared count.
+        self.drop_on_take = [n == 1 and not job.keep for n, job in zip(self.consumers, self.jobs)]
+        self.kept = [(job.key, job.index) for job in self.jobs if job.keep]
         self._frozen = True
         return self
 
@@ -129,7 +136,7 @@ class ThreadState:
     PyTorch, so a worker thread would otherwise silently run with its own defaults.
     """
 
-    __slots__ = ("grad_enabled", "inference", "autocast", "profiling")
+    __slots__ = ("grad_enabled", "inference", "autocast", "profiling", "plain")
 
     def __init__(self, device_types: Sequence[str]) -> None:
         self.grad_enabled = torch.is_grad_enabled()
@@ -141,6 +148,8 @@ class ThreadState:
                     (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
                 )
         self.profiling = bool(torch.autograd.profiler._is_profiler_enabled)
+        # Nothing to enter around a job: the per-job fast path.
+        self.plain = not (self.inference or self.autocast or self.profiling)
 
     def contexts(self, label: str) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -151,10 +160,6 @@ class ThreadState:
         if self.profiling:
             stack.enter_context(torch.profiler.record_function(label))
         return stack
-
-    @property
-    def plain(self) -> bool:
-        return not (self.inference or self.autocast or self.profiling)
 
 
 @dataclass
@@ -230,7 +235,8 @@ class _Step:
         for lock in self.locks:
             lock.acquire()
         self.done = [False] * n
-        self.keep = [job.keep for job in program.jobs]
+        self.keep = program.keep
+        self.drop_on_take = program.drop_on_take
         self.guard = threading.Lock()
         self.aborted = False
         self.error: Optional[BaseException] = None
@@ -252,6 +258,9 @@ class _Step:
         if self.aborted:
             raise StepAborted
         value = self.values[index]
+        if self.drop_on_take[index]:  # the only consumer: nobody else reads the slot
+            self.values[index] = None
+            return value
         with self.guard:
             self.remaining_consumers[index] -= 1
             if self.remaining_consumers[index] == 0 and not self.keep[index]:
@@ -321,6 +330,7 @@ class Runtime:
         """
         runtime = self
         index, deps, function, label = job.index, job.deps, job.function, job.label
+        only_dep = deps[0] if len(deps) == 1 else None  # the common case, without a generator
 
         def compute() -> None:
             step = runtime._step
@@ -328,7 +338,10 @@ class Runtime:
             try:
                 if step.aborted:
                     return
-                inputs = tuple(step.take(d) for d in deps)
+                if only_dep is not None:
+                    inputs: Tuple[Any, ...] = (step.take(only_dep),)
+                else:
+                    inputs = tuple([step.take(d) for d in deps])
                 state = step.state
                 torch._C._set_grad_enabled(state.grad_enabled)
                 start = time.perf_counter()
@@ -398,8 +411,8 @@ class Runtime:
         wall_end = time.perf_counter()
         self._step = None
         self.last_step = StepRecord(
-            labels=[job.label for job in program.jobs],
-            workers=[job.worker for job in program.jobs],
+            labels=program.labels,
+            workers=program.job_workers,
             worker_names=[w.name for w in self.workers],
             starts=step.starts,
             ends=step.ends,
@@ -409,4 +422,4 @@ class Runtime:
         error = step.error if step.error is not None else interrupt
         if error is not None:
             raise error.with_traceback(error.__traceback__)
-        return {job.key: step.values[job.index] for job in program.jobs if job.keep}
+        return {key: step.values[index] for key, index in program.kept}

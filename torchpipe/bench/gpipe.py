@@ -62,7 +62,12 @@ class SleepLayer(nn.Module):
         self.weight = nn.Parameter(torch.ones(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.weight, self.seconds)
+        if torch.is_grad_enabled():
+            return _Sleep.apply(x, self.weight, self.seconds)
+        # Nothing to save for backward: skip the autograd Function, whose Python would be
+        # the stage's own cost, not the runtime's (like a kernel launch: wait, little else).
+        time.sleep(self.seconds)
+        return x * self.weight
 
     def extra_repr(self) -> str:
         return f"seconds={self.seconds}"
@@ -108,12 +113,12 @@ def step_timings(step: Any) -> Tuple[float, float, float, float]:
     return step.makespan, step.bubble_ratio, job, delay
 
 
-def _forward(pipeline: nn.Module, x: torch.Tensor, record: Optional[List[Tuple[float, ...]]]) -> Callable[[], None]:
+def _forward(pipeline: nn.Module, x: torch.Tensor, record: Optional[List[Any]]) -> Callable[[], None]:
     def step() -> None:
         with torch.no_grad():
             pipeline(x)
-        if record is not None:
-            record.append(step_timings(pipeline.last_step))  # type: ignore[attr-defined]
+        if record is not None:  # the step's record; its timings are read after the run
+            record.append(pipeline.last_step)  # type: ignore[attr-defined]
 
     return step
 
@@ -196,20 +201,21 @@ def run(options: Options) -> SuiteResult:
         ideal_fwd_nominal = (m + p - 1) * t
         ideal_fb = build("gpipe", p, m).simulate({"F": t_f, "B": t_b}).makespan
         sim_bubble = build("gpipe", p, m, backward=False).simulate().bubble_ratio
-        records: List[Tuple[float, ...]] = []
+        steps: List[Any] = []
         pipelines, unavailable = build_peers(peers, lambda peer: _make(peer, m, t, x), f"m={m}", result.notes)
         try:
             if "torchpipe" in pipelines:
                 plan_bubble = pipelines["torchpipe"].plan(m, backward=False).simulate().bubble_ratio  # type: ignore[operator]
                 if abs(plan_bubble - sim_bubble) > 1e-12:
                     result.notes.append(f"m={m}: pipe.plan() bubble {plan_bubble} != build('gpipe') bubble {sim_bubble}")
-            fwd = compare({name: _forward(pl, x, records if name == "torchpipe" else None)
+            fwd = compare({name: _forward(pl, x, steps if name == "torchpipe" else None)
                            for name, pl in pipelines.items()}, config)
             fb = compare({name: _forward_backward(pl, x) for name, pl in pipelines.items()}, config)
         finally:
             release(pipelines)
         if "torchpipe" in fwd:  # keep the timed calls only, not warm-up and calibration
-            del records[: max(0, len(records) - config.repeats * fwd["torchpipe"].iters)]
+            del steps[: max(0, len(steps) - config.repeats * fwd["torchpipe"].iters)]
+        records = [step_timings(step) for step in steps]
         for name, measured in fwd.items():
             result.measurements[f"m={m}/{name} forward"] = measured.to_json()
         for name, measured in fb.items():
