@@ -12,7 +12,7 @@ from torchpipe.bench.__main__ import main, parse_args
 
 
 def _pipeline_threads():
-    return {t for t in threading.enumerate() if t.name.startswith("torchpipe")}
+    return {t for t in threading.enumerate() if t.name.startswith(("torchpipe", "thread-chain-"))}
 
 
 def _strict_load(path):
@@ -57,7 +57,7 @@ def test_quick_suite_json(suite, tmp_path, capsys):
 
     if suite == "overhead":
         for chunks in (1, 8, 32):
-            for name in ("loop", "torchpipe"):
+            for name in ("loop", "torchpipe", "threads"):
                 assert f"chunks={chunks}/{name} step / plain step" in result["ratios"]
         assert {g["name"] for g in result["goals"]} >= {
             "chunks=32: torchpipe overhead per (stage, mb), us",
@@ -68,6 +68,7 @@ def test_quick_suite_json(suite, tmp_path, capsys):
             assert f"m={m}/torchpipe forward ideal / wall" in result["ratios"]
             assert f"m={m}/torchpipe forward ideal / last_step.makespan" in result["ratios"]
             assert f"m={m}/torchpipe forward+backward ideal / wall" in result["ratios"]
+            assert f"m={m}/forward wall bare threads / torchpipe" in result["ratios"]
         forward = result["tables"][0]
         torchpipe_rows = [r for r in forward["rows"] if r["case"] == "torchpipe Pipe"]
         assert len(torchpipe_rows) == 2
@@ -175,3 +176,30 @@ def test_cuda_suite_quick(tmp_path, capsys):
     one_f_one_b = [row for row in memory if row["case"] == "Pipe.step(schedule='1f1b')"]
     assert len(one_f_one_b) == len(cuda.MEMORY_BATCHES)
     assert all(row["peak_mb"] == "[4, 3, 2, 1]" for row in one_f_one_b)
+
+
+def test_thread_chain_baseline_matches_the_model_and_reports_stage_errors():
+    """The bench's floor must compute what the model computes, backward included, and fail cleanly."""
+    from torch import nn
+
+    from torchpipe.bench.thread_chain import ThreadChain
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(10, 4)
+    chain = ThreadChain([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)], chunks=3)
+    try:
+        chain.load_state_dict({f"layers.{k}": v for k, v in model.state_dict().items()})
+        out = chain(x)
+        expected = model(x)
+        assert torch.allclose(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        for mine, theirs in zip(chain.parameters(), model.parameters()):
+            assert torch.allclose(mine.grad, theirs.grad)
+        with pytest.raises(RuntimeError):  # a stage error reaches the caller; the chain stays usable
+            chain(torch.randn(5, 3))
+        assert torch.allclose(chain(x), expected)
+    finally:
+        chain.close()
+    assert not any(t.name.startswith("thread-chain-") and t.is_alive() for t in threading.enumerate())

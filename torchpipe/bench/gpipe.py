@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..schedule import build
-from .peers import SHIMS_APPLIED, Peer, build_peers, close_pipeline, load_peers, release
+from .peers import PEER_NAMES, SHIMS_APPLIED, THREADS, Peer, build_peers, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
 from .timing import compare
@@ -150,7 +150,7 @@ def run(options: Options) -> SuiteResult:
         f"time.sleep({t * 1e3:g} ms) measured {t_f * 1e3:.3f} ms and sleep({2 * t * 1e3:g} ms) {t_b * 1e3:.3f} ms "
         "(median): the ideal makespans use these; 'vs nominal' uses t itself"
     )
-    peers = load_peers()
+    peers = load_peers(PEER_NAMES + (THREADS,))
     for peer in peers:
         if not peer.available:
             result.notes.append(f"{peer.label} unavailable: {peer.reason}")
@@ -192,6 +192,8 @@ def run(options: Options) -> SuiteResult:
                          "job = median job duration; hand-off = median delay from a job's inputs being ready "
                          "(previous stage and previous micro-batch ended) to its start")
     forward.notes.append("bubble simulated = pipe.plan(m, backward=False).simulate() with unit costs")
+    forward.notes.append("bare threads (floor) = torchpipe.bench.thread_chain: a thread per stage, a queue between "
+                         "neighbours and nothing else; what threads alone achieve on this machine")
     result.tables += [forward, backward]
 
     x = torch.randn(BATCH, WIDTH)
@@ -253,6 +255,8 @@ def run(options: Options) -> SuiteResult:
             backward.add(m=m, case=peer.label, ideal_ms=ideal_fb * 1e3, serial_ms=3 * m * p * t_f * 1e3,
                          wall_ms=fb_wall * 1e3,
                          eff_wall=result.ratio(f"m={m}/{peer.name} forward+backward ideal / wall", ideal_fb, fb_wall))
+        if "torchpipe" in fwd and THREADS in fwd:
+            result.ratio(f"m={m}/forward wall bare threads / torchpipe", fwd[THREADS].median, fwd["torchpipe"].median)
         if "torchpipe" in fwd and "torchgpipe" in fwd:
             result.ratio(f"m={m}/forward wall torchgpipe / torchpipe", fwd["torchgpipe"].median, fwd["torchpipe"].median)
             result.ratio(f"m={m}/forward+backward wall torchgpipe / torchpipe",

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .peers import SHIMS_APPLIED, Peer, build_peers, close_pipeline, load_peers, release
+from .peers import PEER_NAMES, SHIMS_APPLIED, THREADS, Peer, build_peers, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
 from .timing import Measurement, compare
@@ -87,6 +87,8 @@ def overhead_tables(steps_title: str, summary_title: str) -> Tuple[Table, Table]
         Column("torchpipe", "torchpipe us", "{:.1f}"),
         Column("torchgpipe", "torchgpipe us", "{:.1f}"),
         Column("fairscale", "fairscale us", "{:.1f}"),
+        Column("threads", "bare threads us", "{:.1f}"),
+        Column("tp_over_floor", "torchpipe - bare threads us", "{:.1f}"),
         Column("tg_over_tp", "torchgpipe/torchpipe", "{:.2f}x"),
         Column("fs_over_tp", "fairscale/torchpipe", "{:.2f}x"),
         Column("goal_us", f"<= {GOAL_US:g} us", align="<"),
@@ -119,9 +121,13 @@ def report_chunks(result: SuiteResult, steps: Table, summary: Table, chunks: int
 
     tp = overhead.get("torchpipe")
     summary_row: Dict[str, Any] = dict(chunks=chunks)
-    for name in ("torchpipe", "torchgpipe", "fairscale"):
+    for name in ("torchpipe", "torchgpipe", "fairscale", THREADS):
         value = overhead.get(name)
         summary_row[name] = None if value is None else value * 1e6
+    floor = overhead.get(THREADS)
+    if tp is not None and floor is not None:
+        summary_row["tp_over_floor"] = (tp - floor) * 1e6
+        result.ratio(f"{key_prefix}chunks={chunks}/torchpipe overhead / bare threads overhead", tp, floor)
     summary_row["tg_over_tp"] = result.ratio(f"{key_prefix}chunks={chunks}/torchgpipe overhead / torchpipe overhead",
                                              overhead.get("torchgpipe"), tp)
     summary_row["fs_over_tp"] = result.ratio(f"{key_prefix}chunks={chunks}/fairscale overhead / torchpipe overhead",
@@ -176,7 +182,7 @@ def _run(options: Options) -> SuiteResult:
         config={"repeats": config.repeats, "warmup": config.warmup, "target_s_per_repeat": config.target_s,
                 "chunks": list(CHUNKS), "intra_op_threads": torch.get_num_threads(), "quick": options.quick},
     )
-    peers = load_peers()
+    peers = load_peers(PEER_NAMES + (THREADS,))
     x = torch.randn(BATCH, WIDTH)
     with torch.no_grad():
         expected = make_model()(x)
@@ -225,6 +231,11 @@ def _run(options: Options) -> SuiteResult:
     result.notes.append(f"torch.set_num_threads({INTRA_OP_THREADS}) for the whole suite (caller and every thread "
                         "it starts), so that all cases run with the same intra-op threading")
     result.notes.append("each pipeline's output was checked against the plain model before timing")
+    result.notes.append(
+        "bare threads = torchpipe.bench.thread_chain: a thread per stage and a queue between neighbours, nothing "
+        "else (no plan, timings, error recovery or devices); its overhead is what threads alone cost on this "
+        "machine, and 'torchpipe - bare threads' what the runtime adds on top"
+    )
     handoff = thread_handoff_us(2000 if options.quick else 20000)
     result.config["thread_handoff_round_trip_us"] = round(handoff, 1)
     result.notes.append(

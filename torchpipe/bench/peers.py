@@ -23,9 +23,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-__all__ = ["Peer", "PEER_NAMES", "load_peers", "close_pipeline", "release", "SHIMS_APPLIED"]
+__all__ = ["Peer", "PEER_NAMES", "THREADS", "load_peers", "close_pipeline", "release", "SHIMS_APPLIED"]
 
 PEER_NAMES = ("torchpipe", "torchgpipe", "fairscale")
+THREADS = "threads"
+"""The bare thread chain (thread_chain.py): not a peer to beat but the floor, where a suite shows it."""
 
 Device = Union[str, torch.device]
 MakePipeline = Callable[..., nn.Module]
@@ -127,7 +129,18 @@ def _fairscale() -> Peer:
     return Peer("fairscale", "fairscale Pipe", make, version=getattr(fairscale, "__version__", ""))
 
 
-_LOADERS = {"torchpipe": _torchpipe, "torchgpipe": _torchgpipe, "fairscale": _fairscale}
+def _threads() -> Peer:
+    from .thread_chain import ThreadChain
+
+    def make(module: nn.Sequential, chunks: int, device: Device = "cpu", *, checkpoint: str = "never") -> nn.Module:
+        if checkpoint != "never":
+            raise ValueError(f"the bare thread chain does not checkpoint (got checkpoint={checkpoint!r})")
+        return ThreadChain(list(module), chunks, device)
+
+    return Peer(THREADS, "bare threads (floor)", make)
+
+
+_LOADERS = {"torchpipe": _torchpipe, "torchgpipe": _torchgpipe, "fairscale": _fairscale, "threads": _threads}
 
 
 def load_peers(names=PEER_NAMES) -> List[Peer]:
