@@ -150,6 +150,28 @@ def test_step_loss_and_every_gradient_match(schedule, options, checkpoint):
         close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("schedule,options", SCHEDULES)
+def test_step_frees_outputs_copied_across_devices(schedule, options):
+    """Megatron's output deallocation: a stage whose output another device copied frees it."""
+    partitions = 8 if schedule in ("interleaved-1f1b", "zb-v") else 4
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(partitions) for m in (nn.Tanh(), nn.Linear(32, 32))])
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    loss_fn = nn.MSELoss()
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    devices = ["cpu", "cuda:0"] * (partitions // 2)
+    with Pipe(model, [2] * partitions, devices=devices, chunks=4, checkpoint="never") as pipe:
+        loss = pipe.step(x, y.to(devices[-1]), loss_fn, schedule=schedule, **options)
+        memory = pipe.last_memory
+        got = grads(pipe)
+    assert memory.freed_output_bytes == [4 * 4 * 32 * 4] * (partitions - 1) + [0]
+    close(loss, expected, rtol=1e-5, atol=1e-6)
+    for name, want in grads(reference).items():
+        close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
 DELAY_CYCLES = 50_000_000
 """About 30 ms of GPU clock: queued on a stream, it makes every later kernel there late, so a
 missing wait between two streams reads stale memory instead of winning a race by luck."""

@@ -29,16 +29,23 @@ __all__ = ["StepContext", "lower_step", "MemoryRecord"]
 
 
 class MemoryRecord:
-    """Activations a step kept alive, per stage: micro-batches and bytes saved for backward."""
+    """Activations a step kept alive, per stage: micro-batches and bytes saved for backward.
+
+    ``freed_output_bytes[s]``: bytes of stage ``s``'s outputs freed as soon as stage ``s + 1``
+    had its own copy of them (a hand-off across devices), summed over the step; see
+    :func:`_free_sent_outputs`.
+    """
 
     def __init__(self, num_stages: int) -> None:
         self.live_microbatches = [0] * num_stages
         self.peak_microbatches = [0] * num_stages
         self.live_bytes = [0] * num_stages
         self.peak_bytes = [0] * num_stages
+        self.freed_output_bytes = [0] * num_stages
 
     def __repr__(self) -> str:
-        return f"MemoryRecord(peak_microbatches={self.peak_microbatches}, peak_bytes={self.peak_bytes})"
+        return (f"MemoryRecord(peak_microbatches={self.peak_microbatches}, peak_bytes={self.peak_bytes}, "
+                f"freed_output_bytes={self.freed_output_bytes})")
 
 
 class StepContext:
@@ -102,7 +109,9 @@ class _CountSaved:
         base = tensor._base if tensor._base is not None else tensor
         if not isinstance(base, nn.Parameter):
             self.nbytes += tensor.numel() * tensor.element_size()
-        return tensor
+        # An alias, not the tensor itself: freeing a sent output (``_drop_storage``) swaps that
+        # tensor's data, and a saved output must keep pointing at the values it saved.
+        return tensor.detach()
 
     @staticmethod
     def unpack(tensor: Tensor) -> Tensor:
@@ -139,7 +148,10 @@ def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Ca
             ctx.batches[microbatch] = None  # type: ignore[call-overload]
         assert batch is not None
         if needs_receive(stage, batch, event):
-            batch = receive(batch, event, device, stream, stage.copy_stream_for)
+            received = receive(batch, event, device, stream, stage.copy_stream_for)
+            if inputs and received is not batch:
+                ctx.memory.freed_output_bytes[index - 1] += _free_sent_outputs(handoff, received)
+            batch = received
         batch, leaves = _as_leaves(batch, first)
         counter = _CountSaved()
         skips = StageSkips()
@@ -167,6 +179,46 @@ def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Ca
         return _Handoff(output, None if on_cpu else mark_ready(backend, stream), saved)
 
     return run
+
+
+def _free_sent_outputs(handoff: _Handoff, received: Batch) -> int:
+    """Release what the producer sent once the consumer holds its own copy; returns the bytes.
+
+    Megatron's ``deallocate_output_tensor`` idea: the producer's backward needs its outputs'
+    autograd graph and shapes, not their values. So each output the consumer copied keeps its
+    ``grad_fn`` and shape but points at a single element (a stride-0 view), and its memory goes
+    back to the allocator (on an accelerator after the copy stream is done with it: ``receive``
+    called ``record_stream``). Skipped: leaves and views (their storage belongs to someone
+    else), tensors stashed for a skip connection, and anything not copied. On one device the
+    consumer's input *is* the producer's output, so there is nothing to free.
+    """
+    sent = handoff.batch
+    assert sent is not None and handoff.saved is not None
+    handoff.batch = None  # the producer's own backward reads only ``saved``
+    stashed = {id(tensor) for _, tensor in handoff.saved.skips.stashed}
+    freed = 0
+    for old, new in zip(sent.values, received.values):
+        if (not isinstance(old, Tensor) or new is old or old.grad_fn is None or old._base is not None
+                or id(old) in stashed or old.numel() <= 1):
+            continue
+        freed += _drop_storage(old)
+    return freed
+
+
+def _drop_storage(tensor: Tensor) -> int:
+    """Point ``tensor`` at one element, keeping its shape and graph; the bytes actually freed.
+
+    Freed means the old storage died: not when an autograd node saved this output for its own
+    backward (a ``tanh`` saves its result), which then keeps the memory, correctly.
+    """
+    storage = tensor.untyped_storage()
+    nbytes, ref = storage.nbytes(), storage._weak_ref()
+    del storage
+    try:
+        tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+        return nbytes if torch.UntypedStorage._expired(ref) else 0
+    finally:
+        torch.UntypedStorage._free_weak_ref(ref)
 
 
 def _received_grads(stage: StageRunner, saved: _Saved, handoff: Optional[_Handoff], last: bool, microbatch: int, ctx: StepContext) -> List[Optional[Tensor]]:

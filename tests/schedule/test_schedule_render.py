@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,3 +122,265 @@ def test_save_png_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match="matplotlib"):
         build("gpipe", 2, 2).save_png(str(tmp_path / "plan.png"))
+
+
+# --------------------------------------------------------------------------- save_png
+# matplotlib is not a dependency, so save_png is checked against a fake matplotlib that
+# records every call; its savefig writes a real (non-PNG) file at the given path.
+
+
+@dataclass
+class _Call:
+    """One recorded call: who received it, the method name and its arguments."""
+
+    owner: str
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class _Recorder:
+    """Object whose every method call is appended to a shared log (``owner`` tags it)."""
+
+    def __init__(self, owner: str, log: list[_Call]) -> None:
+        self._owner = owner
+        self._log = log
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def method(*args: Any, **kwargs: Any) -> None:
+            self._log.append(_Call(self._owner, name, args, kwargs))
+
+        return method
+
+
+class _FakeFigure(_Recorder):
+    """Figure whose ``savefig`` also writes a file, so the test can look for it."""
+
+    fail_savefig: bool = False
+
+    def savefig(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        self._log.append(_Call(self._owner, "savefig", (path, *args), kwargs))
+        if self.fail_savefig:
+            raise OSError(f"cannot write {path}")
+        with open(path, "wb") as f:
+            f.write(b"fake png")
+
+
+class _FakeMatplotlib:
+    """The fake ``matplotlib`` and ``matplotlib.pyplot`` modules plus their call log."""
+
+    def __init__(self) -> None:
+        self.log: list[_Call] = []
+        self.figure = _FakeFigure("fig", self.log)
+        self.axes = _Recorder("ax", self.log)
+        self.matplotlib = types.ModuleType("matplotlib")
+        self.pyplot = types.ModuleType("matplotlib.pyplot")
+        self.matplotlib.use = self._recording("matplotlib", "use")  # type: ignore[attr-defined]
+        self.matplotlib.pyplot = self.pyplot  # type: ignore[attr-defined]
+        self.pyplot.subplots = self._subplots  # type: ignore[attr-defined]
+        self.pyplot.close = self._recording("plt", "close")  # type: ignore[attr-defined]
+        # Any other pyplot function is recorded too rather than failing with AttributeError.
+        self.pyplot.__getattr__ = lambda name: self._recording("plt", name)  # type: ignore[attr-defined]
+
+    def _recording(self, owner: str, name: str) -> Callable[..., None]:
+        """A function that only records its calls under ``owner.name``."""
+
+        def function(*args: Any, **kwargs: Any) -> None:
+            self.log.append(_Call(owner, name, args, kwargs))
+
+        return function
+
+    def _subplots(self, *args: Any, **kwargs: Any) -> tuple[_FakeFigure, _Recorder]:
+        self.log.append(_Call("plt", "subplots", args, kwargs))
+        return self.figure, self.axes
+
+    def calls(self, owner: str, name: str) -> list[_Call]:
+        """Recorded calls of ``owner.name``, in call order."""
+        return [c for c in self.log if (c.owner, c.name) == (owner, name)]
+
+    def index(self, owner: str, name: str) -> int:
+        """Position in the log of the first ``owner.name`` call."""
+        return next(i for i, c in enumerate(self.log) if (c.owner, c.name) == (owner, name))
+
+
+@pytest.fixture
+def fake_mpl(monkeypatch: pytest.MonkeyPatch) -> _FakeMatplotlib:
+    """Install the fake matplotlib in ``sys.modules`` for one test."""
+    fake = _FakeMatplotlib()
+    monkeypatch.setitem(sys.modules, "matplotlib", fake.matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", fake.pyplot)
+    return fake
+
+
+def _barh_args(y: float, width: float, height: float = 0.8, left: float | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Bind ``Axes.barh`` arguments the way matplotlib does."""
+    return {"y": y, "width": width, "left": 0.0 if left is None else left, **kwargs}
+
+
+def _text_args(x: float, y: float, s: str, fontdict: Any = None, **kwargs: Any) -> dict[str, Any]:
+    """Bind ``Axes.text`` arguments the way matplotlib does."""
+    return {"x": x, "y": y, "s": s, **kwargs}
+
+
+@dataclass(frozen=True)
+class _Bar:
+    """A drawn bar with the label drawn at its centre."""
+
+    row: float
+    left: float
+    width: float
+    color: Any
+    label: str
+
+
+def _drawn_bars(fake: _FakeMatplotlib) -> list[_Bar]:
+    """Pair every ``barh`` with the single ``text`` at its centre; fail on strays."""
+    bars = [_barh_args(*c.args, **c.kwargs) for c in fake.calls("ax", "barh")]
+    texts = [_text_args(*c.args, **c.kwargs) for c in fake.calls("ax", "text")]
+    assert len(texts) == len(bars)
+    drawn = []
+    for t in texts:
+        at_centre = [
+            b for b in bars if b["y"] == t["y"] and b["left"] + b["width"] / 2 == pytest.approx(t["x"])
+        ]
+        assert len(at_centre) == 1, f"label {t['s']!r} is not at the centre of exactly one bar"
+        b = at_centre[0]
+        drawn.append(_Bar(b["y"], b["left"], b["width"], b.get("color"), t["s"]))
+    return drawn
+
+
+def _by_label(fake: _FakeMatplotlib) -> dict[str, _Bar]:
+    """Drawn bars keyed by label, which must be unique."""
+    bars = _drawn_bars(fake)
+    by_label = {b.label: b for b in bars}
+    assert len(by_label) == len(bars), "two bars carry the same label"
+    return by_label
+
+
+def _check_chart(fake: _FakeMatplotlib, plan: Plan, sim: Simulation, path: Path) -> None:
+    """Everything save_png must have drawn for ``plan`` simulated as ``sim``."""
+    # Backend chosen before pyplot is used, headless.
+    assert [(c.args, c.kwargs) for c in fake.calls("matplotlib", "use")] == [(("Agg",), {})]
+    assert fake.index("matplotlib", "use") < fake.index("plt", "subplots")
+    assert len(fake.calls("plt", "subplots")) == 1
+    width, height = fake.calls("plt", "subplots")[0].kwargs["figsize"]
+    assert width > 0 and height > 0
+    # One bar per action, on the row of the worker the plan puts it on, timed as simulated.
+    bars = _by_label(fake)
+    placed = {str(a): (w, a) for w, acts in enumerate(plan.worker_actions) for a in acts}
+    assert set(bars) == set(placed)
+    for label, (w, act) in placed.items():
+        start, end = sim.span(act)
+        assert bars[label].row == w
+        assert (bars[label].left, bars[label].width) == (pytest.approx(start), pytest.approx(end - start))
+    # One colour per kind, different kinds told apart.
+    colors: dict[str, set[Any]] = {}
+    for _, act in placed.values():
+        colors.setdefault(act.kind, set()).add(bars[str(act)].color)
+    assert all(len(c) == 1 and None not in c for c in colors.values()), colors
+    assert len({next(iter(c)) for c in colors.values()}) == len(colors)
+    # Rows named w0.. with w0 on top, a time axis, plan name and bubble in the title.
+    (yticks,) = fake.calls("ax", "set_yticks")
+    assert list(yticks.args[0]) == list(range(plan.num_workers))
+    assert list(yticks.args[1]) == [f"w{w}" for w in range(plan.num_workers)]
+    assert len(fake.calls("ax", "invert_yaxis")) == 1
+    assert [c.args for c in fake.calls("ax", "set_xlabel")] == [("time",)]
+    (title,) = fake.calls("ax", "set_title")
+    assert title.args[0] == f"{plan.name}: bubble {sim.bubble_ratio:.1%}"
+    # Saved once to the path, then the figure is closed (after saving, not before).
+    assert [c.args for c in fake.calls("fig", "savefig")] == [(str(path),)]
+    assert path.read_bytes() == b"fake png"
+    assert [c.args for c in fake.calls("plt", "close")] == [(fake.figure,)]
+    assert fake.index("fig", "savefig") < fake.index("plt", "close")
+
+
+SAVE_PNG_CASES = [
+    ("1f1b", 4, None, 0.0),
+    ("1f1b", 4, {"F": 1, "B": 2}, 0.0),
+    ("1f1b", 4, {"F": [1.0, 2.0, 3.0, 4.0], "B": 3}, 0.25),
+    ("zb-h1", 4, None, 0.0),
+    ("zb-h1", 4, {"F": 2, "I": 1.5, "W": 0.5}, 0.5),
+    # Several stages per worker: the row is the worker, not the stage.
+    ("interleaved-1f1b", 8, None, 0.0),
+    ("zb-v", 8, {"F": 1, "I": 1, "W": 2}, 0.0),
+]
+
+
+@pytest.mark.parametrize(("name", "stages", "costs", "comm"), SAVE_PNG_CASES)
+def test_save_png_draws_the_simulated_plan(
+    fake_mpl: _FakeMatplotlib, tmp_path: Path, name: str, stages: int, costs: Any, comm: float
+) -> None:
+    plan = build(name, stages, 8)
+    assert plan.num_workers == 4
+    path = tmp_path / "plan.png"
+    plan.save_png(str(path), costs, comm=comm)
+    _check_chart(fake_mpl, plan, plan.simulate(costs, comm=comm), path)
+
+
+def test_save_png_zero_bubble_uses_split_backward_kinds(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:
+    build("zb-h1", 4, 8).save_png(str(tmp_path / "zb.png"))
+    bars = _drawn_bars(fake_mpl)
+    assert {Action.parse(b.label).kind for b in bars} == {"F", "I", "W"}
+    assert len({b.color for b in bars}) == 3
+
+
+def test_save_png_costs_set_bar_widths(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:
+    plan = build("1f1b", 4, 8)
+    for costs in (None, {"F": 1, "B": 2}, {"F": 3, "B": 5}):
+        fake_mpl.log.clear()
+        plan.save_png(str(tmp_path / "plan.png"), costs)
+        widths = {b.label: b.width for b in _drawn_bars(fake_mpl)}
+        f, b = (1, 2) if costs is None else (costs["F"], costs["B"])
+        assert widths == {str(a): (f if a.kind == "F" else b) for a in plan.actions()}
+    # Costs as a function of the action: stage s is s + 1 times slower.
+    fake_mpl.log.clear()
+    plan.save_png(str(tmp_path / "plan.png"), lambda a: (a.stage + 1) * (1 if a.kind == "F" else 2))
+    for bar in _drawn_bars(fake_mpl):
+        act = Action.parse(bar.label)
+        assert bar.width == (act.stage + 1) * (1 if act.kind == "F" else 2)
+
+
+def test_save_png_function_and_method_agree(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:
+    from torchpipe.schedule.render import save_png
+
+    plan = build("zb-h1", 3, 5)
+    save_png(plan, str(tmp_path / "a.png"), {"F": 2}, comm=1.0)
+    by_function = _drawn_bars(fake_mpl)
+    fake_mpl.log.clear()
+    plan.save_png(str(tmp_path / "b.png"), {"F": 2}, comm=1.0)
+    assert _drawn_bars(fake_mpl) == by_function
+    assert (tmp_path / "a.png").exists() and (tmp_path / "b.png").exists()
+
+
+def test_save_png_rejects_bad_costs_before_drawing(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:
+    path = tmp_path / "plan.png"
+    with pytest.raises(ValueError, match=">= 0"):
+        build("1f1b", 2, 2).save_png(str(path), {"F": -1})
+    with pytest.raises(ValueError, match="comm"):
+        build("1f1b", 2, 2).save_png(str(path), comm=-1.0)
+    assert fake_mpl.calls("plt", "subplots") == [] and not path.exists()
+
+
+# Regression: the width once followed the raw makespan (0.4 inch per cost unit), so costs in
+# microseconds asked for a figure a million pixels wide that Pillow refuses to open.
+def test_save_png_figure_size_does_not_depend_on_cost_unit(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:
+    plan = build("zb-h1", 4, 8)
+    sizes = []
+    for scale in (1e-3, 1.0, 1e3):
+        fake_mpl.log.clear()
+        plan.save_png(str(tmp_path / "plan.png"), {k: scale for k in "FIW"})
+        sizes.append(fake_mpl.calls("plt", "subplots")[0].kwargs["figsize"])
+    assert sizes[0] == sizes[1] == sizes[2]
+    width, _ = sizes[0]
+    assert 6.0 <= width <= 60.0
+
+
+# Regression: a failed savefig (missing directory, full disk) once left the figure open in pyplot.
+def test_save_png_closes_figure_when_savefig_fails(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:
+    fake_mpl.figure.fail_savefig = True
+    with pytest.raises(OSError):
+        build("1f1b", 2, 2).save_png(str(tmp_path / "plan.png"))
+    assert [c.args for c in fake_mpl.calls("plt", "close")] == [(fake_mpl.figure,)]

@@ -22,6 +22,7 @@ CONTINUED = "~"
 """Cell of a slot where the action started in an earlier slot is still running."""
 
 _MAX_SLOTS = 4000
+_MAX_WIDTH_IN = 60.0
 
 
 def _slot_size(sim: Simulation) -> float:
@@ -97,15 +98,21 @@ def save_png(plan: "Plan", path: str, costs: Costs = None, *, comm: float = 0.0)
             "Plan.table() and Plan.chrome_trace() need nothing extra"
         ) from exc
     sim = simulate(plan, costs, comm=comm)
-    colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
-    fig, ax = plt.subplots(figsize=(max(6.0, sim.makespan * 0.4), 0.6 * plan.num_workers + 1.0))
-    for w, act, start, end in sim.timeline:
-        ax.barh(w, end - start, left=start, color=colors[act.kind], edgecolor="black")
-        ax.text((start + end) / 2, w, str(act), ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(plan.num_workers), [f"w{w}" for w in range(plan.num_workers)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time")
-    ax.set_title(f"{plan.name}: bubble {sim.bubble_ratio:.1%}")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:purple", "W": "tab:green"}
+    # Width follows the number of time slots, not the cost unit: costs in microseconds must
+    # not ask for a million-inch figure. Capped so that long plans still make a sane image.
+    slots = round(sim.makespan / _slot_size(sim), 3) if sim.makespan > 0 else 0.0
+    width = min(_MAX_WIDTH_IN, max(6.0, slots * 0.4))
+    fig, ax = plt.subplots(figsize=(width, 0.6 * plan.num_workers + 1.0))
+    try:
+        for w, act, start, end in sim.timeline:
+            ax.barh(w, end - start, left=start, color=colors[act.kind], edgecolor="black")
+            ax.text((start + end) / 2, w, str(act), ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(plan.num_workers), [f"w{w}" for w in range(plan.num_workers)])
+        ax.invert_yaxis()
+        ax.set_xlabel("time")
+        ax.set_title(f"{plan.name}: bubble {sim.bubble_ratio:.1%}")
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:  # a failed save (missing directory, full disk) must not leak the figure
+        plt.close(fig)

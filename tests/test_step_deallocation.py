@@ -1,0 +1,107 @@
+"""Pipe.step frees a stage's outputs once the next stage holds its own copy (Megatron's idea).
+
+Across devices the next stage copies its input, so the producer's output is needed only for
+its graph and shape. On CPU every stage shares one device and nothing is copied, so these
+tests stand in a cloning ``receive`` for the device-to-device copy: exactly what the next
+stage gets across devices, a tensor of its own.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torchpipe.step as step_module
+from torchpipe import Pipe
+from torchpipe.microbatch import Batch
+
+WIDTH = 8
+SCHEDULES = [
+    ("gpipe", {}, 4),
+    ("1f1b", {}, 4),
+    ("zb-h1", {}, 4),
+    ("interleaved-1f1b", {"virtual_stages": 2}, 8),
+    ("zb-v", {}, 8),
+]
+
+
+def model_of(stages: int, last_layer: type) -> nn.Sequential:
+    """``stages`` pairs; each stage ends in ``last_layer`` (Linear: output not saved by autograd)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(stages):
+        pair = [nn.Tanh(), nn.Linear(WIDTH, WIDTH)] if last_layer is nn.Linear else [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        layers += pair
+    return nn.Sequential(*layers)
+
+
+@pytest.fixture
+def copying_handoffs(monkeypatch):
+    """Every hand-off between stages copies, as it does between two devices."""
+
+    def clone(batch: Batch, event, device, stream, copy_stream_for) -> Batch:
+        return batch.map_tensors(lambda tensor: tensor.detach().clone())
+
+    monkeypatch.setattr(step_module, "needs_receive", lambda stage, batch, event: True)
+    monkeypatch.setattr(step_module, "receive", clone)
+
+
+def run_and_compare(model, stages, chunks, schedule, options, checkpoint="never"):
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4 * chunks, WIDTH), torch.randn(4 * chunks, WIDTH)
+    loss_fn = nn.MSELoss()
+    expected_loss = loss_fn(reference(x), y)
+    expected_loss.backward()
+    with Pipe(model, [2] * stages, chunks=chunks, checkpoint=checkpoint) as pipe:
+        loss = pipe.step(x, y, loss_fn, schedule=schedule, **options)
+        memory = pipe.last_memory
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6, msg=name)
+    return memory
+
+
+@pytest.mark.parametrize("schedule,options,stages", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_each_copied_output_is_freed_at_the_handoff_and_gradients_stay_exact(
+        copying_handoffs, schedule, options, stages, checkpoint):
+    chunks = 4
+    memory = run_and_compare(model_of(stages, nn.Linear), stages, chunks, schedule, options, checkpoint)
+    output_bytes = 4 * WIDTH * 4  # one micro-batch of 4 rows, float32
+    # Every stage but the last handed each micro-batch on, and its output storage died right
+    # then (counted only if the storage was gone when the next stage had copied it).
+    assert memory.freed_output_bytes == [chunks * output_bytes] * (stages - 1) + [0]
+
+
+def test_an_output_that_autograd_saved_stays_alive_and_is_not_counted(copying_handoffs):
+    # Tanh saves its result for backward: the producer drops its reference, the memory stays.
+    memory = run_and_compare(model_of(4, nn.Tanh), 4, 4, "1f1b", {})
+    assert memory.freed_output_bytes == [0, 0, 0, 0]
+
+
+def test_on_one_device_nothing_is_copied_so_nothing_is_freed():
+    memory = run_and_compare(model_of(4, nn.Linear), 4, 4, "1f1b", {})
+    assert memory.freed_output_bytes == [0, 0, 0, 0]
+
+
+def test_skip_stash_views_and_leaves_are_left_alone():
+    """Only non-leaf, non-view, non-stashed outputs lose their storage."""
+    leaf = torch.randn(4, WIDTH, requires_grad=True)
+    base = leaf * 2
+    view = base[:2]
+    stashed = leaf * 3
+    plain = leaf * 4
+    saved = step_module._Saved([], [view, stashed, plain], 0, step_module.StageSkips())
+    saved.skips.stashed.append(("key", stashed))
+    handoff = step_module._Handoff(Batch((leaf, view, stashed, plain)), None, saved)
+    received = Batch(tuple(t.detach().clone() for t in (leaf, view, stashed, plain)))
+
+    freed = step_module._free_sent_outputs(handoff, received)
+
+    assert handoff.batch is None
+    assert freed == plain.numel() * plain.element_size()
+    assert plain.shape == (4, WIDTH) and plain.untyped_storage().nbytes() == plain.element_size()
+    for kept in (leaf, view, stashed):
+        assert kept.untyped_storage().nbytes() >= kept.numel() * kept.element_size()
+    plain.backward(torch.ones(4, WIDTH))  # the graph survives: d(4 leaf)/d leaf = 4
+    torch.testing.assert_close(leaf.grad, torch.full((4, WIDTH), 4.0))
