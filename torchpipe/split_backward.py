@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
+
+from . import engine
 
 __all__ = ["WeightSplit"]
 
@@ -102,7 +103,7 @@ class WeightSplit:
     def input_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> List[Optional[Tensor]]:
         """``I``: gradients for ``leaves``; the graph is kept and the frontier's gradients too."""
         try:
-            return list(torch.autograd.grad(outputs, leaves, grad_outputs, retain_graph=True, allow_unused=True))
+            return list(engine.grad(outputs, leaves, grad_outputs, retain_graph=True))
         finally:
             for hook in self._hooks:
                 hook.remove()
@@ -120,11 +121,11 @@ class WeightSplit:
             if not roots:
                 continue
             side_edges = [GradientEdge(child, slot) for child, slot in side]
-            entering = torch.autograd.grad(roots, side_edges, grads, retain_graph=True, allow_unused=True)
+            entering = engine.grad(roots, side_edges, grads, retain_graph=True)
             pairs = [(edge, g) for edge, g in zip(side_edges, entering) if g is not None]
             if pairs:
-                torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs], inputs=params)
+                engine.backward([e for e, _ in pairs], [g for _, g in pairs], inputs=params)
         detached = [(outputs[i], grad_outputs[i]) for i in self.detached_outputs if grad_outputs[i] is not None]
         if detached:
-            torch.autograd.backward([o for o, _ in detached], [g for _, g in detached], inputs=params)
+            engine.backward([o for o, _ in detached], [g for _, g in detached], inputs=params)
         self.kept.clear()

@@ -2,7 +2,7 @@
 
 In torchgpipe, backward is left to autograd's engine, which on CPU runs every partition's
 backward serially on the caller's thread. Here each stage's graph is cut at its input (the
-input becomes a leaf), and the plan's backward actions call ``torch.autograd.backward`` on
+input becomes a leaf), and the plan's backward actions run autograd (see engine.py) on
 the stage's outputs with the gradient received from the next stage, on the stage's own
 worker. So backward pipelines on every backend, and the plan decides when activations are
 freed: 1F1B holds at most ``p - s`` micro-batches on stage ``s``, GPipe holds all ``m``.
@@ -18,6 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from . import engine
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
 from .microbatch import Batch
@@ -280,7 +281,7 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> C
         grads = _received_grads(stage, saved, inputs[1] if len(inputs) > 1 else None, last, microbatch, ctx)
         outputs, grad_outputs = _pairs(saved, grads)
         if outputs:
-            torch.autograd.backward(outputs, grad_outputs)
+            engine.backward(outputs, grad_outputs)
         _send_skip_grads(stage, ctx, microbatch, saved, [leaf.grad for _, leaf in saved.skips.popped])
         result = None if first else _leaf_grads(stage, saved, [leaf.grad for leaf in saved.leaves])
         _release(ctx, index, saved)
@@ -324,11 +325,11 @@ def _weight_grad(stage: StageRunner, microbatch: int, first: bool) -> Callable[[
         if outputs and first:
             # The first stage has no input leaves: its I did nothing, and its W also carries
             # the gradient into the caller's input when that requires one.
-            torch.autograd.backward(outputs, grad_outputs)
+            engine.backward(outputs, grad_outputs)
         elif outputs and parameters and saved.split is not None:
             saved.split.weight_grads(outputs, grad_outputs, parameters)
         elif outputs and parameters:  # I had no input to differentiate: W is the whole backward
-            torch.autograd.backward(outputs, grad_outputs, inputs=parameters)
+            engine.backward(outputs, grad_outputs, inputs=parameters)
         _release(ctx, index, saved)
 
     return run
