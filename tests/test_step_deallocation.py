@@ -42,6 +42,7 @@ def copying_handoffs(monkeypatch):
     def clone(batch: Batch, event, device, stream, copy_stream_for) -> Batch:
         return batch.map_tensors(lambda tensor: tensor.detach().clone())
 
+    monkeypatch.setattr(step_module, "_copies_between", lambda producer, consumer: True)
     monkeypatch.setattr(step_module, "needs_receive", lambda stage, batch, event: True)
     monkeypatch.setattr(step_module, "receive", clone)
 
@@ -84,6 +85,18 @@ def test_on_one_device_nothing_is_copied_so_nothing_is_freed():
     assert memory.freed_output_bytes == [0, 0, 0, 0]
 
 
+def test_outputs_are_never_freed_unless_autograd_saved_aliases(monkeypatch):
+    """A copy on one device (no aliases packed) must not free: a saved output would be lost."""
+
+    def clone(batch: Batch, event, device, stream, copy_stream_for) -> Batch:
+        return batch.map_tensors(lambda tensor: tensor.detach().clone())
+
+    monkeypatch.setattr(step_module, "needs_receive", lambda stage, batch, event: True)
+    monkeypatch.setattr(step_module, "receive", clone)
+    memory = run_and_compare(model_of(4, nn.Tanh), 4, 4, "1f1b", {})
+    assert memory.freed_output_bytes == [0, 0, 0, 0]
+
+
 def test_skip_stash_views_and_leaves_are_left_alone():
     """Only non-leaf, non-view, non-stashed outputs lose their storage."""
     leaf = torch.randn(4, WIDTH, requires_grad=True)
@@ -91,7 +104,7 @@ def test_skip_stash_views_and_leaves_are_left_alone():
     view = base[:2]
     stashed = leaf * 3
     plain = leaf * 4
-    saved = step_module._Saved([], [view, stashed, plain], 0, step_module.StageSkips())
+    saved = step_module._Saved([], [view, stashed, plain], 0, step_module.StageSkips(), aliased=True)
     saved.skips.stashed.append(("key", stashed))
     handoff = step_module._Handoff(Batch((leaf, view, stashed, plain)), None, saved)
     received = Batch(tuple(t.detach().clone() for t in (leaf, view, stashed, plain)))

@@ -13,7 +13,7 @@ starts from the gradients ``I`` left at the parameter branches (see split_backwa
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -77,9 +77,11 @@ class StepContext:
 class _Saved:
     """What a stage keeps from its forward of one micro-batch until its backward."""
 
-    __slots__ = ("leaves", "outputs", "grads", "bytes", "skips", "split")
+    __slots__ = ("leaves", "outputs", "grads", "bytes", "skips", "split", "aliased")
 
-    def __init__(self, leaves: List[Tensor], outputs: List[Tensor], nbytes: int, skips: StageSkips) -> None:
+    def __init__(self, leaves: List[Tensor], outputs: List[Tensor], nbytes: int, skips: StageSkips,
+                 aliased: bool = False) -> None:
+        self.aliased = aliased  # autograd saved aliases, not these outputs: they may be freed
         self.leaves = leaves
         self.skips = skips  # stashed tensors are extra outputs, popped leaves extra inputs
         self.outputs = outputs
@@ -102,17 +104,23 @@ class _Handoff:
 class _CountSaved:
     """Saved-tensor hooks that add up the bytes autograd keeps for backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, parameter_ids: FrozenSet[int], alias: bool) -> None:
         self.nbytes = 0
+        self.parameter_ids = parameter_ids
+        self.alias = alias
 
     def pack(self, tensor: Tensor) -> Tensor:
-        # Parameters (a Linear saves its weight, maybe as a view) are not activations.
-        base = tensor._base if tensor._base is not None else tensor
-        if not isinstance(base, nn.Parameter):
-            self.nbytes += tensor.numel() * tensor.element_size()
-        # An alias, not the tensor itself: freeing a sent output (``_drop_storage``) swaps that
-        # tensor's data, and a saved output must keep pointing at the values it saved.
-        return tensor.detach()
+        # Parameters (a Linear saves its weight, maybe as a view) are not activations. Known
+        # by id: ``isinstance(t, nn.Parameter)`` runs a Python metaclass check, tens of us here.
+        base = tensor._base
+        if base is None:
+            base = tensor
+        if id(base) not in self.parameter_ids and type(base) is not nn.Parameter:
+            self.nbytes += tensor.nbytes
+        # When the next stage is on another device, the outputs it copies get freed
+        # (``_drop_storage`` swaps their data): a saved output must then be an alias that
+        # keeps the values it saved, not the tensor itself.
+        return tensor.detach() if self.alias else tensor
 
     @staticmethod
     def unpack(tensor: Tensor) -> Tensor:
@@ -135,10 +143,17 @@ def _as_leaves(batch: Batch, first_stage: bool) -> Tuple[Batch, List[Tensor]]:
     return batch.map_tensors(cut), leaves
 
 
-def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
+def _copies_between(producer: StageRunner, consumer: StageRunner) -> bool:
+    """Whether the consumer gets its own copy of what the producer sends (another device)."""
+    return producer.device != consumer.device
+
+
+def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool,
+             sends_copies: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
     device, stream, backend = stage.device, stage.stream, stage.backend
     on_cpu = backend.type == "cpu"
     index = stage.index
+    parameter_ids = frozenset(id(p) for p in stage.partition.parameters())
 
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
         if inputs:
@@ -154,7 +169,7 @@ def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Ca
                 ctx.memory.freed_output_bytes[index - 1] += _free_sent_outputs(handoff, received)
             batch = received
         batch, leaves = _as_leaves(batch, first)
-        counter = _CountSaved()
+        counter = _CountSaved(parameter_ids, alias=sends_copies)
         skips = StageSkips()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             output = run_partition(stage, ctx, microbatch, batch, skips)
@@ -174,7 +189,7 @@ def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Ca
         memory.live_bytes[index] += counter.nbytes
         memory.peak_microbatches[index] = max(memory.peak_microbatches[index], memory.live_microbatches[index])
         memory.peak_bytes[index] = max(memory.peak_bytes[index], memory.live_bytes[index])
-        saved = _Saved(leaves, outputs, counter.nbytes, skips)
+        saved = _Saved(leaves, outputs, counter.nbytes, skips, aliased=sends_copies)
         if last:
             return _Handoff(None, None, saved)
         return _Handoff(output, None if on_cpu else mark_ready(backend, stream), saved)
@@ -195,6 +210,8 @@ def _free_sent_outputs(handoff: _Handoff, received: Batch) -> int:
     """
     sent = handoff.batch
     assert sent is not None and handoff.saved is not None
+    if not handoff.saved.aliased:  # autograd may hold these very tensors: freeing would corrupt it
+        return 0
     handoff.batch = None  # the producer's own backward reads only ``saved``
     stashed = {id(tensor) for _, tensor in handoff.saved.skips.stashed}
     freed = 0
@@ -346,7 +363,8 @@ def lower_step(plan: Any, stages: Sequence[StageRunner]) -> Program:
             first, is_last = s == 0, s == last
             deps = plan.dependencies(action)
             if kind == "F":
-                function: Any = _forward(stage, m, first, is_last)
+                function: Any = _forward(stage, m, first, is_last,
+                                         sends_copies=not is_last and _copies_between(stage, stages[s + 1]))
             elif kind == "B":
                 function = _backward(stage, m, first, is_last)
             elif kind == "I":
