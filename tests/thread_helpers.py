@@ -1,5 +1,8 @@
-"""Thread checks shared by the reliability and worker tests."""
+"""Thread helpers shared by the tests: waiting for threads to exit, torch's intra-op threads."""
 import time
+
+import pytest
+import torch
 
 
 def wait_until_gone(threads, timeout=5.0):
@@ -10,3 +13,17 @@ def wait_until_gone(threads, timeout=5.0):
         time.sleep(0.01)
         alive = [t for t in alive if t.is_alive()]
     return alive
+
+
+@pytest.fixture(autouse=True)
+def single_torch_thread():
+    """Run a test with one intra-op thread in torch, restored afterwards.
+
+    A conftest that imports this makes it automatic for its folder: for tiny tensors on a
+    busy 2-core box the intra-op pool costs milliseconds per op in barrier waits, and
+    reference loops must use the same thread count as the workers to match bitwise.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

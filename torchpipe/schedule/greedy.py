@@ -18,6 +18,46 @@ from .plan import Plan
 __all__ = ["fill_weight_grads", "greedy_order"]
 
 
+class _Placement:
+    """Per-worker lists under construction, and what the unit-step loops track while placing."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.end: dict[Action, int] = {}
+        self.pending: list[deque[Action]] = [deque() for _ in range(num_workers)]
+        self.live = [0] * num_workers
+        self.lists: list[list[Action]] = [[] for _ in range(num_workers)]
+
+    def placed(self) -> int:
+        return sum(map(len, self.lists))
+
+    def place(self, w: int, choice: Action | None, t: int) -> Action | None:
+        """Run ``choice`` on worker ``w`` in slot ``t``, or else its oldest pending W.
+
+        An F takes an activation slot and its W gives it back; an I queues its W.
+        Returns what was placed (None when the worker idles in this slot).
+        """
+        if choice is None and self.pending[w]:
+            choice = self.pending[w].popleft()
+        if choice is None:
+            return None
+        self.lists[w].append(choice)
+        self.end[choice] = t + 1
+        if choice.kind == FORWARD:
+            self.live[w] += 1
+        elif choice.kind == INPUT_GRAD:
+            self.pending[w].append(Action(choice.stage, WEIGHT_GRAD, choice.microbatch))
+        else:
+            self.live[w] -= 1
+        return choice
+
+    def check_progress(self, t: int, total: int, name: str, what: str, limits: Sequence[int]) -> None:
+        if t > 10 * total + 10:  # a generator bug, not a user error: never loop forever
+            raise RuntimeError(f"schedule {name!r}: {what} made no progress (limits={list(limits)})")
+
+    def plan(self, name: str, num_stages: int, num_microbatches: int, stage_to_worker: tuple[int, ...]) -> Plan:
+        return Plan(name, num_stages, num_microbatches, stage_to_worker, tuple(map(tuple, self.lists)))
+
+
 def fill_weight_grads(
     name: str,
     num_stages: int,
@@ -34,16 +74,14 @@ def fill_weight_grads(
     worker has nothing else ready or needs the memory; leftovers run at the end.
     """
     num_workers = len(critical)
-    end: dict[Action, int] = {}
     pos = [0] * num_workers
-    pending: list[deque[Action]] = [deque() for _ in range(num_workers)]
-    live = [0] * num_workers
-    lists: list[list[Action]] = [[] for _ in range(num_workers)]
+    placement = _Placement(num_workers)
+    end, live = placement.end, placement.live
     plan = Plan(name, num_stages, num_microbatches, stage_to_worker, tuple(map(tuple, critical)))
     deps = {a: plan.dependencies(a) for acts in critical for a in acts}
     total = sum(map(len, critical)) * 3 // 2
     t = 0
-    while sum(map(len, lists)) < total:
+    while placement.placed() < total:
         for w in range(num_workers):
             choice = None
             if pos[w] < len(critical[w]):
@@ -52,22 +90,10 @@ def fill_weight_grads(
                 if ready and (act.kind != FORWARD or live[w] < limits[w]):
                     choice = act
                     pos[w] += 1
-            if choice is None and pending[w]:
-                choice = pending[w].popleft()
-            if choice is None:
-                continue
-            lists[w].append(choice)
-            end[choice] = t + 1
-            if choice.kind == FORWARD:
-                live[w] += 1
-            elif choice.kind == INPUT_GRAD:
-                pending[w].append(Action(choice.stage, WEIGHT_GRAD, choice.microbatch))
-            else:
-                live[w] -= 1
+            placement.place(w, choice, t)
         t += 1
-        if t > 10 * total + 10:  # a generator bug, not a user error: never loop forever
-            raise RuntimeError(f"schedule {name!r}: W placement made no progress (limits={list(limits)})")
-    return Plan(name, num_stages, num_microbatches, stage_to_worker, tuple(map(tuple, lists)))
+        placement.check_progress(t, total, name, "W placement", limits)
+    return placement.plan(name, num_stages, num_microbatches, stage_to_worker)
 
 
 def greedy_order(
@@ -88,19 +114,17 @@ def greedy_order(
     p, m = num_stages, num_microbatches
     num_workers = max(stage_to_worker) + 1
     stages = [[s for s in range(p) if stage_to_worker[s] == w] for w in range(num_workers)]
-    end: dict[Action, int] = {}
     next_f = [0] * p
     next_i = [0] * p
-    pending: list[deque[Action]] = [deque() for _ in range(num_workers)]
-    live = [0] * num_workers
-    lists: list[list[Action]] = [[] for _ in range(num_workers)]
+    placement = _Placement(num_workers)
+    end, live = placement.end, placement.live
     total = 3 * p * m
     t = 0
 
     def done(act: Action) -> bool:
         return end.get(act, t + 1) <= t
 
-    while sum(map(len, lists)) < total:
+    while placement.placed() < total:
         for w in range(num_workers):
             choice = None
             ready_i = [
@@ -120,21 +144,11 @@ def greedy_order(
                 ]
                 if ready_f:
                     choice = min(ready_f, key=lambda a: (-a.stage, a.microbatch))
-            if choice is None and pending[w]:
-                choice = pending[w].popleft()
-            if choice is None:
-                continue
-            lists[w].append(choice)
-            end[choice] = t + 1
-            if choice.kind == FORWARD:
-                next_f[choice.stage] += 1
-                live[w] += 1
-            elif choice.kind == INPUT_GRAD:
-                next_i[choice.stage] += 1
-                pending[w].append(Action(choice.stage, WEIGHT_GRAD, choice.microbatch))
-            else:
-                live[w] -= 1
+            placed = placement.place(w, choice, t)
+            if placed is not None and placed.kind == FORWARD:
+                next_f[placed.stage] += 1
+            elif placed is not None and placed.kind == INPUT_GRAD:
+                next_i[placed.stage] += 1
         t += 1
-        if t > 10 * total + 10:  # a policy bug, not a user error: never loop forever
-            raise RuntimeError(f"schedule {name!r}: greedy order made no progress (limits={list(limits)})")
-    return Plan(name, p, m, stage_to_worker, tuple(map(tuple, lists)))
+        placement.check_progress(t, total, name, "greedy order", limits)
+    return placement.plan(name, p, m, stage_to_worker)
