@@ -8,6 +8,8 @@ from typing import Any, List, Tuple
 
 import pytest
 
+from train_helpers import drain
+
 from torchpipe.train import PipelineStage, StagedPipeline
 
 pytestmark = pytest.mark.timeout(30)
@@ -52,15 +54,6 @@ def make(rec: Recorder, depth: int = 4, host_threads: int = 2, **kw: Any) -> Sta
     stages = [PipelineStage(f"s{i}", rec.stage(i, sleep, *fail.get(i, (None,))), WORKERS[i % len(WORKERS)])
               for i in range(depth)]
     return StagedPipeline(stages, host_threads=host_threads, device_threads=1, **kw)
-
-
-def drain(pipe: StagedPipeline, it) -> list:
-    out = []
-    while True:
-        try:
-            out.append(pipe.progress(it))
-        except StopIteration:
-            return out
 
 
 def test_order_per_stage_and_across_stages() -> None:
