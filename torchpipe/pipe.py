@@ -141,6 +141,7 @@ class Pipe(nn.Module):
             self.add_module(name, layer)
         self.balance: List[int] = list(balance_list)
         self.devices: List[torch.device] = list(device_list)
+        self._device_types = sorted({d.type for d in self.devices})
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
@@ -238,11 +239,10 @@ class Pipe(nn.Module):
         else:
             stop = 0
         self._prepare_batch_norm(m)
-        input_events = [self._input_event(b) for b in batches]
-        context = ForwardContext(batches, input_events, stop)
+        context = ForwardContext(batches, self._input_events(batches), stop)
         program = self._forward_program(m)
         results = self._run(program, context)
-        ordered = [results[key] for key in sorted(results, key=lambda action: action.microbatch)]
+        ordered = [value for _, value in sorted(results.items(), key=lambda item: item[0].microbatch)]
         return gather(self._hand_back(ordered))
 
     def step(
@@ -289,7 +289,7 @@ class Pipe(nn.Module):
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         self._prepare_batch_norm(m)
         plan, program = self._step_program(schedule, m, options)
-        context = StepContext(batches, targets, [self._input_event(b) for b in batches], loss_fn, scales, stop, len(self._stages))
+        context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages))
         self._run(program, context)
         self._last_plan = plan
         self.last_memory: Optional[MemoryRecord] = context.memory
@@ -306,10 +306,12 @@ class Pipe(nn.Module):
         everything the step queued (gradients, losses, memory the step freed), also when
         the step fails. On the CPU the fences are no-ops.
         """
-        streams = self._worker_streams()
-        streams_wait_for_caller(streams)
+        device_types = self._device_types
+        if device_types == ["cpu"]:  # no streams, nothing to fence
+            return self._runtime.run(program, context, device_types)
+        streams_wait_for_caller(self._worker_streams())
         try:
-            return self._runtime.run(program, context, sorted({d.type for d in self.devices}))
+            return self._runtime.run(program, context, device_types)
         finally:
             caller_waits_for_streams(self._worker_streams())
 
@@ -326,6 +328,12 @@ class Pipe(nn.Module):
             from .batchnorm import set_microbatches
 
             set_microbatches(self, num_microbatches)
+
+    def _input_events(self, batches: List[Batch]) -> List[Any]:
+        """Per micro-batch, the event its first stage waits for (None for host tensors)."""
+        if all(t.is_cpu for t in batches[0].tensors()):  # micro-batches are chunks of one input
+            return [None] * len(batches)
+        return [self._input_event(b) for b in batches]
 
     def _input_event(self, batch: Batch) -> Any:
         for tensor in batch.tensors():
