@@ -103,8 +103,8 @@ class Program:
             for dep in job.deps:
                 self.consumers[dep] += 1
         # Per-step constants, computed once: what a step's record and its takes need.
-        self.labels = [job.label for job in self.jobs]
-        self.job_workers = [job.worker for job in self.jobs]
+        self.labels = tuple(job.label for job in self.jobs)
+        self.job_workers = tuple(job.worker for job in self.jobs)
         self.keep = [job.keep for job in self.jobs]
         # A result with a single consumer is dropped by that consumer without a shared count.
         self.drop_on_take = [n == 1 and not job.keep for n, job in zip(self.consumers, self.jobs)]
@@ -411,8 +411,8 @@ class Runtime:
         wall_end = time.perf_counter()
         self._step = None
         self.last_step = StepRecord(
-            labels=program.labels,
-            workers=program.job_workers,
+            labels=list(program.labels),
+            workers=list(program.job_workers),
             worker_names=[w.name for w in self.workers],
             starts=step.starts,
             ends=step.ends,
