@@ -22,6 +22,7 @@ from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build
 from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
+from .step_report import StepReport, report
 from .workers import ThreadBudget, Worker, spawn_workers, stop_workers
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
@@ -157,7 +158,8 @@ class Pipe(nn.Module):
             StageRunner(i, partition, device, worker, rng_shared=counts[device] > 1)
             for i, (partition, device, worker) in enumerate(zip(partitions, device_list, workers))
         ]
-        self._programs: Dict[Tuple[str, int], Program] = {}
+        self._programs: Dict[Tuple[Any, ...], Tuple[Plan, Program]] = {}
+        self._last_plan: Optional[Plan] = None
         self._finalizer = weakref.finalize(self, stop_workers, list(workers))
 
     # ------------------------------------------------------------------ Sequential-like access
@@ -195,19 +197,19 @@ class Pipe(nn.Module):
         m = self.chunks if num_microbatches is None else num_microbatches
         return build(schedule, len(self.partitions), m, **options)
 
-    def _forward_program(self, num_microbatches: int) -> Program:
+    def _forward_program(self, num_microbatches: int) -> Tuple[Plan, Program]:
         key = ("forward", num_microbatches)
-        program = self._programs.get(key)
-        if program is None:
+        cached = self._programs.get(key)
+        if cached is None:
             plan = build("gpipe", len(self.partitions), num_microbatches, backward=False)
-            program = self._programs[key] = lower_forward(plan, self._stages)
-        return program
+            cached = self._programs[key] = (plan, lower_forward(plan, self._stages))
+        return cached
 
     def _step_program(self, schedule: str, num_microbatches: int, options: Dict[str, Any]) -> Tuple[Plan, Program]:
         key = ("step", schedule, num_microbatches, tuple(sorted(options.items())))
-        cached = self._programs.get(key)  # type: ignore[arg-type]
+        cached = self._programs.get(key)
         if cached is not None:
-            return cached  # type: ignore[return-value]
+            return cached
         plan = build(schedule, len(self.partitions), num_microbatches, **options)
         if not plan.has_backward:
             raise ValueError(f"schedule {schedule!r} with options {options} has no backward actions; Pipe.step needs one")
@@ -219,13 +221,25 @@ class Pipe(nn.Module):
                 )
         stages = [stage.on_worker(self._stages[worker]) for stage, worker in zip(self._stages, plan.stage_to_worker)]
         program = lower_step(plan, stages)
-        self._programs[key] = (plan, program)  # type: ignore[assignment]
+        self._programs[key] = (plan, program)
         return plan, program
 
     @property
     def last_step(self) -> Optional[StepRecord]:
         """Timings of the most recent step: ``bubble_ratio``, ``chrome_trace()``."""
         return self._runtime.last_step
+
+    def last_report(self) -> StepReport:
+        """The most recent completed step next to its plan fed the measured durations.
+
+        Measured makespan and bubble beside the makespan and bubble the same plan reaches
+        with these action durations and free hand-offs (see :class:`StepReport`). Raises
+        RuntimeError before any step, ValueError if the last step failed.
+        """
+        record = self._runtime.last_step
+        if record is None or self._last_plan is None:
+            raise RuntimeError("no step has run on this Pipe yet: call it or its step() first")
+        return report(self._last_plan, record)
 
     # ------------------------------------------------------------------ running
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
@@ -240,7 +254,8 @@ class Pipe(nn.Module):
             stop = 0
         self._prepare_batch_norm(m)
         context = ForwardContext(batches, self._input_events(batches), stop)
-        program = self._forward_program(m)
+        plan, program = self._forward_program(m)
+        self._last_plan = plan
         results = self._run(program, context)
         ordered = [value for _, value in sorted(results.items(), key=lambda item: item[0].microbatch)]
         return gather(self._hand_back(ordered))
@@ -290,8 +305,8 @@ class Pipe(nn.Module):
         self._prepare_batch_norm(m)
         plan, program = self._step_program(schedule, m, options)
         context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages))
-        self._run(program, context)
         self._last_plan = plan
+        self._run(program, context)
         self.last_memory: Optional[MemoryRecord] = context.memory
         losses = [loss for loss in context.losses]
         device = losses[-1].device  # type: ignore[union-attr]

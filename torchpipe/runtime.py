@@ -19,7 +19,7 @@ import contextlib
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -104,6 +104,7 @@ class Program:
                 self.consumers[dep] += 1
         # Per-step constants, computed once: what a step's record and its takes need.
         self.labels = tuple(job.label for job in self.jobs)
+        self.keys = tuple(job.key for job in self.jobs)
         self.job_workers = tuple(job.worker for job in self.jobs)
         self.keep = [job.keep for job in self.jobs]
         # A result with a single consumer is dropped by that consumer without a shared count.
@@ -173,6 +174,8 @@ class StepRecord:
     ends: List[float]
     wall_start: float
     wall_end: float
+    keys: List[Hashable] = field(default_factory=list)
+    """Each job's key, in the same order: for a ``Pipe``, the plan's actions."""
 
     @property
     def makespan(self) -> float:
@@ -418,6 +421,7 @@ class Runtime:
             ends=step.ends,
             wall_start=wall_start,
             wall_end=wall_end,
+            keys=list(program.keys),
         )
         error = step.error if step.error is not None else interrupt
         if error is not None:

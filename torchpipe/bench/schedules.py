@@ -15,16 +15,15 @@ thread) and torchgpipe on the same stages.
 """
 from __future__ import annotations
 
-import re
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
 
 from .. import Pipe
-from ..schedule import Action, build
+from ..schedule import build
 from .gpipe import measured_sleep
 from .peers import close_pipeline, load_peers
 from .registry import Options
@@ -131,8 +130,9 @@ def run(options: Options) -> SuiteResult:
     table.notes.append("interleaved-1f1b and zb-v run 2 stages (2 layers) per worker, twice the model of the others: "
                        "their byte ratio against GPipe's one-layer workers counts twice the layers")
     table.notes.append("peak mb/stage: micro-batches whose activations a stage held at once (pipe.last_memory)")
-    table.notes.append("sim, own jobs = the same plan's list scheduler fed with each action's duration as measured "
-                       "in that very step (median over repeats): a runtime with zero hand-off cost running these "
+    table.notes.append("sim, own jobs = pipe.last_report().planned_makespan: the same plan's list scheduler fed with "
+                       "each action's duration as measured in that very step (median over repeats): a runtime with "
+                       "zero hand-off cost running these "
                        "actions. own sim/achieved isolates the runtime's hand-offs and ordering from what each action "
                        "took (its sleep, the layer's Python, waiting for the GIL), which sim/achieved also counts")
     result.tables += [table, contrast]
@@ -154,7 +154,7 @@ def run(options: Options) -> SuiteResult:
                     pipe.step(x, target, _loss, schedule=name, reduction="sum", **options_)
                     makespans.append(pipe.last_step.makespan)
                     bubbles.append(pipe.last_step.bubble_ratio)
-                    own_makespans.append(plan.simulate(_own_costs(pipe.last_step)).makespan)
+                    own_makespans.append(pipe.last_report().planned_makespan)
                 memory = pipe.last_memory
             achieved = statistics.median(makespans)
             if name == "gpipe":
@@ -187,20 +187,6 @@ def run(options: Options) -> SuiteResult:
             contrast.add(m=m, case=case, wall_ms=wall * 1e3,
                          vs_1f1b=result.ratio(f"m={m}/{case} wall / 1f1b achieved", wall, one_f_one_b_wall))
     return result
-
-
-_LABEL = re.compile(r"^stage (\d+) ([A-Z]) mb (\d+)$")
-
-
-def _own_costs(record: Any) -> Callable[[Action], float]:
-    """Each action's measured duration in one step record (labels read back into actions)."""
-    costs: Dict[Action, float] = {}
-    for label, start, end in zip(record.labels, record.starts, record.ends):
-        match = _LABEL.match(label)
-        if match is None or start < 0:
-            raise ValueError(f"step record has no timing for job {label!r}")
-        costs[Action(int(match.group(1)), match.group(2), int(match.group(3)))] = end - start
-    return costs.__getitem__
 
 
 def _per_worker(per_stage: List[int], stage_to_worker: Tuple[int, ...]) -> List[int]:
