@@ -55,6 +55,7 @@ def run(out_dir: str, steps: int = 60) -> None:
         print(plan.table())
         print(f"measured bubble {pipe.last_step.bubble_ratio:.2f} (simulated with unit costs: {plan.simulate().bubble_ratio:.2f});"
               f" peak micro-batches held per stage: {pipe.last_memory.peak_microbatches}")
+        print(f"last step against its plan: {pipe.last_report()}")
         trace = os.path.join(out_dir, "mlp_1f1b_step.trace.json")
         pipe.last_step.save_chrome_trace(trace)
         pipe.eval()
