@@ -21,12 +21,14 @@ __all__ = ["backward", "grad"]
 _ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine", None)
 
 
-def backward(outputs: Sequence[Any], grads: Sequence[Tensor], inputs: Sequence[Any] = ()) -> None:
-    """Accumulate into ``.grad`` of the leaves (or of ``inputs`` only); frees the graph."""
+def backward(outputs: Sequence[Any], grads: Sequence[Tensor], inputs: Optional[Sequence[Any]] = None) -> None:
+    """Accumulate into ``.grad`` of every leaf, or of ``inputs`` only; frees the graph."""
+    if inputs is not None and len(inputs) == 0:  # the engine would read () as "every leaf"
+        raise ValueError("inputs must name at least one tensor, or be None for every leaf")
     if _ENGINE is None:  # pragma: no cover - every torch we support has the engine binding
-        torch.autograd.backward(list(outputs), list(grads), inputs=list(inputs) or None)
+        torch.autograd.backward(list(outputs), list(grads), inputs=None if inputs is None else list(inputs))
         return
-    _ENGINE.run_backward(tuple(outputs), tuple(grads), False, False, tuple(inputs), True, True)
+    _ENGINE.run_backward(tuple(outputs), tuple(grads), False, False, tuple(inputs or ()), True, True)
 
 
 def grad(outputs: Sequence[Any], inputs: Sequence[Any], grads: Sequence[Tensor], *,
