@@ -13,7 +13,6 @@ costs F = t, B = 2t.
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -21,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..schedule import build
+from ..schedule import Action, build
 from .peers import PEER_NAMES, SHIMS_APPLIED, THREADS, Peer, build_peers, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
@@ -87,9 +86,6 @@ def measured_sleep(seconds: float, samples: int) -> float:
     return statistics.median(durations)
 
 
-_LABEL = re.compile(r"stage (\d+) F mb (\d+)$")
-
-
 def step_timings(step: Any) -> Tuple[float, float, float, float]:
     """``(makespan, bubble, median job seconds, median ready-to-start seconds)`` of a StepRecord.
 
@@ -98,10 +94,9 @@ def step_timings(step: Any) -> Tuple[float, float, float, float]:
     achieved makespan above the ideal one.
     """
     spans: Dict[Tuple[int, int], Tuple[float, float]] = {}
-    for label, start, end in zip(step.labels, step.starts, step.ends):
-        match = _LABEL.search(label)
-        if match and start >= 0:
-            spans[(int(match.group(1)), int(match.group(2)))] = (start, end)
+    for action, start, end in zip(step.keys, step.starts, step.ends):
+        if isinstance(action, Action) and action.kind == "F" and start >= 0:
+            spans[(action.stage, action.microbatch)] = (start, end)
     jobs = [end - start for start, end in spans.values()]
     delays = []
     for (s, i), (start, _) in spans.items():
