@@ -84,6 +84,18 @@ def test_cli_knows_every_suite_and_all():
         parse_args(["nope"])
     with pytest.raises(SystemExit):
         parse_args(["overhead", "--repeats", "0"])
+    assert parse_args(["gpipe", "--stage-ms", "10"]).stage_ms == 10.0
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            parse_args(["gpipe", "--stage-ms", bad])
+
+
+def test_stage_ms_sets_the_simulated_latency():
+    from torchpipe.bench.registry import Options
+
+    assert Options(quick=True).stage_seconds(default_s=0.002, quick_s=0.0002) == 0.0002
+    assert Options().stage_seconds(default_s=0.002, quick_s=0.0002) == 0.002
+    assert Options(quick=True, stage_ms=5.0).stage_seconds(default_s=0.002, quick_s=0.0002) == 0.005
 
 
 def test_compare_interleaves_and_takes_the_median():
@@ -125,7 +137,8 @@ def test_schedules_suite_quick(tmp_path):
     from torchpipe.bench.registry import Options
     from torchpipe.bench.schedules import run
 
-    result = run(Options(repeats=1, quick=True, progress=None)).to_json()
+    result = run(Options(repeats=1, quick=True, stage_ms=0.3, progress=None)).to_json()
+    assert result["config"]["t_ms"] == pytest.approx(0.3)
     rows = result["tables"][0]["rows"]
     assert {row["schedule"] for row in rows} == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"}
     for name, value in result["ratios"].items():

@@ -1,4 +1,4 @@
-"""Command line: ``python -m torchpipe.bench {overhead,gpipe,...,all} [--repeats N] [--json PATH] [--quick]``."""
+"""Command line: ``python -m torchpipe.bench {overhead,gpipe,...,all} [--repeats N] [--json PATH] [--quick] [--stage-ms MS]``."""
 from __future__ import annotations
 
 import argparse
@@ -20,16 +20,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="timed repeats per case; the median is quoted (default 7, or 3 with --quick)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write machine-readable results here")
     parser.add_argument("--quick", action="store_true", help="a small, fast run (for tests); figures are indicative")
+    parser.add_argument("--stage-ms", type=float, default=None, metavar="MS",
+                        help="latency t of the simulated stages in the gpipe and schedules suites "
+                             "(default 2 ms, or less with --quick)")
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.stage_ms is not None and not args.stage_ms > 0:
+        parser.error(f"--stage-ms must be a positive number of milliseconds, got {args.stage_ms}")
     return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Run the suites, print their tables, write ``--json``; returns the JSON document."""
     args = parse_args(argv)
-    options = Options(repeats=args.repeats, quick=args.quick)
+    options = Options(repeats=args.repeats, quick=args.quick, stage_ms=args.stage_ms)
     names: List[str] = list(SUITES) if args.suite == "all" else [args.suite]
     command = "python -m torchpipe.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     meta: Dict[str, Any] = {"command": command, "suites": names, "quick": args.quick,

@@ -127,7 +127,7 @@ def _forward_backward(pipeline: nn.Module, x: torch.Tensor) -> Callable[[], None
 
 def run(options: Options) -> SuiteResult:
     config = options.timing(target_s=0.2, quick_target_s=0.0, warmup=1, min_iters=1)
-    t = QUICK_STAGE_S if options.quick else STAGE_S
+    t = options.stage_seconds(default_s=STAGE_S, quick_s=QUICK_STAGE_S)
     p = STAGES
     result = SuiteResult(
         "gpipe",

@@ -23,6 +23,7 @@ class Options:
 
     repeats: Optional[int] = None
     quick: bool = False
+    stage_ms: Optional[float] = None
     progress: Optional[TextIO] = field(default_factory=lambda: sys.stderr)
 
     def timing(self, *, target_s: float, quick_target_s: float, warmup: int = 3, min_iters: int = 3) -> TimingConfig:
@@ -32,6 +33,17 @@ class Options:
             return TimingConfig(repeats=repeats, warmup=1, target_s=quick_target_s, min_iters=1)
         repeats = self.repeats if self.repeats is not None else 7
         return TimingConfig(repeats=repeats, warmup=warmup, target_s=target_s, min_iters=min_iters)
+
+    def stage_seconds(self, *, default_s: float, quick_s: float) -> float:
+        """The simulated stage latency ``t``: ``--stage-ms`` if given, else the suite's default.
+
+        The fixed per-job costs of a machine (waking a thread, passing the GIL, the OS
+        oversleeping) weigh less against a longer stage, so a sweep over ``t`` separates
+        them from the schedule itself.
+        """
+        if self.stage_ms is not None:
+            return self.stage_ms / 1e3
+        return quick_s if self.quick else default_s
 
     def say(self, message: str) -> None:
         if self.progress is not None:

@@ -92,7 +92,7 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def run(options: Options) -> SuiteResult:
-    t = QUICK_STAGE_S if options.quick else STAGE_S
+    t = options.stage_seconds(default_s=STAGE_S, quick_s=QUICK_STAGE_S)
     repeats = options.repeats if options.repeats is not None else (3 if options.quick else 7)
     p = STAGES
     result = SuiteResult(
