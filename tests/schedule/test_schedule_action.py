@@ -28,7 +28,8 @@ def test_round_trip_every_generated_action(name: str) -> None:
         assert Action.parse(str(act)) == act
 
 
-@pytest.mark.parametrize("text", ["", "F0", "2F", "2X0", "2f0", "-1F0", "2F0x", "2 F 0", "2FB0"])
+@pytest.mark.parametrize("text", ["", "F0", "2F", "2X0", "2f0", "-1F0", "2F0x", "2 F 0", "2FB0",
+                                  "02F0", "2F00", "\u0662F\u0660"])  # leading zeros, Arabic-Indic digits
 def test_parse_rejects_bad_text_naming_it(text: str) -> None:
     with pytest.raises(ValueError, match=repr(text).replace("\\", "\\\\").replace("(", r"\(")):
         Action.parse(text)

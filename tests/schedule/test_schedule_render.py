@@ -1,10 +1,13 @@
 """Simulation costs and the views (table, chrome trace, png) drawn from the plan."""
 from __future__ import annotations
 
+import math
+import random
 import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,49 @@ def _cells(table: str) -> list[list[str]]:
     return [line.split()[1:] for line in table.splitlines()[1:]]
 
 
+# Regression: slots were fractions of the *absolute* times, so costs in seconds (1e-4) made a
+# zero slot (ZeroDivisionError), and irregular costs put an action in no cell at all.
+def test_table_slots_do_not_depend_on_the_cost_unit() -> None:
+    unit = build("1f1b", 2, 3).table()
+    assert build("1f1b", 2, 3).table({"F": 1e-4, "B": 2e-4}) == unit
+    assert build("1f1b", 2, 3).table({"F": 1e3, "B": 2e3}) == unit
+    assert build("gpipe", 1, 1).table({"F": 1e-4, "B": 2e-4}) == "slot 0   1   2\nw0   0F0 0B0 ~"
+
+
+def test_irregular_costs_get_one_column_per_event() -> None:
+    table = build("zb-h1", 2, 2).table({"F": 2, "I": 1.57, "W": 0.2})
+    assert table.splitlines() == [
+        "time 0     2     4     5.57  7.14  7.34  7.57  9.14  9.34  9.54  10.71",
+        "w0   0F0   0F1   .     0I0   0W0   .     .     0I1   ~     ~     0W1",
+        "w1   .     1F0   1I0   1F1   ~     ~     1I1   1W0   1W1   .     .",
+    ]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_action_is_drawn_once_whatever_the_costs(name: str) -> None:
+    rng = random.Random(name)
+    for _ in range(40):
+        workers = rng.randint(1, 4)
+        stages = 2 * workers if name in ("zb-v", "interleaved-1f1b") else workers
+        m = workers if name == "interleaved-1f1b" else rng.randint(1, 8)
+        plan = build(name, stages, m)
+        scale = rng.choice([1e-6, 1e-3, 1.0, 37.0])
+        costs = {kind: scale * rng.uniform(0.05, 3.0) for kind in "FIW"}
+        comm = rng.choice([0.0, 0.013 * scale])
+        table = plan.table(costs, comm=comm)
+        for row, acts in zip(_cells(table), plan.worker_actions):
+            assert [c for c in row if c not in (".", "~")] == [str(a) for a in acts], (table, costs)
+
+
+def test_actions_without_duration_are_listed_under_the_grid() -> None:
+    assert build("gpipe", 2, 2).table({"F": 1, "B": 0}).splitlines() == [
+        "slot 0   1   2",
+        "w0   0F0 0F1 .",
+        "w1   .   1F0 1F1",
+        "no duration (not drawn): w0: 0B1 0B0; w1: 1B1 1B0",
+    ]
+
+
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_table_is_drawn_from_worker_actions(name: str) -> None:
     stages = 8 if name in ("zb-v", "interleaved-1f1b") else 4
@@ -67,12 +113,32 @@ def test_cost_forms_agree() -> None:
     # Unbalanced stages: the bubble counts every worker's idle time.
     uneven = build("gpipe", 2, 1).simulate({"F": [1, 3], "B": [2, 6]})
     assert (uneven.makespan, uneven.busy, uneven.bubble_ratio) == (12.0, (3.0, 9.0), 0.5)
-    # B defaults to I + W when only those are given.
+    # B defaults to I + W when only those are given, and when only one half is given the
+    # other takes its default: a full and a split backward always cost the same.
     assert build("gpipe", 1, 1).simulate({"I": 2, "W": 3}).makespan == 6
+    assert build("gpipe", 1, 1).simulate({"I": 3}).makespan == 1 + 3 + 1
+    assert build("gpipe", 1, 1).simulate({"W": 0.5}).makespan == 1 + 1 + 0.5
+    assert build("gpipe", 2, 4).simulate({"I": 3}).makespan == build("gpipe", 2, 4).simulate({"I": 3, "W": 1}).makespan
+    assert build("gpipe", 1, 1).simulate({"F": Fraction(1, 2), "B": [Fraction(2)]}).makespan == 2.5
     with pytest.raises(ValueError, match="2 entries for 3 stages"):
         plan.simulate({"F": [1, 2]})
-    with pytest.raises(ValueError, match="0F0.*>= 0"):
+    # Bad values are refused when the costs are read, naming the entry, not when an action runs.
+    with pytest.raises(ValueError, match=r"costs\['F'\] must be a finite number >= 0, got -1"):
         plan.simulate({"F": -1})
+    with pytest.raises(ValueError, match=r"costs\['W'\] .* got -1"):
+        build("gpipe", 1, 1).simulate({"I": 5, "W": -1})  # gpipe runs no W: still refused
+    with pytest.raises(ValueError, match=r"costs\['F'\]\[1\] .* got inf"):
+        plan.simulate({"F": [1, math.inf, 1]})
+    with pytest.raises(ValueError, match="got nan"):
+        plan.simulate({"B": math.nan})
+    with pytest.raises(TypeError, match=r"costs\['F'\] must be a number or a sequence of 3 numbers, got '12'"):
+        plan.simulate({"F": "12"})
+    with pytest.raises(TypeError, match="must be a number or a sequence of 3 numbers, got True"):
+        plan.simulate({"F": True})
+    with pytest.raises(ValueError, match="cost of action 0F0 must be a finite number >= 0, got -1"):
+        plan.simulate(lambda a: -1)
+    with pytest.raises(ValueError, match="comm must be a finite number >= 0, got inf"):
+        plan.simulate(comm=math.inf)
     with pytest.raises(ValueError, match="'X'"):
         plan.simulate({"X": 1})
 

@@ -106,6 +106,8 @@ def test_bad_stage_to_worker() -> None:
         Plan.from_lists("map", GPIPE_2x2, num_stages=2, stage_to_worker=[0])
     with pytest.raises(InvalidPlanError, match="stage 1 is mapped to worker 5"):
         Plan.from_lists("map", GPIPE_2x2, stage_to_worker=[0, 5])
+    with pytest.raises(InvalidPlanError, match="stage 0 is mapped to worker False"):
+        Plan.from_lists("map", GPIPE_2x2, stage_to_worker=[False, True])
 
 
 def test_dependencies_rules() -> None:

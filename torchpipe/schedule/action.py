@@ -22,7 +22,7 @@ WEIGHT_GRAD: Final = "W"
 KINDS: Final = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
 """All action kinds, in the order used for documentation and defaults."""
 
-_TEXT = re.compile(r"(\d+)([FBIW])(\d+)")
+_TEXT = re.compile(r"(0|[1-9][0-9]*)([FBIW])(0|[1-9][0-9]*)")  # canonical: ASCII, no leading zeros
 
 
 @dataclass(frozen=True, slots=True, order=True)

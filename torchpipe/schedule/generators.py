@@ -26,6 +26,8 @@ def _positive_int(name: str, value: Any) -> int:
 
 def _gpipe(p: int, m: int, *, backward: bool = True) -> Plan:
     """Fill-drain: all forwards, then all backwards in reverse micro-batch order."""
+    if not isinstance(backward, bool):
+        raise TypeError(f"option backward must be a bool, got {backward!r}")
     lists = []
     for s in range(p):
         acts = [Action(s, FORWARD, i) for i in range(m)]
@@ -100,9 +102,10 @@ def _zb_h1(p: int, m: int) -> Plan:
     """Zero-bubble H1 (Qi et al. 2023): 1F1B with the backward split into I and W.
 
     I is on the critical path (the previous stage waits for it) so it runs as soon as it
-    can; W waits for idle time. Stage ``s`` keeps 1F1B's limit of ``p - s`` micro-batches
-    in flight (released by W), so peak activation memory equals 1F1B's, while the bubble
-    drops to about a third under equal F/I/W costs.
+    can; W waits for idle time. Every stage may hold up to ``p`` micro-batches in flight
+    (released by W): 1F1B's peak, that of its first stage, so the pipeline's peak
+    activation memory equals 1F1B's (later stages hold more than under 1F1B), while the
+    bubble drops to about a third under equal F/I/W costs and m >> p.
     """
     critical = [
         [a if a.kind == FORWARD else Action(a.stage, INPUT_GRAD, a.microbatch) for a in acts]
@@ -146,6 +149,8 @@ def build(name: str, num_stages: int, num_microbatches: int, **options: Any) -> 
     ``interleaved-1f1b`` takes ``virtual_stages=v`` with ``num_stages = workers * v``;
     ``zb-v`` uses ``num_stages = 2 * workers``.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"schedule name must be a str, one of {SCHEDULES}; got {name!r}")
     if name not in _GENERATORS:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
     p = _positive_int("num_stages", num_stages)

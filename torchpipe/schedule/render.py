@@ -5,6 +5,7 @@ runtime executes, never from a separate description of the schedule.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -25,40 +26,89 @@ _MAX_SLOTS = 4000
 _MAX_WIDTH_IN = 60.0
 
 
-def _slot_size(sim: Simulation) -> float:
-    """Greatest common slot of all times (as small fractions), or the smallest duration."""
-    times = [Fraction(t).limit_denominator(1000) for _, _, s, e in sim.timeline for t in (s, e)]
-    durations = [Fraction(e - s).limit_denominator(1000) for _, _, s, e in sim.timeline if e > s]
+def _equal_slot(sim: Simulation) -> float | None:
+    """The largest slot that every start and end time is a whole multiple of, if sane.
+
+    Found from the times as fractions of the shortest duration, so the cost unit (steps,
+    seconds, microseconds) does not matter. None when there is no such slot, or when it
+    would need more than ``_MAX_SLOTS`` columns (measured durations, say).
+    """
+    durations = [e - s for _, _, s, e in sim.timeline if e > s]
     if not durations:
-        return 1.0
-    g = Fraction(0)
-    for t in times + durations:
-        g = Fraction(math.gcd(g.numerator * t.denominator, t.numerator * g.denominator), g.denominator * t.denominator)
-    if g > 0 and sim.makespan / float(g) <= _MAX_SLOTS:
-        return float(g)
-    return float(min(durations))
+        return None
+    unit = min(durations)
+    slot = Fraction(0)
+    for _, _, s, e in sim.timeline:
+        for t in (s, e):
+            q = Fraction(t / unit).limit_denominator(1000)
+            slot = Fraction(math.gcd(slot.numerator * q.denominator, q.numerator * slot.denominator),
+                            slot.denominator * q.denominator)
+    size = float(slot) * unit
+    if size <= 0 or sim.makespan / size > _MAX_SLOTS:
+        return None
+    for _, _, s, e in sim.timeline:
+        for t in (s, e):
+            if abs(t / size - round(t / size)) > 1e-6:
+                return None
+    return size
+
+
+def _columns(sim: Simulation) -> tuple[list[float], float | None]:
+    """Start time of every column, and the slot size when the columns are equal slots.
+
+    Equal slots when the times allow it (unit costs, small integer ratios) and the slots
+    are not much finer than the events. Otherwise one column per distinct start or end
+    time: column widths then differ, but every action with a duration still gets at least
+    one cell of its own, whatever the costs.
+    """
+    tolerance = 1e-9 * max(sim.makespan, 1e-300)
+    events: list[float] = []
+    for t in sorted({t for _, _, s, e in sim.timeline for t in (s, e)}):
+        if t < sim.makespan - tolerance and (not events or t - events[-1] > tolerance):
+            events.append(t)
+    events = events or [0.0]
+    slot = _equal_slot(sim)
+    if slot is not None and sim.makespan / slot <= 4 * len(events):
+        return [k * slot for k in range(max(1, round(sim.makespan / slot)))], slot
+    return events, None
+
+
+def _column_at(starts: list[float], t: float, tolerance: float) -> int:
+    """Index of the first column that starts at or after ``t`` (``len`` at the end)."""
+    return bisect.bisect_left(starts, t - tolerance)
 
 
 def table(plan: "Plan", costs: Costs = None, *, comm: float = 0.0) -> str:
     """One row per worker, one column per time slot; idle slots are ``.``.
 
-    With non-unit costs a slot is the gcd of all times (the smallest duration when that
-    would be too fine); an action spanning several slots is drawn as its name followed
-    by ``~`` continuation cells. Zero-duration actions are not drawn.
+    Under unit costs (and any costs with small integer ratios) a column is a slot of
+    equal length, numbered in the header. Otherwise a column runs from one start or end
+    time to the next, with its start time in the header. An action spanning several
+    columns is drawn as its name followed by ``~`` continuation cells. Every action of
+    the plan is shown: those that take no time at all are listed under the grid.
     """
     sim = simulate(plan, costs, comm=comm)
-    slot = _slot_size(sim)
-    num_slots = max(1, round(sim.makespan / slot))
-    width = max([len(str(a)) for a in plan.actions()] + [len(str(num_slots - 1)), 1])
-    grid = [[IDLE] * num_slots for _ in range(plan.num_workers)]
+    starts, slot = _columns(sim)
+    tolerance = 1e-9 * max(sim.makespan, 1e-300)
+    grid = [[IDLE] * len(starts) for _ in range(plan.num_workers)]
+    instant: list[list[str]] = [[] for _ in range(plan.num_workers)]
     for w, act, start, end in sim.timeline:
-        first, last = round(start / slot), round(end / slot)
-        for k in range(first, min(last, num_slots)):
+        if end - start <= tolerance:
+            instant[w].append(str(act))
+            continue
+        first, last = _column_at(starts, start, tolerance), _column_at(starts, end, tolerance)
+        for k in range(first, last):
             grid[w][k] = str(act) if k == first else CONTINUED
-    label = max(len(f"w{plan.num_workers - 1}"), len("slot"))
-    lines = [" ".join([f"{'slot':<{label}}"] + [f"{k:<{width}}" for k in range(num_slots)]).rstrip()]
+    header = [str(k) for k in range(len(starts))] if slot is not None else [f"{t:.4g}" for t in starts]
+    width = max([len(str(a)) for a in plan.actions()] + [len(h) for h in header])
+    corner = "slot" if slot is not None else "time"
+    label = max(len(f"w{plan.num_workers - 1}"), len(corner))
+    lines = [" ".join([f"{corner:<{label}}"] + [f"{h:<{width}}" for h in header]).rstrip()]
     for w, row in enumerate(grid):
         lines.append(" ".join([f"{'w' + str(w):<{label}}"] + [f"{c:<{width}}" for c in row]).rstrip())
+    if any(instant):
+        taken = "; ".join(f"w{w}: {' '.join(names)}" for w, names in enumerate(instant) if names)
+        lines.append(f"no duration (not drawn): {taken}")
     return "\n".join(lines)
 
 
@@ -101,8 +151,7 @@ def save_png(plan: "Plan", path: str, costs: Costs = None, *, comm: float = 0.0)
     colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:purple", "W": "tab:green"}
     # Width follows the number of time slots, not the cost unit: costs in microseconds must
     # not ask for a million-inch figure. Capped so that long plans still make a sane image.
-    slots = round(sim.makespan / _slot_size(sim), 3) if sim.makespan > 0 else 0.0
-    width = min(_MAX_WIDTH_IN, max(6.0, slots * 0.4))
+    width = min(_MAX_WIDTH_IN, max(6.0, len(_columns(sim)[0]) * 0.4))
     fig, ax = plt.subplots(figsize=(width, 0.6 * plan.num_workers + 1.0))
     try:
         for w, act, start, end in sim.timeline:

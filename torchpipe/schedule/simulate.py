@@ -6,6 +6,8 @@ simulated timeline is what an ideal runtime achieves with the given costs.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
@@ -50,8 +52,34 @@ class Simulation:
         raise KeyError(f"action {action} is not in the simulated plan")
 
 
+def _cost_value(where: str, value: object) -> float:
+    """One cost as a float; a clear error for anything that is not a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a real number, got {value!r}")
+    result = float(value)
+    if not (math.isfinite(result) and result >= 0.0):  # also rejects NaN and inf
+        raise ValueError(f"{where} must be a finite number >= 0, got {value!r}")
+    return result
+
+
+def _per_stage(kind: str, value: object, num_stages: int) -> tuple[float, ...]:
+    """A kind's cost as one value per stage: a scalar for all, or a sequence of ``num_stages``."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return (_cost_value(f"costs[{kind!r}]", value),) * num_stages
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"costs[{kind!r}] must be a number or a sequence of {num_stages} numbers, got {value!r}")
+    if len(value) != num_stages:
+        raise ValueError(f"costs[{kind!r}] has {len(value)} entries for {num_stages} stages")
+    return tuple(_cost_value(f"costs[{kind!r}][{s}]", v) for s, v in enumerate(value))
+
+
 def resolve_costs(costs: Costs, num_stages: int) -> Callable[[Action], float]:
-    """Normalise every accepted cost form into one function, rejecting bad values early."""
+    """Normalise every accepted cost form into one function, rejecting bad values early.
+
+    In a mapping, a missing kind takes its unit default, except B: when B is missing but
+    I or W is given, B = I + W (with the default for the other half), so that a full
+    and a split backward cost the same and schedules compare fairly.
+    """
     if costs is None:
         costs = DEFAULT_COSTS
     if callable(costs):
@@ -59,25 +87,13 @@ def resolve_costs(costs: Costs, num_stages: int) -> Callable[[Action], float]:
     elif isinstance(costs, Mapping):
         unknown = set(costs) - set(KINDS)
         if unknown:
-            raise ValueError(f"unknown action kinds in costs: {sorted(unknown)}; expected {KINDS}")
-        table: dict[str, tuple[float, ...]] = {}
-        for kind in (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD):  # B may derive from I + W
-            value = costs.get(kind)
-            if value is None and kind == BACKWARD and INPUT_GRAD in costs and WEIGHT_GRAD in costs:
-                i, w = table[INPUT_GRAD], table[WEIGHT_GRAD]
-                table[kind] = tuple(a + b for a, b in zip(i, w))
-                continue
-            if value is None:
-                value = DEFAULT_COSTS[kind]
-            if isinstance(value, (int, float)):
-                table[kind] = (float(value),) * num_stages
-            else:
-                per_stage = tuple(float(v) for v in value)
-                if len(per_stage) != num_stages:
-                    raise ValueError(
-                        f"costs[{kind!r}] has {len(per_stage)} entries for {num_stages} stages"
-                    )
-                table[kind] = per_stage
+            raise ValueError(f"unknown action kinds in costs: {sorted(unknown, key=repr)}; expected {KINDS}")
+        table = {
+            kind: _per_stage(kind, costs.get(kind, DEFAULT_COSTS[kind]), num_stages)
+            for kind in (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD)
+        }
+        if BACKWARD not in costs and (INPUT_GRAD in costs or WEIGHT_GRAD in costs):
+            table[BACKWARD] = tuple(i + w for i, w in zip(table[INPUT_GRAD], table[WEIGHT_GRAD]))
 
         def fn(action: Action) -> float:
             return table[action.kind][action.stage]
@@ -85,10 +101,7 @@ def resolve_costs(costs: Costs, num_stages: int) -> Callable[[Action], float]:
         raise TypeError(f"costs must be None, a mapping or a callable, got {type(costs).__name__}")
 
     def checked(action: Action) -> float:
-        value = float(fn(action))
-        if not value >= 0.0:  # also rejects NaN
-            raise ValueError(f"cost of action {action} must be >= 0, got {value}")
-        return value
+        return _cost_value(f"cost of action {action}", fn(action))
 
     return checked
 
@@ -102,8 +115,7 @@ def simulate(plan: "Plan", costs: Costs = None, *, comm: float = 0.0) -> Simulat
     from .validate import check_structure
 
     check_structure(plan)
-    if not comm >= 0.0:
-        raise ValueError(f"comm must be >= 0, got {comm}")
+    comm = _cost_value("comm", comm)
     cost = resolve_costs(costs, plan.num_stages)
     deps = {a: plan.dependencies(a) for a in plan.actions()}
     end: dict[Action, float] = {}
