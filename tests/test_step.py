@@ -241,3 +241,76 @@ def test_zero_bubble_weight_pass_does_not_redo_the_input_pass(checkpoint):
     assert results["zb-h1"][0] == results["1f1b"][0] == 3 * 4
     for a, b in zip(results["zb-h1"][1], results["1f1b"][1]):
         torch.testing.assert_close(a, b)
+
+
+class SplitWithMask(nn.Module):
+    """Sends (float tensor that needs no grad, integer tensor, activation) to the next stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.full_like(x, 2.0), (x > 0).sum(dim=1), self.lin(x)
+
+
+class JoinWithMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, values):
+        scale, index, h = values
+        return self.lin(h * scale) + index.unsqueeze(1)
+
+
+class TiedExp(nn.Module):
+    """One derived weight (``exp`` saves its result) used by two matmuls of the same stage.
+
+    ``transposed``: each matmul takes its own ``w.t()``, so the two parameter branches are
+    separate nodes that meet only at ``exp``, one level down.
+    """
+
+    def __init__(self, transposed=False):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.transposed = transposed
+
+    def forward(self, x):
+        w = self.w.exp()
+        if self.transposed:
+            return torch.tanh(torch.tanh(x @ w.t()) @ w.t())
+        return torch.tanh(torch.tanh(x @ w) @ w)
+
+
+def _step_matches_plain(model, balance, schedule, options, x, y):
+    reference = copy.deepcopy(model)
+    expected_loss, expected = reference_grads(reference, x, y, nn.MSELoss())
+    with Pipe(model, balance, chunks=2) as pipe:
+        loss = pipe.step(x, y, nn.MSELoss(), schedule=schedule, **options)
+    torch.testing.assert_close(loss, expected_loss)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], msg=name)
+
+
+# Regression: the receiving stage made every floating tensor a leaf while the sender kept only
+# the outputs that need a gradient, and the two lists were paired by position: a leading float
+# tensor without grad shifted every gradient by one, silently.
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_outputs_without_gradient_do_not_shift_the_gradients(schedule):
+    torch.manual_seed(0)
+    model = nn.Sequential(SplitWithMask(), JoinWithMask())
+    _step_matches_plain(model, [1, 1], schedule, {}, torch.randn(8, 8), torch.randn(8, 8))
+
+
+# Regressions: W ran each frontier node's parameter branch in its own engine call that freed the
+# graph, so a node shared by two branches (exp(w) used twice) was gone for the second one; and
+# when two frontier nodes fed the same branch, the lower one's share was counted twice.
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("schedule,options,balance", SCHEDULE_CASES)
+def test_weight_branches_that_meet_are_run_once(schedule, options, balance, transposed):
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) if i % 2 == 0 else TiedExp(transposed) for i in range(len(balance) * 2)]
+    model = nn.Sequential(*layers)
+    balance = [2] * len(balance)
+    _step_matches_plain(model, balance, schedule, options, torch.randn(8, 8), torch.randn(8, 8))

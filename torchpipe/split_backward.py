@@ -90,7 +90,17 @@ class WeightSplit:
                 elif reaches_parameter(child):
                     side.append((child, slot))
             if side:
-                self.frontier[node] = side
+                self.frontier[node] = list(dict.fromkeys(side))  # one capture per edge
+        # A parameter branch fed by two frontier nodes (a weight transformed once and used
+        # twice): from the upper node, autograd also reaches the branch through the lower
+        # one, so per-node gradients would count the lower path twice. W then runs the
+        # stage's whole backward into the parameters instead: correct, but it walks the
+        # activation path a second time.
+        owners: Dict[Node, Node] = {}
+        self.whole = any(owners.setdefault(child, node) is not node
+                         for node, side in self.frontier.items() for child, _ in side)
+        if self.whole:
+            self.frontier = {}
         self.kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
         self._hooks = [node.register_prehook(self._keeper(node)) for node in self.frontier]
 
@@ -110,8 +120,18 @@ class WeightSplit:
             self._hooks = []
 
     def weight_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Optional[Tensor]], parameters: Sequence[Tensor]) -> None:
-        """``W``: accumulate the parameters' gradients into ``.grad``, from what ``I`` kept."""
-        params = list(parameters)
+        """``W``: accumulate the parameters' gradients into ``.grad``, from what ``I`` kept.
+
+        All parameter branches go through the engine in one call: the branches of different
+        frontier nodes may meet further down, and a node they share must get the sum of their
+        gradients before it runs, once.
+        """
+        if self.whole:
+            sources = [o for o, g in zip(outputs, grad_outputs) if g is not None]
+            if sources:
+                engine.backward(sources, [g for g in grad_outputs if g is not None], inputs=list(parameters))
+            return
+        entering: Dict[Edge, Tensor] = {}
         for node, side in self.frontier.items():
             kept = self.kept.get(node)
             if kept is None:  # the node got no gradient in I (its outputs were unused)
@@ -120,12 +140,18 @@ class WeightSplit:
             grads = [g for g in kept if g is not None]
             if not roots:
                 continue
-            side_edges = [GradientEdge(child, slot) for child, slot in side]
-            entering = engine.grad(roots, side_edges, grads, retain_graph=True)
-            pairs = [(edge, g) for edge, g in zip(side_edges, entering) if g is not None]
-            if pairs:
-                engine.backward([e for e, _ in pairs], [g for _, g in pairs], inputs=params)
-        detached = [(outputs[i], grad_outputs[i]) for i in self.detached_outputs if grad_outputs[i] is not None]
-        if detached:
-            engine.backward([o for o, _ in detached], [g for _, g in detached], inputs=params)
+            side_grads = engine.grad(roots, [GradientEdge(child, slot) for child, slot in side], grads,
+                                     retain_graph=True)
+            for edge, grad in zip(side, side_grads):
+                if grad is not None:
+                    entering[edge] = grad if edge not in entering else entering[edge] + grad
+        sources: List[Any] = [GradientEdge(child, slot) for child, slot in entering]
+        source_grads: List[Tensor] = list(entering.values())
+        for i in self.detached_outputs:
+            grad = grad_outputs[i]
+            if grad is not None:
+                sources.append(outputs[i])
+                source_grads.append(grad)
+        if sources:
+            engine.backward(sources, source_grads, inputs=list(parameters))
         self.kept.clear()

@@ -77,11 +77,12 @@ class StepContext:
 class _Saved:
     """What a stage keeps from its forward of one micro-batch until its backward."""
 
-    __slots__ = ("leaves", "outputs", "grads", "bytes", "skips", "split", "aliased")
+    __slots__ = ("leaves", "outputs", "grad_positions", "grads", "bytes", "skips", "split", "aliased")
 
     def __init__(self, leaves: List[Tensor], outputs: List[Tensor], nbytes: int, skips: StageSkips,
-                 aliased: bool = False) -> None:
+                 aliased: bool = False, grad_positions: Tuple[int, ...] = ()) -> None:
         self.aliased = aliased  # autograd saved aliases, not these outputs: they may be freed
+        self.grad_positions = grad_positions  # where ``outputs`` sit in the batch sent on
         self.leaves = leaves
         self.skips = skips  # stashed tensors are extra outputs, popped leaves extra inputs
         self.outputs = outputs
@@ -127,20 +128,27 @@ class _CountSaved:
         return tensor
 
 
-def _as_leaves(batch: Batch, first_stage: bool) -> Tuple[Batch, List[Tensor]]:
-    """Cut the graph at the stage input: floating tensors become leaves that collect the grad."""
-    if first_stage:
+def _grad_positions(output: Batch) -> Tuple[int, ...]:
+    """Where in a stage's output the tensors that carry a gradient back are."""
+    return tuple(i for i, v in enumerate(output.values) if isinstance(v, Tensor) and v.requires_grad)
+
+
+def _as_leaves(batch: Batch, positions: Sequence[int]) -> Tuple[Batch, List[Tensor]]:
+    """Cut the graph at the stage input: the values at ``positions`` become leaves.
+
+    ``positions`` are the producer's (:func:`_grad_positions`), so the leaves' gradients line
+    up one for one with the outputs the producer runs its backward from, whatever else the
+    batch holds (a mask, an integer tensor, a float tensor that needs no gradient).
+    """
+    if not positions:
         return batch, []
+    values = list(batch.values)
     leaves: List[Tensor] = []
-
-    def cut(tensor: Tensor) -> Tensor:
-        if not tensor.is_floating_point():
-            return tensor
-        leaf = tensor.detach().requires_grad_(True)
+    for i in positions:
+        leaf = values[i].detach().requires_grad_(True)
+        values[i] = leaf
         leaves.append(leaf)
-        return leaf
-
-    return batch.map_tensors(cut), leaves
+    return Batch(values[0] if batch.atomic else tuple(values)), leaves
 
 
 def _copies_between(producer: StageRunner, consumer: StageRunner) -> bool:
@@ -148,17 +156,19 @@ def _copies_between(producer: StageRunner, consumer: StageRunner) -> bool:
     return producer.device != consumer.device
 
 
-def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool,
-             sends_copies: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
+def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
     device, stream, backend = stage.device, stage.stream, stage.backend
     on_cpu = backend.type == "cpu"
     index = stage.index
     parameter_ids = frozenset(id(p) for p in stage.partition.parameters())
 
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
+        positions: Tuple[int, ...] = ()
         if inputs:
             handoff: _Handoff = inputs[0]
             batch, event = handoff.batch, handoff.event
+            assert handoff.saved is not None
+            positions = handoff.saved.grad_positions
         else:
             batch, event = ctx.batches[microbatch], ctx.input_events[microbatch]
             ctx.batches[microbatch] = None  # type: ignore[call-overload]
@@ -168,7 +178,7 @@ def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool,
             if inputs and received is not batch:
                 ctx.memory.freed_output_bytes[index - 1] += _free_sent_outputs(handoff, received)
             batch = received
-        batch, leaves = _as_leaves(batch, first)
+        batch, leaves = _as_leaves(batch, positions)
         counter = _CountSaved(parameter_ids, alias=sends_copies)
         skips = StageSkips()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
@@ -182,14 +192,15 @@ def _forward(stage: StageRunner, microbatch: int, first: bool, last: bool,
                     shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
                     raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {shape}")
                 ctx.losses[microbatch] = loss.detach()
-        outputs = [loss] if last else [t for t in output.tensors() if t.requires_grad]
+        grad_positions = () if last else _grad_positions(output)
+        outputs = [loss] if last else [output.values[i] for i in grad_positions]
         outputs += [tensor for _, tensor in skips.stashed]
         memory = ctx.memory
         memory.live_microbatches[index] += 1
         memory.live_bytes[index] += counter.nbytes
         memory.peak_microbatches[index] = max(memory.peak_microbatches[index], memory.live_microbatches[index])
         memory.peak_bytes[index] = max(memory.peak_bytes[index], memory.live_bytes[index])
-        saved = _Saved(leaves, outputs, counter.nbytes, skips, aliased=sends_copies)
+        saved = _Saved(leaves, outputs, counter.nbytes, skips, aliased=sends_copies, grad_positions=grad_positions)
         if last:
             return _Handoff(None, None, saved)
         return _Handoff(output, None if on_cpu else mark_ready(backend, stream), saved)
@@ -363,7 +374,7 @@ def lower_step(plan: Any, stages: Sequence[StageRunner]) -> Program:
             first, is_last = s == 0, s == last
             deps = plan.dependencies(action)
             if kind == "F":
-                function: Any = _forward(stage, m, first, is_last,
+                function: Any = _forward(stage, m, is_last,
                                          sends_copies=not is_last and _copies_between(stage, stages[s + 1]))
             elif kind == "B":
                 function = _backward(stage, m, first, is_last)
