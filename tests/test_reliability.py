@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -521,6 +522,56 @@ def test_garbage_collection_after_a_failed_step_joins_every_worker():
     probes[0].error = None  # the exception's traceback may hold frames; drop it too
     gc.collect()
     assert not wait_until_gone(new)
+
+
+class _Remember(nn.Module):
+    """Keeps a weak reference to every activation it makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def forward(self, x):
+        y = x * 1.0
+        self.made.append(weakref.ref(y))
+        return y
+
+
+class _Fail(nn.Module):
+    def forward(self, x):
+        raise StageError("boom")  # a new exception, with its own traceback, on every call
+
+
+# Regression: the error kept the failed job's frame, the frame kept the step, and the step kept
+# the error: the step's activations and the Pipe's threads lived until the cycle collector ran
+# (an OOM retry on a GPU would find its memory still taken).
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_a_failed_call_frees_its_activations_and_threads_without_the_cycle_collector(call):
+    before = torchpipe_threads()
+    remember = _Remember()
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), remember, nn.Linear(4, 4), _Fail()), [2, 2], chunks=4)
+    x = torch.randn(8, 4)
+
+    def failing_call():
+        with pytest.raises(StageError):
+            if call == "forward":
+                pipe(x)
+            else:
+                pipe.step(x, torch.randn(8, 4), nn.MSELoss(), schedule="1f1b")
+
+    failing_call()  # the first checkpointed call imports modules that keep their caller's frames
+    remember.made.clear()
+    gc.collect()
+    gc.disable()
+    try:
+        failing_call()
+        assert remember.made and all(ref() is None for ref in remember.made), "activations outlived the error"
+        new = _new_threads(before)
+        assert len(new) == 2
+        del pipe
+        assert not wait_until_gone(new), "the Pipe's workers waited for the cycle collector"
+    finally:
+        gc.enable()
 
 
 # --------------------------------------------------------------------------- concurrency

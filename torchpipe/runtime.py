@@ -425,5 +425,14 @@ class Runtime:
         )
         error = step.error if step.error is not None else interrupt
         if error is not None:
-            raise error.with_traceback(error.__traceback__)
+            # The error's traceback holds the failed job's frame, which holds ``step``: drop
+            # what the step owns, so that its activations and the cycle through ``step.error``
+            # do not outlive the caller's ``except`` block (waiting for the cycle collector).
+            step.error = None
+            step.values = []
+            step.context = None
+            try:
+                raise error.with_traceback(error.__traceback__)
+            finally:  # this frame is in the traceback: its locals must not hold the error
+                error = interrupt = None
         return {key: step.values[index] for key, index in program.kept}
