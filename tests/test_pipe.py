@@ -210,6 +210,32 @@ def test_dropout_gradients_match_the_masks_the_forward_used():
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+# Regression: a partition seen once not to draw (dropout at p=0, a warm-up schedule) was marked
+# RNG-free for good, so once p was raised its checkpointed forwards saved no generator state
+# and the recompute drew other masks: wrong gradients, no error.
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_dropout_raised_from_zero_between_steps_is_still_replayed(call):
+    logs = [[], []]
+    dropouts = [RecordDropout(0.0, log) for log in logs]
+    model = nn.Sequential(dropouts[0], nn.Linear(16, 16), dropouts[1], nn.Linear(16, 16))
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    with Pipe(model, [2, 2], chunks=4, checkpoint="always") as pipe:
+        for p in (0.0, 0.5):
+            for dropout, log in zip(dropouts, logs):
+                dropout.p = p
+                log.clear()
+            if call == "forward":
+                pipe(x).sum().backward()
+            else:
+                pipe.step(x, y, nn.MSELoss())
+        for log in logs:
+            forward = [out for kind, _, out in log if kind == "forward"]
+            recompute = [out for kind, _, out in log if kind == "recompute"]
+            assert len(recompute) == 4 and any((out == 0).any() for out in forward)
+            for again in recompute:
+                assert any(torch.equal(again, first) for first in forward), "recompute drew another mask"
+
+
 def test_sequential_like_access_and_names():
     model = make_model(depth=4)
     names = [name for name, _ in model.named_children()]

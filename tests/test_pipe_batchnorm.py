@@ -1,5 +1,7 @@
 """Pipe(deferred_batch_norm=True): running statistics of the whole mini-batch, every path."""
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -77,3 +79,36 @@ def test_without_deferral_statistics_differ():
         bn = [m for m in pipe.modules() if isinstance(m, nn.BatchNorm1d)][0]
         ref_bn = [m for m in reference.modules() if isinstance(m, nn.BatchNorm1d)][0]
         assert not torch.allclose(bn.running_var, ref_bn.running_var)
+
+
+class _Slow(nn.Module):
+    """Holds a stage for a moment, so calls from two threads overlap."""
+
+    def forward(self, x):
+        time.sleep(0.005)
+        return x
+
+
+# Regression: the micro-batch count deferred batch norm commits with was set before the call
+# waited for the pipeline, so a call from another thread changed it mid-step: running
+# statistics were committed too few times.
+def test_two_threads_calling_one_pipe_commit_batch_norm_statistics_once_per_call():
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), _Slow(), nn.Linear(8, 8))
+
+    x = torch.randn(16, 8)
+    calls = 8
+    with Pipe(build(), [2, 2], chunks=4, deferred_batch_norm=True) as pipe:
+        threads = [threading.Thread(target=lambda: [pipe(x) for _ in range(calls)]) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        concurrent = pipe[1]
+        with Pipe(build(), [2, 2], chunks=4, deferred_batch_norm=True) as sequential:
+            for _ in range(2 * calls):
+                sequential(x)
+            assert int(concurrent.num_batches_tracked) == 2 * calls
+            torch.testing.assert_close(concurrent.running_mean, sequential[1].running_mean)
+            torch.testing.assert_close(concurrent.running_var, sequential[1].running_var)

@@ -79,8 +79,10 @@ class RNGGuard:
     device share its generator while running on different threads. So when the generator is
     shared, each forward of a checkpointing step (checkpointed or not: an unprotected draw
     would interleave) runs under the generator's lock. A partition observed to leave the
-    generator untouched in a training-mode forward is marked RNG-free and skips the lock from
-    then on, so dropout-free partitions still pipeline.
+    generator untouched in a forward is marked RNG-free and skips the lock for the rest of
+    the step, so dropout-free partitions still pipeline. Every step learns afresh
+    (:meth:`begin_step`): a partition may start drawing between steps (a dropout probability
+    raised from 0 by a schedule), and a stale "RNG-free" would replay a different mask.
     """
 
     def __init__(self, device: torch.device, shared: bool) -> None:
@@ -89,6 +91,10 @@ class RNGGuard:
         self.lock: Optional[threading.Lock] = _lock_for(self.generator) if shared else None
         # Per training flag of the partition: None unknown, True uses RNG, False RNG-free.
         self._uses_rng: Dict[bool, Optional[bool]] = {True: None, False: None}
+
+    def begin_step(self) -> None:
+        """Forget what earlier steps learned: the first forward of this step checks again."""
+        self._uses_rng[True] = self._uses_rng[False] = None
 
     def needs_replay(self, training: bool) -> bool:
         return self._uses_rng[training] is not False

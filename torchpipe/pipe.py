@@ -7,6 +7,7 @@ thread, also when several partitions share a device, so pipelining happens on CP
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
@@ -159,7 +160,8 @@ class Pipe(nn.Module):
             for i, (partition, device, worker) in enumerate(zip(partitions, device_list, workers))
         ]
         self._programs: Dict[Tuple[Any, ...], Tuple[Plan, Program]] = {}
-        self._last_plan: Optional[Plan] = None
+        self._last_run: Optional[Tuple[Plan, StepRecord]] = None  # set together, read by last_report
+        self._step_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, stop_workers, list(workers))
 
     # ------------------------------------------------------------------ Sequential-like access
@@ -236,10 +238,10 @@ class Pipe(nn.Module):
         with these action durations and free hand-offs (see :class:`StepReport`). Raises
         RuntimeError before any step, ValueError if the last step failed.
         """
-        record = self._runtime.last_step
-        if record is None or self._last_plan is None:
+        last = self._last_run
+        if last is None:
             raise RuntimeError("no step has run on this Pipe yet: call it or its step() first")
-        return report(self._last_plan, record)
+        return report(*last)
 
     # ------------------------------------------------------------------ running
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
@@ -252,11 +254,9 @@ class Pipe(nn.Module):
             stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         else:
             stop = 0
-        self._prepare_batch_norm(m)
         context = ForwardContext(batches, self._input_events(batches), stop)
         plan, program = self._forward_program(m)
-        self._last_plan = plan
-        results = self._run(program, context)
+        results = self._run(plan, program, context)
         ordered = [value for _, value in sorted(results.items(), key=lambda item: item[0].microbatch)]
         return gather(self._hand_back(ordered))
 
@@ -302,33 +302,46 @@ class Pipe(nn.Module):
         scales = [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
         m = len(batches)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
-        self._prepare_batch_norm(m)
         plan, program = self._step_program(schedule, m, options)
         context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages))
-        self._last_plan = plan
-        self._run(program, context)
+        self._run(plan, program, context)
         self.last_memory: Optional[MemoryRecord] = context.memory
         losses = [loss for loss in context.losses]
         device = losses[-1].device  # type: ignore[union-attr]
         weighted = [loss.to(device) * scale for loss, scale in zip(losses, scales)]  # type: ignore[union-attr]
         return torch.stack(weighted).sum()
 
-    def _run(self, program: Program, context: Any) -> Dict[Any, Any]:
+    def _run(self, plan: Plan, program: Program, context: Any) -> Dict[Any, Any]:
         """Run one step's program with the worker streams fenced against the caller's stream.
+
+        One step at a time per Pipe: what a step sets up on the Pipe (deferred batch norm's
+        micro-batch count, the RNG guards, the plan ``last_report`` reads) is set under the
+        same lock as the run, so a call from another thread cannot change it mid-step.
 
         On accelerators each worker computes on its own stream: those streams first wait for
         what the caller queued (parameter updates), and the caller's stream then waits for
         everything the step queued (gradients, losses, memory the step freed), also when
         the step fails. On the CPU the fences are no-ops.
         """
-        device_types = self._device_types
-        if device_types == ["cpu"]:  # no streams, nothing to fence
-            return self._runtime.run(program, context, device_types)
-        streams_wait_for_caller(self._worker_streams())
-        try:
-            return self._runtime.run(program, context, device_types)
-        finally:
-            caller_waits_for_streams(self._worker_streams())
+        self._runtime.refuse_worker_caller()  # before the lock: a stage calling its own Pipe
+        with self._step_lock:
+            self._prepare_batch_norm(plan.num_microbatches)
+            if context.rng_sections:
+                for stage in self._stages:
+                    stage.rng.begin_step()
+            try:
+                device_types = self._device_types
+                if device_types == ["cpu"]:  # no streams, nothing to fence
+                    return self._runtime.run(program, context, device_types)
+                streams_wait_for_caller(self._worker_streams())
+                try:
+                    return self._runtime.run(program, context, device_types)
+                finally:
+                    caller_waits_for_streams(self._worker_streams())
+            finally:
+                record = self._runtime.last_step
+                if record is not None:
+                    self._last_run = (plan, record)
 
     def _worker_streams(self) -> List[Tuple[torch.device, Any]]:
         """Each distinct (device, stream) the stages queue work on, copy streams included."""

@@ -312,6 +312,11 @@ class Runtime:
         self.last_step: Optional[StepRecord] = None
         self._worker_threads = {w.thread.ident for w in self.workers}
 
+    def refuse_worker_caller(self) -> None:
+        """RuntimeError when called from one of this runtime's workers (it would deadlock)."""
+        if threading.get_ident() in self._worker_threads:
+            raise RuntimeError("a pipeline stage called its own pipeline: re-entrant calls would deadlock")
+
     def _tasks_for(self, program: Program) -> List[List[Task]]:
         cached = self._tasks.get(id(program))
         if cached is not None and cached[0] is program:  # type: ignore[comparison-overlap]
@@ -380,8 +385,7 @@ class Runtime:
 
         Raises the first exception any job raised, after every worker has left the step.
         """
-        if threading.get_ident() in self._worker_threads:
-            raise RuntimeError("a pipeline stage called its own pipeline: re-entrant calls would deadlock")
+        self.refuse_worker_caller()
         if len(program.worker_jobs) > len(self.workers):
             raise ValueError(
                 f"program needs {len(program.worker_jobs)} workers, runtime has {len(self.workers)}"
