@@ -192,8 +192,16 @@ def test_bad_arguments():
             pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(), schedule="nope")
         with pytest.raises(ValueError, match="reduction"):
             pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(reduction="none"))
-        with pytest.raises(ValueError, match="same 2 micro-batches"):
+        with pytest.raises(ValueError, match="target has 1 samples along dim 0 but the input has 4"):
             pipe.step(torch.randn(4, 8), torch.randn(1, 8), nn.MSELoss())
+        with pytest.raises(ValueError, match="target has 3 samples along dim 0 but the input has 4"):
+            pipe.step(torch.randn(4, 8), torch.randn(3, 8), nn.MSELoss())  # would split in 2 and broadcast
+        with pytest.raises(ValueError, match="target has no batch dimension"):
+            pipe.step(torch.randn(4, 8), torch.tensor(1.0), nn.MSELoss())
+        with pytest.raises(TypeError, match="target must be a tensor or a tuple of tensors.*got list"):
+            pipe.step(torch.randn(4, 8), [0, 1, 2, 3], nn.MSELoss())
+        with pytest.raises(ValueError, match="input batch is empty"):
+            pipe.step(torch.randn(0, 8), torch.randn(0, 8), nn.MSELoss())
         with pytest.raises(RuntimeError, match="no_grad"):
             with torch.no_grad():
                 pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
@@ -314,3 +322,65 @@ def test_weight_branches_that_meet_are_run_once(schedule, options, balance, tran
     model = nn.Sequential(*layers)
     balance = [2] * len(balance)
     _step_matches_plain(model, balance, schedule, options, torch.randn(8, 8), torch.randn(8, 8))
+
+
+# Regression: plan() defaulted to 'gpipe' while step() defaults to '1f1b'.
+def test_plan_defaults_are_the_plans_that_step_and_forward_run():
+    with Pipe(make_model(), [2, 2, 2, 2], chunks=4) as pipe:
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        pipe.step(x, y, nn.MSELoss())
+        assert pipe.plan().name == pipe.last_report().schedule == "1f1b"
+        assert pipe._last_run[0] == pipe.plan()
+        pipe(x)
+        assert pipe._last_run[0] == pipe.plan(4, "gpipe", backward=False)
+
+
+def _padded_targets(batch, classes, ignored_rows):
+    target = torch.randint(0, classes, (batch,))
+    target[list(ignored_rows)] = -100
+    return target
+
+
+# Regression: 'mean' weighted micro-batches by their sample count, but these losses divide by the
+# (class-weighted) count of targets that are not ignore_index: padding made the loss and every
+# gradient silently wrong.
+@pytest.mark.parametrize("loss_fn,ignored_rows", [
+    (nn.CrossEntropyLoss(), [0, 1, 2]),                                  # padding in micro-batch 0
+    (nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 1.0, 1.0, 9.0])), []),
+    (nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 1.0, 1.0, 9.0]), label_smoothing=0.1), [5]),
+    (nn.CrossEntropyLoss(ignore_index=3), []),
+    (nn.CrossEntropyLoss(), [0, 1]),                                     # micro-batch 0 entirely ignored
+    (nn.CrossEntropyLoss(reduction="sum"), [0, 1, 2]),
+])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_class_index_losses_weigh_micro_batches_by_their_counted_targets(loss_fn, ignored_rows, schedule):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 5))
+    x, y = torch.randn(8, 8), _padded_targets(8, 5, ignored_rows)
+    reference = copy.deepcopy(model)
+    expected_loss, expected = reference_grads(reference, x, y, loss_fn)
+    with Pipe(model, [2, 1], chunks=4) as pipe:
+        loss = pipe.step(x, y, loss_fn, schedule=schedule)
+    torch.testing.assert_close(loss, expected_loss)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], msg=name)
+
+
+def test_nll_with_spatial_targets_and_a_batch_with_every_target_ignored():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 1), nn.LogSoftmax(dim=1))
+    x = torch.randn(6, 2, 3, 3)
+    y = torch.randint(0, 4, (6, 3, 3))
+    y[:2] = -100
+    reference = copy.deepcopy(model)
+    expected_loss, expected = reference_grads(reference, x, y, nn.NLLLoss())
+    with Pipe(model, [1, 1], chunks=3) as pipe:
+        torch.testing.assert_close(pipe.step(x, y, nn.NLLLoss()), expected_loss)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, expected[name], msg=name)
+        # Nothing counted at all: NaN loss and zero gradients, as without the pipeline.
+        for param in model.parameters():
+            param.grad = None
+        loss = pipe.step(x, torch.full_like(y, -100), nn.NLLLoss())
+    assert torch.isnan(loss)
+    assert all(torch.count_nonzero(param.grad) == 0 for param in model.parameters())

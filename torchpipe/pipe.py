@@ -23,6 +23,7 @@ from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build
 from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
+from .step_inputs import microbatch_weights, split_targets
 from .step_report import StepReport, report
 from .workers import ThreadBudget, Worker, spawn_workers, stop_workers
 
@@ -194,8 +195,12 @@ class Pipe(nn.Module):
         return super().to(*args, **kwargs)
 
     # ------------------------------------------------------------------ planning
-    def plan(self, num_microbatches: Optional[int] = None, schedule: str = "gpipe", **options: Any) -> Plan:
-        """The schedule plan a step with ``num_microbatches`` (default ``chunks``) runs."""
+    def plan(self, num_microbatches: Optional[int] = None, schedule: str = "1f1b", **options: Any) -> Plan:
+        """The plan ``step(..., schedule=schedule, **options)`` runs on ``num_microbatches``.
+
+        The defaults are ``step``'s: ``chunks`` micro-batches and ``'1f1b'``. The plan of a
+        forward call ``pipe(x)`` is ``plan(m, "gpipe", backward=False)``.
+        """
         m = self.chunks if num_microbatches is None else num_microbatches
         return build(schedule, len(self.partitions), m, **options)
 
@@ -277,7 +282,12 @@ class Pipe(nn.Module):
         of ``n_i`` samples out of ``N`` is back-propagated with weight ``n_i / N`` when the loss
         averages over samples (``reduction='mean'``, the default, read from
         ``loss_fn.reduction`` when it has one) and with weight 1 when it sums
-        (``reduction='sum'``). ``schedule`` is one of ``torchpipe.schedule.SCHEDULES``;
+        (``reduction='sum'``). ``CrossEntropyLoss`` and ``NLLLoss`` with class-index targets
+        average over their class-weighted targets that are not ``ignore_index``: their
+        micro-batches are weighted by that count instead (see ``torchpipe.step_inputs``); a
+        custom loss that normalises otherwise should sum, with ``reduction='sum'``, and
+        divide the result. ``target`` is split along dim 0 like the input and must have
+        its batch size. ``schedule`` is one of ``torchpipe.schedule.SCHEDULES``;
         ``options`` go to the plan (``virtual_stages`` for interleaved schedules).
         """
         if not self._finalizer.alive:
@@ -291,15 +301,11 @@ class Pipe(nn.Module):
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipe.step computes gradients; it cannot run under torch.no_grad()")
         batches = scatter(input, self.chunks)
-        targets = [b.value for b in scatter(target, self.chunks)] if isinstance(target, (Tensor, tuple)) else None
-        if targets is None or len(targets) != len(batches):
-            raise ValueError(
-                f"target must split into the same {len(batches)} micro-batches as the input along dim 0 "
-                f"(got {type(target).__name__} of {len(targets) if targets else 0} micro-batches)"
-            )
-        sizes = [next(b.tensors()).size(0) for b in batches]
-        total = sum(sizes)
-        scales = [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
+        batch_size = sum(next(b.tensors()).size(0) for b in batches)
+        if batch_size == 0:
+            raise ValueError("the input batch is empty (0 samples along dim 0): there is no loss to back-propagate")
+        targets = split_targets(target, batch_size, len(batches), self.chunks)
+        scales = microbatch_weights(loss_fn, reduction, batches, targets)
         m = len(batches)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         plan, program = self._step_program(schedule, m, options)
@@ -308,8 +314,9 @@ class Pipe(nn.Module):
         self.last_memory: Optional[MemoryRecord] = context.memory
         losses = [loss for loss in context.losses]
         device = losses[-1].device  # type: ignore[union-attr]
-        weighted = [loss.to(device) * scale for loss, scale in zip(losses, scales)]  # type: ignore[union-attr]
-        return torch.stack(weighted).sum()
+        # A micro-batch of weight 0 (every target ignored) has a NaN loss that must not count.
+        counted = [(loss, scale) for loss, scale in zip(losses, scales) if scale != 0] or list(zip(losses, scales))
+        return torch.stack([loss.to(device) * scale for loss, scale in counted]).sum()  # type: ignore[union-attr]
 
     def _run(self, plan: Plan, program: Program, context: Any) -> Dict[Any, Any]:
         """Run one step's program with the worker streams fenced against the caller's stream.

@@ -186,7 +186,7 @@ def run(options: Options) -> SuiteResult:
     forward.notes.append("last_step, job, hand-off and bubble measured come from pipe.last_step (torchpipe only): "
                          "job = median job duration; hand-off = median delay from a job's inputs being ready "
                          "(previous stage and previous micro-batch ended) to its start")
-    forward.notes.append("bubble simulated = pipe.plan(m, backward=False).simulate() with unit costs")
+    forward.notes.append("bubble simulated = pipe.plan(m, 'gpipe', backward=False).simulate() with unit costs")
     forward.notes.append("bare threads (floor) = torchpipe.bench.thread_chain: a thread per stage, a queue between "
                          "neighbours and nothing else; what threads alone achieve on this machine")
     result.tables += [forward, backward]
@@ -202,7 +202,7 @@ def run(options: Options) -> SuiteResult:
         pipelines, unavailable = build_peers(peers, lambda peer: _make(peer, m, t, x), f"m={m}", result.notes)
         try:
             if "torchpipe" in pipelines:
-                plan_bubble = pipelines["torchpipe"].plan(m, backward=False).simulate().bubble_ratio  # type: ignore[operator]
+                plan_bubble = pipelines["torchpipe"].plan(m, "gpipe", backward=False).simulate().bubble_ratio  # type: ignore[operator]
                 if abs(plan_bubble - sim_bubble) > 1e-12:
                     result.notes.append(f"m={m}: pipe.plan() bubble {plan_bubble} != build('gpipe') bubble {sim_bubble}")
             fwd = compare({name: _forward(pl, x, steps if name == "torchpipe" else None)

@@ -1,0 +1,74 @@
+"""What ``Pipe.step`` is given, checked and split: the target, and each micro-batch's share of the loss.
+
+``Pipe.step`` back-propagates every micro-batch's loss on its own, so it must weigh them so
+that their sum is the loss of the whole mini-batch. With ``reduction='sum'`` each weighs 1.
+With ``reduction='mean'`` the weight is the micro-batch's share of the loss's denominator:
+its share of the samples for most losses, but for ``CrossEntropyLoss`` and ``NLLLoss`` with
+class-index targets the denominator is the (class-weighted) count of targets that are not
+``ignore_index``, so padding in one micro-batch must not skew the others.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .microbatch import Batch, scatter
+
+__all__ = ["split_targets", "microbatch_weights"]
+
+
+def split_targets(target: Any, batch_size: int, num_microbatches: int, chunks: int) -> List[Any]:
+    """``target`` split like the input; ValueError/TypeError, naming the target, if it cannot be.
+
+    Every tensor in the target must have the input's batch size along dim 0: a shorter one
+    would otherwise split into the same number of micro-batches and broadcast silently.
+    """
+    if not isinstance(target, (Tensor, tuple)):
+        raise TypeError(f"target must be a tensor or a tuple of tensors, split along dim 0 like the input; "
+                        f"got {type(target).__name__}")
+    tensors = [target] if isinstance(target, Tensor) else [v for v in target if isinstance(v, Tensor)]
+    if not tensors:
+        raise TypeError("target is a tuple without tensors: it needs one to split along dim 0 like the input")
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            raise ValueError("target has no batch dimension (a 0-dim tensor); it must split along dim 0 like the "
+                             f"input of {batch_size} samples")
+        if tensor.size(0) != batch_size:
+            raise ValueError(f"target has {tensor.size(0)} samples along dim 0 but the input has {batch_size}; "
+                             "they must match")
+    targets = [b.value for b in scatter(target, chunks)]
+    if len(targets) != num_microbatches:  # pragma: no cover - equal sizes split alike
+        raise ValueError(f"target split into {len(targets)} micro-batches, the input into {num_microbatches}")
+    return targets
+
+
+def _counted_targets(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` averages over its (weighted, non-ignored) class-index targets."""
+    return isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss))
+
+
+def _target_weight(loss_fn: Any, target: Tensor) -> float:
+    """The denominator ``loss_fn`` uses for ``target`` under ``reduction='mean'``."""
+    kept = target != loss_fn.ignore_index
+    if loss_fn.weight is None:
+        return float(kept.sum())
+    classes = torch.where(kept, target, torch.zeros_like(target))
+    weights = loss_fn.weight.to(target.device)[classes]
+    return float((weights * kept).sum())
+
+
+def microbatch_weights(loss_fn: Any, reduction: str, batches: Sequence[Batch], targets: Sequence[Any]) -> List[float]:
+    """Per micro-batch, the factor its loss is scaled by so that the weighted sum is the whole loss."""
+    if reduction == "sum":
+        return [1.0] * len(batches)
+    first_target = targets[0]
+    if _counted_targets(loss_fn) and isinstance(first_target, Tensor) and not first_target.is_floating_point():
+        shares = [_target_weight(loss_fn, t) for t in targets]
+    else:
+        shares = [float(next(b.tensors()).size(0)) for b in batches]
+    total = sum(shares)
+    if total == 0:  # every target ignored: the loss is NaN and no gradient flows, as unpipelined
+        return [0.0] * len(batches)
+    return [share / total for share in shares]
