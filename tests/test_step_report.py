@@ -76,3 +76,18 @@ def test_a_record_of_another_plan_is_rejected():
     record.keys = ["not an action"] * len(record.keys)
     with pytest.raises(ValueError, match="not of a plan"):
         report(build("1f1b", 4, 4), record)
+
+
+# Regression: the measured bubble divided by every thread of the Pipe, so an interleaved plan on
+# 2 of 4 workers reported the 2 unused threads as half the step's idle time.
+def test_measured_bubble_counts_only_the_workers_the_plan_uses():
+    record = StepRecord(labels=["a", "b", "c"], workers=[0, 0, 1], worker_names=["w0", "w1", "w2", "w3"],
+                        starts=[0.0, 1.0, 1.0], ends=[1.0, 2.0, 2.0], wall_start=0.0, wall_end=2.0)
+    assert record.bubble_ratio == pytest.approx(1 - 3.0 / (2 * 2.0))
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    with Pipe(model, [1, 1, 1, 1], chunks=4) as pipe:
+        pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss(), schedule="interleaved-1f1b", virtual_stages=2)
+        last = pipe.last_step
+    assert sorted(set(last.workers)) == [0, 1] and len(last.worker_names) == 4
+    busy = sum(last.busy())
+    assert last.bubble_ratio == pytest.approx(1 - busy / (2 * last.makespan))

@@ -194,11 +194,15 @@ class StepRecord:
 
     @property
     def bubble_ratio(self) -> float:
-        """Share of worker time spent idle between the step's first start and last end."""
+        """Share of worker time spent idle between the step's first start and last end.
+
+        Only the workers the program gave jobs count: an interleaved plan of 4 stages on 2
+        workers leaves the other 2 threads out of the step, not idle in it.
+        """
         span = self.makespan
         if span <= 0:
             return 0.0
-        return 1.0 - sum(self.busy()) / (len(self.worker_names) * span)
+        return 1.0 - sum(self.busy()) / (len(set(self.workers)) * span)
 
     def chrome_trace(self) -> Dict[str, Any]:
         """The step as Chrome trace events (open in chrome://tracing or Perfetto)."""
