@@ -706,3 +706,45 @@ def test_a_stage_calling_its_own_pipe_gets_runtime_error(no_thread_leak):
         torch.testing.assert_close(pipe(x), reference(x))
     finally:
         CallsOwnPipe.pipe = None
+
+
+class _InterruptingQueue:
+    """Stands in for a worker's in_queue: the ``fail_at``-th put raises KeyboardInterrupt."""
+
+    def __init__(self, real, fail_at):
+        self.real, self.fail_at, self.puts = real, fail_at, 0
+
+    def put(self, item):
+        self.puts += 1
+        if self.puts == self.fail_at:
+            raise KeyboardInterrupt
+        self.real.put(item)
+
+    def get(self):
+        return self.real.get()
+
+
+# Regression: an interrupt while a step's tasks were being queued left the half-queued step in
+# place, with workers that never counted out: the next call waited for it forever.
+@pytest.mark.parametrize("fail_at", [1, 2, 4])
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_an_interrupt_while_queueing_a_step_leaves_the_pipe_usable(fail_at, call, no_thread_leak):
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with Pipe(model, [2, 2], chunks=4) as pipe:
+        worker = pipe._workers[1]
+        real = worker.in_queue
+        worker.in_queue = _InterruptingQueue(real, fail_at)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pipe(x) if call == "forward" else pipe.step(x, y, nn.MSELoss())
+        finally:
+            worker.in_queue = real
+        assert pipe._runtime._step is None
+        done = []
+        thread = threading.Thread(target=lambda: done.append(pipe(x)), daemon=True)
+        thread.start()
+        thread.join(10)
+        assert done, "the next call hung behind the half-queued step"
+        torch.testing.assert_close(done[0], reference(x))

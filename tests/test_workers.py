@@ -424,3 +424,25 @@ def test_stopping_a_worker_stuck_in_a_task_warns_instead_of_hanging():
         release.set()
         worker.thread.join(5)
     assert not worker.is_alive()
+
+
+# Regression: submit() checked "closed" and queued the task in two steps, so a close() from
+# another thread in between queued the stop marker first: the Future never completed.
+def test_host_pool_submit_racing_close_runs_the_task_or_refuses_it():
+    pool = HostPool(1)
+    pick = pool._pick
+    closer = threading.Thread(target=pool.close)
+
+    def pick_then_let_close_start(key):
+        worker = pick(key)
+        closer.start()  # close() now runs in between the check and the put
+        closer.join(0.2)
+        return worker
+
+    pool._pick = pick_then_let_close_start
+    future = pool.submit(lambda: 42)
+    closer.join(5)
+    assert not closer.is_alive()
+    assert future.result(timeout=5) == 42
+    with pytest.raises(RuntimeError, match="HostPool is closed"):
+        pool.submit(lambda: 0)

@@ -316,6 +316,33 @@ class Runtime:
         self.last_step: Optional[StepRecord] = None
         self._worker_threads = {w.thread.ident for w in self.workers}
 
+    def _drain_workers(self) -> None:
+        """Wait until every worker has run all it was given, after a step half queued.
+
+        Which tasks of the step made it into the queues is unknown, so the workers that never
+        got their last one will not count themselves out. A marker behind them on every queue
+        tells when nothing of the step is left to run. Interrupts are held until then: the
+        step's tasks read ``self._step`` and must not meet the next step.
+        """
+        drained = [threading.Event() for _ in self.workers]
+        pending: Optional[BaseException] = None
+        for worker, event in zip(self.workers, drained):
+            while True:
+                try:
+                    worker.in_queue.put(Task(event.set, None, "drain"))
+                    break
+                except BaseException as exc:  # noqa: B902 - held, raised once drained
+                    pending = pending or exc
+        for event in drained:
+            while True:
+                try:
+                    event.wait()
+                    break
+                except BaseException as exc:  # noqa: B902
+                    pending = pending or exc
+        if pending is not None:
+            raise pending
+
     def refuse_worker_caller(self) -> None:
         """RuntimeError when called from one of this runtime's workers (it would deadlock)."""
         if threading.get_ident() in self._worker_threads:
@@ -407,10 +434,18 @@ class Runtime:
         step = _Step(program, context, state, on_abort)
         self._step = step
         wall_start = time.perf_counter()
-        for worker, tasks in zip(self.workers, self._tasks_for(program)):
-            put = worker.in_queue.put
-            for task in tasks:
-                put(task)
+        try:
+            for worker, tasks in zip(self.workers, self._tasks_for(program)):
+                put = worker.in_queue.put
+                for task in tasks:
+                    put(task)
+        except BaseException as exc:  # noqa: B902 - an interrupt while queueing: some workers lack tasks
+            step.abort(exc)
+            try:
+                self._drain_workers()
+            finally:
+                self._step = None
+            raise
         interrupt: Optional[BaseException] = None
         while True:
             try:

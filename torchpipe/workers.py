@@ -279,11 +279,14 @@ class HostPool:
     def worker_for(self, key: Optional[int] = None) -> Worker:
         """The worker that runs tasks of ``key`` (round-robin when ``key`` is None)."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("HostPool is closed")
-            if key is None:
-                key = self._next
-                self._next += 1
+            return self._pick(key)
+
+    def _pick(self, key: Optional[int]) -> Worker:
+        if self._closed:
+            raise RuntimeError("HostPool is closed")
+        if key is None:
+            key = self._next
+            self._next += 1
         return self.workers[key % len(self.workers)]
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: Optional[int] = None, label: str = "") -> "Future[Any]":
@@ -300,7 +303,9 @@ class HostPool:
             except BaseException as exc:  # noqa: B902
                 future.set_exception(exc)
 
-        self.worker_for(key).put(Task(compute, label=label or getattr(fn, "__name__", "host task")))
+        task = Task(compute, label=label or getattr(fn, "__name__", "host task"))
+        with self._lock:  # queued before close() can queue the stop marker, or refused
+            self._pick(key).put(task)
         return future
 
     def close(self) -> None:
