@@ -1,5 +1,6 @@
 """Pipe gives the outputs and gradients of the plain nn.Sequential (transparency)."""
 import copy
+import threading
 
 import pytest
 import torch
@@ -315,6 +316,50 @@ def test_profiler_sees_labelled_tasks_from_worker_threads():
             pipe(torch.randn(4, 8)).sum().backward()
     names = {event.name for event in prof.events()}
     assert "stage 0 F mb 0" in names and "stage 2 F mb 1" in names
+
+
+class _CountingHooks:
+    """A saved_tensors_hooks pair that counts what it packs and unpacks, from any thread."""
+
+    def __init__(self):
+        self.packed = self.unpacked = 0
+        self.lock = threading.Lock()
+
+    def pack(self, tensor):
+        with self.lock:
+            self.packed += 1
+        return ("packed", tensor)
+
+    def unpack(self, packed):
+        with self.lock:
+            self.unpacked += 1
+        return packed[1]
+
+    def __call__(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+# Regression: the caller's saved-tensor hooks (save_on_cpu, say) are thread-local and did not
+# reach the workers, so a Pipe silently kept every activation where it was.
+def test_saved_tensor_hooks_of_the_caller_reach_the_workers():
+    model = make_model()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    plain = _CountingHooks()
+    with plain():
+        nn.MSELoss()(copy.deepcopy(model)(x), y).backward()
+    assert plain.packed > 0 and plain.unpacked == plain.packed
+    with Pipe(model, [3, 3, 3], chunks=1, checkpoint="never") as pipe:
+        for call in ("forward", "step"):
+            hooks = _CountingHooks()
+            with hooks():
+                if call == "forward":
+                    nn.MSELoss()(pipe(x), y).backward()
+                else:
+                    pipe.step(x, y, nn.MSELoss())
+            assert (call, hooks.packed, hooks.unpacked) == (call, plain.packed, plain.packed)
+        with torch.autograd.graph.save_on_cpu():
+            loss = pipe.step(x, y, nn.MSELoss())
+        torch.testing.assert_close(loss, nn.MSELoss()(model(x), y).detach())
 
 
 def test_autocast_state_reaches_workers():

@@ -130,14 +130,25 @@ class Program:
                 raise ValueError(f"program would deadlock: every worker waits ({', '.join(stuck)})")
 
 
+def current_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
+    """The innermost ``saved_tensors_hooks`` (pack, unpack) active on this thread, if any.
+
+    Thread-local in autograd, like grad mode: ``save_on_cpu`` around a call must reach the
+    workers too. Read through a private binding; without it, no hooks are carried.
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
 class ThreadState:
     """The caller's thread-local state that each job must run under.
 
-    Grad mode, inference mode, autocast and whether a profiler records: all thread-local in
-    PyTorch, so a worker thread would otherwise silently run with its own defaults.
+    Grad mode, inference mode, autocast, saved-tensor hooks (``save_on_cpu``) and whether a
+    profiler records: all thread-local in PyTorch, so a worker thread would otherwise
+    silently run with its own defaults.
     """
 
-    __slots__ = ("grad_enabled", "inference", "autocast", "profiling", "plain")
+    __slots__ = ("grad_enabled", "inference", "autocast", "saved_hooks", "profiling", "plain")
 
     def __init__(self, device_types: Sequence[str]) -> None:
         self.grad_enabled = torch.is_grad_enabled()
@@ -148,9 +159,10 @@ class ThreadState:
                 self.autocast.append(
                     (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
                 )
+        self.saved_hooks = current_saved_tensors_hooks()
         self.profiling = bool(torch.autograd.profiler._is_profiler_enabled)
         # Nothing to enter around a job: the per-job fast path.
-        self.plain = not (self.inference or self.autocast or self.profiling)
+        self.plain = not (self.inference or self.autocast or self.saved_hooks or self.profiling)
 
     def contexts(self, label: str) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -158,6 +170,8 @@ class ThreadState:
             stack.enter_context(torch.inference_mode())
         for device_type, dtype, cache in self.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        if self.saved_hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks))
         if self.profiling:
             stack.enter_context(torch.profiler.record_function(label))
         return stack

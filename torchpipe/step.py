@@ -22,7 +22,7 @@ from . import engine
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
 from .microbatch import Batch
-from .runtime import Program
+from .runtime import Program, current_saved_tensors_hooks
 from .skip.portal import SkipStore, StageSkips
 from .split_backward import WeightSplit
 
@@ -109,6 +109,8 @@ class _CountSaved:
         self.nbytes = 0
         self.parameter_ids = parameter_ids
         self.alias = alias
+        # The caller's own hooks (``save_on_cpu``), which these would otherwise shadow.
+        self.outer = current_saved_tensors_hooks()
 
     def pack(self, tensor: Tensor) -> Tensor:
         # Parameters (a Linear saves its weight, maybe as a view) are not activations. Known
@@ -121,11 +123,11 @@ class _CountSaved:
         # When the next stage is on another device, the outputs it copies get freed
         # (``_drop_storage`` swaps their data): a saved output must then be an alias that
         # keeps the values it saved, not the tensor itself.
-        return tensor.detach() if self.alias else tensor
+        packed = tensor.detach() if self.alias else tensor
+        return packed if self.outer is None else self.outer[0](packed)
 
-    @staticmethod
-    def unpack(tensor: Tensor) -> Tensor:
-        return tensor
+    def unpack(self, packed: Any) -> Tensor:
+        return packed if self.outer is None else self.outer[1](packed)
 
 
 def _grad_positions(output: Batch) -> Tuple[int, ...]:
