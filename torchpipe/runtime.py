@@ -130,13 +130,18 @@ class Program:
                 raise ValueError(f"program would deadlock: every worker waits ({', '.join(stuck)})")
 
 
+_TOP_SAVED_TENSORS_HOOKS: Optional[Callable[[bool], Any]] = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def current_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
     """The innermost ``saved_tensors_hooks`` (pack, unpack) active on this thread, if any.
 
     Thread-local in autograd, like grad mode: ``save_on_cpu`` around a call must reach the
-    workers too. Read through a private binding; without it, no hooks are carried.
+    workers too. Read through a private binding (looked up once: ``Pipe.step`` asks on every
+    forward job); without it, no hooks are carried.
     """
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    top = _TOP_SAVED_TENSORS_HOOKS
     return None if top is None else top(False)
 
 
