@@ -494,6 +494,21 @@ def test_context_manager_joins_workers_after_an_error():
     assert not wait_until_gone(new)
 
 
+def test_a_constructor_failing_after_the_workers_start_stops_them(monkeypatch):
+    """Nothing owns the threads until __init__ returns, so a late failure must stop them."""
+    import torchpipe.pipe
+
+    def broken_runner(*args, **kwargs):
+        raise StageError("stage runner refused")
+
+    monkeypatch.setattr(torchpipe.pipe, "StageRunner", broken_runner)
+    before = torchpipe_threads()
+    model, _ = make_probed(2)
+    with pytest.raises(StageError, match="stage runner refused"):
+        Pipe(model, [2, 2], chunks=2)
+    assert not wait_until_gone(_new_threads(before)), "a failed Pipe() left its worker threads running"
+
+
 def test_garbage_collection_joins_every_worker():
     before = torchpipe_threads()
     model, _ = make_probed(3)

@@ -192,6 +192,10 @@ def test_bad_arguments():
             pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(), schedule="nope")
         with pytest.raises(ValueError, match="reduction"):
             pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(reduction="none"))
+        for unhashable in ([2], {}):  # build() names the option, not the program cache's dict
+            with pytest.raises(TypeError, match="virtual_stages must be an int"):
+                pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(), "interleaved-1f1b",
+                          virtual_stages=unhashable)
         with pytest.raises(ValueError, match="target has 1 samples along dim 0 but the input has 4"):
             pipe.step(torch.randn(4, 8), torch.randn(1, 8), nn.MSELoss())
         with pytest.raises(ValueError, match="target has 3 samples along dim 0 but the input has 4"):

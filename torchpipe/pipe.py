@@ -151,15 +151,19 @@ class Pipe(nn.Module):
         object.__setattr__(self, "partitions", nn.ModuleList(partitions))
 
         workers = spawn_workers(device_list, name="torchpipe-stage", budget=budget)
-        self._workers: List[Worker] = workers
-        self._runtime = Runtime(workers)
-        counts: Dict[torch.device, int] = {}
-        for device in device_list:
-            counts[device] = counts.get(device, 0) + 1
-        self._stages = [
-            StageRunner(i, partition, device, worker, rng_shared=counts[device] > 1)
-            for i, (partition, device, worker) in enumerate(zip(partitions, device_list, workers))
-        ]
+        try:
+            self._workers: List[Worker] = workers
+            self._runtime = Runtime(workers)
+            counts: Dict[torch.device, int] = {}
+            for device in device_list:
+                counts[device] = counts.get(device, 0) + 1
+            self._stages = [
+                StageRunner(i, partition, device, worker, rng_shared=counts[device] > 1)
+                for i, (partition, device, worker) in enumerate(zip(partitions, device_list, workers))
+            ]
+        except BaseException:  # no finalizer owns the threads yet: stop them here
+            stop_workers(workers)
+            raise
         self._programs: Dict[Tuple[Any, ...], Tuple[Plan, Program]] = {}
         self._last_run: Optional[Tuple[Plan, StepRecord]] = None  # set together, read by last_report
         self._step_lock = threading.Lock()
@@ -213,8 +217,11 @@ class Pipe(nn.Module):
         return cached
 
     def _step_program(self, schedule: str, num_microbatches: int, options: Dict[str, Any]) -> Tuple[Plan, Program]:
-        key = ("step", schedule, num_microbatches, tuple(sorted(options.items())))
-        cached = self._programs.get(key)
+        key: Optional[Tuple[Any, ...]] = ("step", schedule, num_microbatches, tuple(sorted(options.items())))
+        try:
+            cached = self._programs.get(key)  # type: ignore[arg-type]
+        except TypeError:  # an unhashable option value: let build() name what it expected
+            key, cached = None, None
         if cached is not None:
             return cached
         plan = build(schedule, len(self.partitions), num_microbatches, **options)
@@ -228,7 +235,8 @@ class Pipe(nn.Module):
                 )
         stages = [stage.on_worker(self._stages[worker]) for stage, worker in zip(self._stages, plan.stage_to_worker)]
         program = lower_step(plan, stages)
-        self._programs[key] = (plan, program)
+        if key is not None:
+            self._programs[key] = (plan, program)
         return plan, program
 
     @property
