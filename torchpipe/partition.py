@@ -20,18 +20,27 @@ def verify_module(module: nn.Module) -> None:
     """Reject what a pipeline cannot run: non-Sequential modules, shared children or parameters."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}")
-    named_children = list(module.named_children())
-    if len(named_children) != len({id(child) for _, child in named_children}):
-        raise ValueError("module with duplicate children is not supported: the same layer object appears twice")
-    seen = {}
-    for name, child in named_children:
-        for param in child.parameters():
-            owner = seen.setdefault(id(param), name)
-            if owner != name:
-                raise ValueError(
-                    "module with duplicate parameters on distinct children is not supported "
-                    f"(children {owner!r} and {name!r} share a parameter)"
-                )
+    # named_children() drops repeats, so count the Sequential's own slots.
+    slots = list(module._modules.items())
+    owners: dict = {}
+    for name, child in slots:
+        first = owners.setdefault(id(child), name)
+        if first != name:
+            raise ValueError(
+                "module with duplicate children is not supported: the same layer object is "
+                f"children {first!r} and {name!r}"
+            )
+    # Shared parameters, or buffers (running statistics), would be updated by two workers at once.
+    seen: dict = {}
+    for name, child in slots:
+        for kind, tensors in (("parameter", child.parameters()), ("buffer", child.buffers())):
+            for tensor in tensors:
+                owner = seen.setdefault(id(tensor), name)
+                if owner != name:
+                    raise ValueError(
+                        f"module with duplicate {kind}s on distinct children is not supported "
+                        f"(children {owner!r} and {name!r} share a {kind})"
+                    )
 
 
 def verify_balance(balance: Sequence[int], num_layers: int) -> List[int]:

@@ -1,0 +1,84 @@
+"""Constructor errors: torchgpipe's error types, a message naming the bad value, no state changed."""
+import pytest
+import torch
+from conftest import pipeline_threads
+from torch import nn
+
+from torchpipe import Pipe
+from torchpipe.partition import BalanceError
+
+
+def model(layers=4):
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+
+
+def names(module):
+    return [name for name, _ in module.named_children()]
+
+
+@pytest.mark.parametrize("balance, message", [
+    ([1, 1], "module: 4, sum of balance: 2"),
+    ([2, 0, 2], r"positive integers \(balance: \[2, 0, 2\]\)"),
+    ([2, -1, 3], "positive integers"),
+    ([2.0, 2], "positive integers"),
+    ([True, 3], "positive integers"),
+    ([], "balance is empty"),
+    (4, "sequence of positive integers, got 4"),
+])
+def test_bad_balance_is_a_balance_error(balance, message):
+    with pytest.raises(BalanceError, match=message):
+        Pipe(model(), balance)
+    assert issubclass(BalanceError, ValueError)  # torchgpipe users catch ValueError
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5, "2", True, None])
+def test_bad_chunks(chunks):
+    with pytest.raises(ValueError, match=f"number of chunks must be a positive integer, got {chunks!r}"):
+        Pipe(model(), [2, 2], chunks=chunks)
+
+
+@pytest.mark.parametrize("mode", ["sometimes", None, "Always"])
+def test_bad_checkpoint_mode(mode):
+    with pytest.raises(ValueError, match=f"checkpoint is not one of .*got {mode!r}"):
+        Pipe(model(), [2, 2], checkpoint=mode)
+
+
+def test_too_few_devices_is_an_index_error():
+    with pytest.raises(IndexError, match="devices: 2, partitions: 3"):
+        Pipe(model(3), [1, 1, 1], devices=["cpu", "cpu"])
+
+
+def test_module_must_be_a_sequential():
+    with pytest.raises(TypeError, match="must be nn.Sequential.*got ModuleList"):
+        Pipe(nn.ModuleList([nn.Linear(4, 4)]), [1])
+
+
+def test_the_same_layer_twice_is_refused():
+    layer = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="duplicate children.*'0' and '1'"):
+        Pipe(nn.Sequential(layer, layer), [1, 1])
+    with pytest.raises(ValueError, match="duplicate children.*'0' and '2'"):
+        Pipe(nn.Sequential(layer, nn.ReLU(), layer), [2, 1])
+
+
+def test_shared_parameters_and_buffers_are_refused():
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    with pytest.raises(ValueError, match="duplicate parameters.*'0' and '1'"):
+        Pipe(nn.Sequential(first, second), [1, 1])
+    norm = nn.BatchNorm1d(4, affine=False)  # no parameter, but running statistics
+    with pytest.raises(ValueError, match="duplicate buffers.*'0' and '2'"):
+        Pipe(nn.Sequential(nn.Sequential(norm), nn.ReLU(), nn.Sequential(norm)), [1, 2])
+
+
+def test_a_refused_module_is_left_untouched_and_no_thread_starts():
+    before = set(pipeline_threads())
+    original = model()
+    state = {k: v.clone() for k, v in original.state_dict().items()}
+    for kwargs in (dict(balance=[1, 1]), dict(balance=[2, 2], chunks=0), dict(balance=[2, 2], checkpoint="x"),
+                   dict(balance=[1, 1, 1, 1], devices=["cpu"])):
+        with pytest.raises((ValueError, IndexError)):
+            Pipe(original, **kwargs)
+        assert names(original) == ["0", "1", "2", "3"]
+        assert all(torch.equal(state[k], v) for k, v in original.state_dict().items())
+    assert set(pipeline_threads()) <= before
