@@ -1,4 +1,5 @@
 """Pipe gives the outputs and gradients of the plain nn.Sequential (transparency)."""
+import collections
 import copy
 import threading
 
@@ -106,6 +107,79 @@ def test_tuple_inputs_and_outputs():
     torch.testing.assert_close(out[1], expected[1])
     for (name, p), (_, q) in zip(pipe.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+Hidden = collections.namedtuple("Hidden", "h mask")
+
+
+class ToHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Hidden(self.linear(x), x > 0)
+
+
+class FromHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, hidden):
+        assert isinstance(hidden, Hidden), type(hidden)
+        return Hidden(self.linear(hidden.h * hidden.mask), hidden.mask)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_namedtuple_between_partitions_stays_a_namedtuple(checkpoint):
+    model = nn.Sequential(ToHidden(), FromHidden(), FromHidden())
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    with Pipe(model, [1, 1, 1], chunks=3, checkpoint=checkpoint) as pipe:
+        out = pipe(x)
+        assert isinstance(out, Hidden)
+        out.h.sum().backward()
+        expected = reference(x)
+        expected.h.sum().backward()
+        torch.testing.assert_close(out.h, expected.h)
+        assert torch.equal(out.mask, expected.mask)
+        for (name, p), (_, q) in zip(pipe.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        step_model = copy.deepcopy(reference)
+        with Pipe(step_model, [1, 1, 1], chunks=3, checkpoint=checkpoint) as stepping:
+            loss = stepping.step(x, torch.zeros(6, 4), lambda out, target: (out.h - target).pow(2).mean())
+        torch.testing.assert_close(loss, (copy.deepcopy(reference)(x).h).pow(2).mean())
+
+
+class Returns(nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def forward(self, x):
+        return self.make(x)
+
+
+@pytest.mark.parametrize("make, chunks, error", [
+    (lambda x: {"out": x}, 1, "takes and returns a Tensor or a tuple.*got dict"),
+    (lambda x: [x, x], 2, "takes and returns a Tensor or a tuple.*got list"),
+    (lambda x: None, 2, "takes and returns a Tensor or a tuple.*got NoneType"),
+    (lambda x: (x, [x]), 2, "output 1 of the pipeline is a list holding tensors"),
+    (lambda x: (x, x.sum()), 2, "output 1 of the pipeline is a 0-dim tensor"),
+    (lambda x: x.sum(), 2, "output is a 0-dim tensor per micro-batch"),
+])
+def test_outputs_that_cannot_be_gathered_are_refused_by_name(make, chunks, error):
+    """Not silently turned into a tuple of keys, nor cut to the first micro-batch's part."""
+    with Pipe(nn.Sequential(nn.Linear(4, 4), Returns(make)), [1, 1], chunks=chunks) as pipe:
+        with pytest.raises(TypeError, match=error):
+            pipe(torch.randn(4, 4))
+
+
+def test_per_sample_values_in_an_output_tuple_gather_but_other_values_pass():
+    with Pipe(nn.Sequential(nn.Linear(4, 4), Returns(lambda x: (x, "tag", 3))), [1, 1], chunks=2) as pipe:
+        out = pipe(torch.randn(4, 4))
+    assert out[0].shape == (4, 4) and out[1:] == ("tag", 3)
 
 
 def test_in_place_layers_at_partition_boundaries():

@@ -1,11 +1,16 @@
 """Constructor errors: torchgpipe's error types, a message naming the bad value, no state changed."""
+import threading
+
 import pytest
 import torch
-from conftest import pipeline_threads
 from torch import nn
 
 from torchpipe import Pipe
 from torchpipe.partition import BalanceError
+
+
+def pipeline_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("torchpipe")]
 
 
 def model(layers=4):

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
 
 from .devices import get_backend  # noqa: E402
-from .microbatch import Batch  # noqa: E402
+from .microbatch import Batch, rebuild  # noqa: E402
 
 __all__ += ["checkpoint", "RNGGuard"]
 
@@ -213,17 +213,18 @@ def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: _Replay) ->
     demand during backward and supports tuple outputs and in-place layers. RNG replay and the
     ``is_checkpointing``/``is_recomputing`` flags come from ``replay``'s contexts.
     """
-    atomic = batch.atomic
+    atomic, template = batch.atomic, batch.values
     failures: List[BaseException] = []
 
     def run(*values: Any) -> Any:
+        value = values[0] if atomic else rebuild(template, values)
         # An exception must not leave torch's checkpoint half-entered: some versions (2.11)
         # resume their context only on success, which would leave the checkpoint's
         # saved-tensor hooks installed on this worker thread for every later step.
         if _flags.recomputing:  # a failed recompute surfaces through backward as it is
-            return function(values[0] if atomic else values)
+            return function(value)
         try:
-            return function(values[0] if atomic else values)
+            return function(value)
         except BaseException as exc:  # noqa: B902 - re-raised below, unchanged
             failures.append(exc)
             return None

@@ -2,7 +2,9 @@
 
 :class:`Batch` hides the difference between a single tensor and a tuple of values, so that
 the runtime, copies and checkpointing handle both the same way. Non-tensor values in a tuple
-are passed unchanged to every micro-batch.
+are passed unchanged to every micro-batch. A namedtuple stays a namedtuple on its way
+through the pipeline. Anything else between partitions (a list, a dict) is refused with a
+TypeError rather than silently turned into a tuple of its items or keys.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any, Callable, Iterator, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "scatter", "gather", "TensorOrTensors"]
+__all__ = ["Batch", "scatter", "gather", "rebuild", "TensorOrTensors"]
 
 TensorOrTensors = Union[Tensor, Tuple[Any, ...]]
 
@@ -23,7 +25,15 @@ class Batch:
 
     def __init__(self, values: TensorOrTensors) -> None:
         self.atomic = isinstance(values, Tensor)
-        self.values: Tuple[Any, ...] = (values,) if self.atomic else tuple(values)  # type: ignore[arg-type]
+        if self.atomic:
+            self.values: Tuple[Any, ...] = (values,)
+        elif isinstance(values, tuple):
+            self.values = values
+        else:
+            raise TypeError(
+                "a pipeline partition takes and returns a Tensor or a tuple (of tensors and other "
+                f"values), got {type(values).__name__}"
+            )
 
     @property
     def value(self) -> TensorOrTensors:
@@ -44,8 +54,8 @@ class Batch:
         return Batch(function(self.value))
 
     def map_tensors(self, function: Callable[[Tensor], Tensor]) -> "Batch":
-        mapped = tuple(function(v) if isinstance(v, Tensor) else v for v in self.values)
-        return Batch(mapped[0] if self.atomic else mapped)
+        mapped = [function(v) if isinstance(v, Tensor) else v for v in self.values]
+        return Batch(mapped[0] if self.atomic else rebuild(self.values, mapped))
 
     def __len__(self) -> int:
         return len(self.values)
@@ -58,6 +68,13 @@ class Batch:
 
     def __repr__(self) -> str:
         return f"Batch[atomic={self.atomic}]({self.values!r})"
+
+
+def rebuild(template: Tuple[Any, ...], items: Sequence[Any]) -> Tuple[Any, ...]:
+    """``items`` as a tuple of ``template``'s kind: a namedtuple keeps its type and fields."""
+    if type(template) is not tuple and hasattr(template, "_fields"):
+        return type(template)(*items)
+    return tuple(items)
 
 
 def _check_input(input: TensorOrTensors) -> None:
@@ -90,20 +107,50 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
         return [Batch(part) for part in input.chunk(chunks)]
     pieces = [v.chunk(chunks) if isinstance(v, Tensor) else None for v in input]
     count = min(len(p) for p in pieces if p is not None)
-    return [Batch(tuple(p[i] if p is not None else v for p, v in zip(pieces, input))) for i in range(count)]
+    return [Batch(rebuild(input, [p[i] if p is not None else v for p, v in zip(pieces, input)])) for i in range(count)]
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return False
 
 
 def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
-    """Concatenate micro-batch outputs along dim 0, in micro-batch order."""
+    """Concatenate micro-batch outputs along dim 0, in micro-batch order.
+
+    Other values of an output tuple are taken from the first micro-batch, as they were
+    passed in. What cannot be put back together is refused with a TypeError naming its
+    position: a 0-dim tensor (a per-micro-batch scalar), or a container holding tensors
+    (only the first micro-batch's would survive).
+    """
     if len(outputs) == 1:
         return outputs[0].value
     first = outputs[0]
     if first.atomic:
+        if first.tensor.dim() == 0:
+            raise TypeError("the pipeline's output is a 0-dim tensor per micro-batch, which cannot be "
+                            "concatenated into the mini-batch's output; return it with a batch dimension")
         return torch.cat([b.tensor for b in outputs])
     gathered = []
     for i, value in enumerate(first.values):
         if isinstance(value, Tensor):
+            if value.dim() == 0:
+                raise TypeError(
+                    f"output {i} of the pipeline is a 0-dim tensor per micro-batch, which cannot be "
+                    "concatenated into the mini-batch's output; return it with a batch dimension "
+                    "(e.g. aux.reshape(1)) or reduce it inside the model"
+                )
             gathered.append(torch.cat([b.values[i] for b in outputs]))
+        elif _holds_tensor(value):
+            raise TypeError(
+                f"output {i} of the pipeline is a {type(value).__name__} holding tensors; only tensors "
+                "at the top level of the output tuple are concatenated across micro-batches"
+            )
         else:
             gathered.append(value)
-    return tuple(gathered)
+    return rebuild(first.values, gathered)

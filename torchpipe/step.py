@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from . import engine
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
-from .microbatch import Batch
+from .microbatch import Batch, rebuild
 from .runtime import Program, current_saved_tensors_hooks
 from .skip.portal import SkipStore, StageSkips
 from .split_backward import WeightSplit
@@ -150,7 +150,7 @@ def _as_leaves(batch: Batch, positions: Sequence[int]) -> Tuple[Batch, List[Tens
         leaf = values[i].detach().requires_grad_(True)
         values[i] = leaf
         leaves.append(leaf)
-    return Batch(values[0] if batch.atomic else tuple(values)), leaves
+    return Batch(values[0] if batch.atomic else rebuild(batch.values, values)), leaves
 
 
 def _copies_between(producer: StageRunner, consumer: StageRunner) -> bool:
