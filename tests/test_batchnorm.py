@@ -236,3 +236,11 @@ def test_invalid_microbatch_counts() -> None:
             set_microbatches(model, bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="0"):
         DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(2), chunks=0)
+
+
+def test_an_uninitialized_lazy_batch_norm_is_refused_before_anything_is_converted() -> None:
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 3, 1), nn.Sequential(nn.LazyBatchNorm2d()))
+    with pytest.raises(ValueError, match=r"uninitialized LazyBatchNorm2d '2\.0'.*run one forward first"):
+        DeferredBatchNorm.convert_deferred_batch_norm(model, 2)
+    assert [type(m).__name__ for m in model.modules()] == [
+        "Sequential", "BatchNorm2d", "Conv2d", "Sequential", "LazyBatchNorm2d"]

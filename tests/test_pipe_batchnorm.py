@@ -81,6 +81,29 @@ def test_without_deferral_statistics_differ():
         assert not torch.allclose(bn.running_var, ref_bn.running_var)
 
 
+@pytest.mark.parametrize("call", ["forward", "gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_plain_batch_norm_is_not_updated_again_by_the_recompute(call, checkpoint):
+    """Without deferral, each micro-batch updates the statistics once, as a per-micro-batch loop does.
+
+    A checkpointed micro-batch runs its forward a second time in backward (zero-bubble
+    schedules even twice, in I and in W); that must not count as another update.
+    """
+    plain = model()
+    reference = copy.deepcopy(plain)
+    x, target = torch.randn(12, 6), torch.randn(12, 6)
+    with Pipe(plain, [2, 3], chunks=3, checkpoint=checkpoint) as pipe:
+        for _ in range(2):
+            if call == "forward":
+                pipe(x).sum().backward()
+            else:
+                pipe.step(x, target, nn.MSELoss(), schedule=call)
+            for part in x.chunk(3):
+                reference(part)
+        assert_stats_equal(pipe, reference)
+        assert int(pipe[3].num_batches_tracked) == 6
+
+
 class _Slow(nn.Module):
     """Holds a stage for a moment, so calls from two threads overlap."""
 

@@ -20,7 +20,8 @@ the accumulators need no lock.
 from __future__ import annotations
 
 import inspect
-from typing import Dict, Optional, Tuple, Type, TypeVar
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchpipe.checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "set_microbatches"]
+__all__ = ["DeferredBatchNorm", "set_microbatches", "statistics_updating_norms", "running_statistics_frozen"]
 
 TModule = TypeVar("TModule", bound=nn.Module)
 
@@ -177,6 +178,15 @@ class DeferredBatchNorm(_BatchNorm):
         ``DeferredBatchNorm`` is kept and its ``chunks`` updated.
         """
         _check_microbatches(chunks)
+        # Refuse before replacing anything: a failure halfway would leave a half-converted model.
+        for name, norm in module.named_modules():
+            if isinstance(norm, LazyModuleMixin) and isinstance(norm, _BatchNorm) and norm.has_uninitialized_params():
+                raise ValueError(f"cannot convert the uninitialized {type(norm).__name__} {name or 'module'!r}: "
+                                 "run one forward first to set num_features")
+        return cls._convert(module, chunks)
+
+    @classmethod
+    def _convert(cls, module: TModule, chunks: int) -> TModule:
         if isinstance(module, DeferredBatchNorm):
             module.chunks = chunks
             module.set_microbatches(chunks)
@@ -184,16 +194,13 @@ class DeferredBatchNorm(_BatchNorm):
         if isinstance(module, _BatchNorm) and module.track_running_stats:
             return cls._from_batch_norm(module, chunks)  # type: ignore[return-value]
         for name, child in module.named_children():
-            converted = cls.convert_deferred_batch_norm(child, chunks)
+            converted = cls._convert(child, chunks)
             if converted is not child:
                 setattr(module, name, converted)
         return module
 
     @classmethod
     def _from_batch_norm(cls, source: _BatchNorm, chunks: int) -> "DeferredBatchNorm":
-        if isinstance(source, LazyModuleMixin) and source.has_uninitialized_params():
-            raise ValueError(f"cannot convert an uninitialized {type(source).__name__}: "
-                             "run one forward first to set num_features")
         assert source.running_mean is not None
         # Built on "meta" (no memory): every tensor is replaced by the source's own below.
         deferred = cls(source.num_features, source.eps, source.momentum, source.affine, chunks,
@@ -228,3 +235,35 @@ def _check_microbatches(microbatches: int) -> None:
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(
             f"the number of micro-batches must be a positive int, got {microbatches!r}")
+
+
+def statistics_updating_norms(module: nn.Module) -> List[_BatchNorm]:
+    """The plain batch norms in ``module``: they update running statistics on every training forward.
+
+    A checkpointed partition runs its training forward twice (once more to recompute in
+    backward). :class:`DeferredBatchNorm` skips the recompute by itself; these need
+    :func:`running_statistics_frozen` around it.
+    """
+    return [m for m in module.modules()
+            if isinstance(m, _BatchNorm) and not isinstance(m, DeferredBatchNorm) and m.track_running_stats]
+
+
+@contextmanager
+def running_statistics_frozen(norms: Sequence[_BatchNorm]) -> Iterator[None]:
+    """Run a recompute without it counting as a second update of the running statistics.
+
+    The forward must be repeated with the same arguments (checkpointing checks that it saves
+    the same tensors), so the layers run as they are and their buffers are put back
+    afterwards: ``running_mean``, ``running_var`` and ``num_batches_tracked`` as before the
+    recompute. Written through ``.data``, so autograd does not see an in-place change of
+    tensors the layer saved for backward. Layers in eval mode update nothing and are left
+    alone.
+    """
+    saved = [(buffer, buffer.clone())
+             for norm in norms if norm.training and norm.track_running_stats
+             for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if buffer is not None]
+    try:
+        yield
+    finally:
+        for buffer, before in saved:
+            buffer.data.copy_(before)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .batchnorm import running_statistics_frozen, statistics_updating_norms
 from .checkpoint import RNGGuard, checkpoint
 from .copy import mark_ready, receive
 from .devices import Backend, get_backend
@@ -51,6 +52,8 @@ class StageRunner:
         self._copy_streams: Dict[torch.device, Any] = {}
         self.rng = RNGGuard(device, shared=rng_shared)
         self.has_skips = any(isinstance(m, Skippable) for m in partition.modules())
+        # Batch norms a recompute must not update a second time.
+        self.norms = statistics_updating_norms(partition)
         # What checkpointing runs: the partition, on a private copy if it starts in place.
         self.checkpointed_function = _on_private_copy(partition) if _starts_in_place(partition) else partition
 
@@ -139,6 +142,9 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
         return Batch(partition(batch.value))  # the common case: nothing to set up around the call
     training = partition.training
     replay = stage.rng.new_replay(training) if checkpointed else None
+    if replay is not None and stage.norms:
+        norms = stage.norms
+        replay.recompute_extras.append(lambda: running_statistics_frozen(norms))
     tracker = None
     if stage.has_skips:
         memo: Optional[List[Tensor]] = [] if replay is not None else None
