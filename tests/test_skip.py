@@ -106,6 +106,28 @@ def test_verify_catches_missing_pop_and_pop_without_stash():
         Pipe(nn.Sequential(Down(4), nn.Linear(4, 4)), [1, 1])
 
 
+def test_verify_sees_skippables_nested_in_containers():
+    """A nested stash popped at the top level is valid; a nested stash never popped is not."""
+    nested = nn.Sequential(nn.Sequential(nn.Linear(4, 4), Down(4)), nn.Linear(4, 4), Up(4))
+    verify_skippables(nested)
+    x = torch.randn(4, 4)
+    expected = copy.deepcopy(nested)(x)
+    with Pipe(nested, [1, 2], chunks=2) as pipe:
+        torch.testing.assert_close(pipe(x), expected)
+    with pytest.raises(TypeError, match=r"layer '0\.0' stashes .*no later layer pops"):
+        verify_skippables(nn.Sequential(nn.Sequential(Down(4), nn.Linear(4, 4)), nn.Linear(4, 4)))
+
+
+def test_a_plain_forward_that_failed_after_a_stash_does_not_break_the_next_one():
+    model = nn.Sequential(Down(4), nn.Linear(4, 4), Up(4))
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 3))  # the Linear fails between the stash and its pop
+    model[:1](torch.randn(2, 4))  # a prefix alone stashes and never pops
+    x = torch.randn(2, 4)
+    with Pipe(copy.deepcopy(model), [1, 2]) as pipe:
+        torch.testing.assert_close(model(x), pipe(x))
+
+
 def test_no_leaked_skip_tensors_across_steps():
     model = unet()
     x, y = torch.randn(8, 8), torch.randn(8, 8)

@@ -133,12 +133,14 @@ def verify_skippables(module: nn.Sequential) -> None:
     """Check that every stashed name is popped exactly once by a later layer, and vice versa.
 
     Raises TypeError listing every problem: a pop without an earlier stash, a stash never
-    popped, a name stashed or popped twice.
+    popped, a name stashed or popped twice. Skippable layers nested in containers count too,
+    in the order ``named_modules()`` lists them (the order a nested ``nn.Sequential`` runs
+    them), under their qualified names ("0.1").
     """
     stashed: Dict[SkipKey, str] = {}
     popped: Dict[SkipKey, str] = {}
     problems: List[str] = []
-    for layer_name, layer in module.named_children():
+    for layer_name, layer in module.named_modules():
         if not isinstance(layer, Skippable):
             continue
         for key in layer.poppable():
