@@ -191,6 +191,27 @@ def test_in_place_layers_at_partition_boundaries():
             torch.testing.assert_close(got[name], want[name])
 
 
+@pytest.mark.parametrize("call", ["forward", "step"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("lead", [[], [nn.Identity()], [nn.Unflatten(1, (2, 4)), nn.Flatten()]],
+                         ids=["first", "after-identity", "after-views"])
+def test_partitions_that_start_in_place(call, checkpoint, lead):
+    """A stage that overwrites its input first thing (possibly behind pass-through layers) works
+    on a private copy: the checkpointed input must survive for the recompute, and Pipe.step's
+    stage inputs are autograd leaves."""
+    model = nn.Sequential(nn.Linear(8, 8), *copy.deepcopy(lead), nn.ReLU(inplace=True), nn.Linear(8, 8))
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(6, 8), torch.randn(6, 8)
+    nn.MSELoss()(reference(x), target).backward()
+    with Pipe(model, [1, len(model) - 1], chunks=3, checkpoint=checkpoint) as pipe:
+        if call == "forward":
+            nn.MSELoss()(pipe(x), target).backward()
+        else:
+            pipe.step(x, target, nn.MSELoss())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_no_grad_and_eval_mode():
     model = make_model(dropout=0.5)
     reference = copy.deepcopy(model).eval()

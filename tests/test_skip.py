@@ -128,6 +128,65 @@ def test_a_plain_forward_that_failed_after_a_stash_does_not_break_the_next_one()
         torch.testing.assert_close(model(x), pipe(x))
 
 
+@skippable(stash=["halved"])
+class StashCopy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        yield stash("halved", h * 1)
+        return h
+
+
+@skippable(pop=["halved"])
+class PopInPlace(nn.Module):
+    """Changes the popped tensor in place, then saves it for backward (through the product)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        skip = yield pop("halved")
+        skip.mul_(0.5)
+        return self.linear(x) * skip
+
+
+def in_place_pop_model():
+    return nn.Sequential(StashCopy(), nn.Linear(4, 4), PopInPlace())
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_a_skip_changed_in_place_within_its_partition_is_recomputed_exactly(checkpoint):
+    """The recompute stashes afresh, so the pop does not see the first forward's halved tensor."""
+    model = in_place_pop_model()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4)
+    reference(x).pow(2).sum().backward()
+    with Pipe(model, [3], chunks=2, checkpoint=checkpoint) as pipe:
+        pipe(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+def test_a_skip_from_another_partition_changed_in_place_under_checkpointing_is_refused(checkpoint):
+    """Its recompute would be served the changed tensor: an error, not wrong gradients."""
+    with Pipe(in_place_pop_model(), [1, 2], chunks=2, checkpoint=checkpoint) as pipe:
+        with pytest.raises(RuntimeError, match="partition 1 modified popped skip tensor 0 in place while being checkpointed"):
+            pipe(torch.randn(6, 4))
+        pipe.checkpoint = "never"
+        pipe(torch.randn(6, 4)).sum().backward()  # usable afterwards
+
+
+def test_pipe_step_names_a_popped_skip_changed_in_place():
+    with Pipe(in_place_pop_model(), [1, 2], chunks=2, checkpoint="never") as pipe:
+        with pytest.raises(RuntimeError, match="partition 1 modified a popped skip tensor in place; Pipe.step"):
+            pipe.step(torch.randn(6, 4), torch.randn(6, 4), nn.MSELoss())
+
+
 def test_no_leaked_skip_tensors_across_steps():
     model = unet()
     x, y = torch.randn(8, 8), torch.randn(8, 8)

@@ -1,6 +1,7 @@
 """Pipe.step: explicit backward on the workers, for every schedule, equals the plain model."""
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -388,3 +389,37 @@ def test_nll_with_spatial_targets_and_a_batch_with_every_target_ignored():
         loss = pipe.step(x, torch.full_like(y, -100), nn.NLLLoss())
     assert torch.isnan(loss)
     assert all(torch.count_nonzero(param.grad) == 0 for param in model.parameters())
+
+
+class _SlowDropout(nn.Module):
+    """A slow layer, then dropout: the window where another thread's draw would shift the mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return nn.functional.dropout(x * self.weight, 0.5)
+
+
+def test_a_loss_drawing_random_numbers_does_not_shift_a_replayed_dropout_mask():
+    """The loss runs on the last worker while stage 0 forwards; both draw from the CPU generator."""
+    model = nn.Sequential(_SlowDropout(), nn.Linear(64, 64, bias=False))
+    with torch.no_grad():
+        model[1].weight.copy_(torch.eye(64))
+    outputs = []
+
+    def sampling_loss(output, target):
+        outputs.append(output.detach())
+        deadline = time.monotonic() + 0.04
+        while time.monotonic() < deadline:  # negative sampling, noise: draws while stage 0 runs
+            torch.rand(16)
+            time.sleep(0.001)
+        return output.sum()
+
+    with Pipe(model, [1, 1], chunks=4, checkpoint="always") as pipe:
+        x = torch.ones(8, 64, requires_grad=True)
+        pipe.step(x, torch.zeros(8), sampling_loss, schedule="1f1b", reduction="sum")
+    forward_mask = torch.cat(outputs) != 0
+    assert torch.equal(x.grad != 0, forward_mask), "the recompute replayed another dropout mask"

@@ -55,7 +55,9 @@ class StageRunner:
         # Batch norms a recompute must not update a second time.
         self.norms = statistics_updating_norms(partition)
         # What checkpointing runs: the partition, on a private copy if it starts in place.
-        self.checkpointed_function = _on_private_copy(partition) if _starts_in_place(partition) else partition
+        # Pipe.step runs it so too: its stage inputs are leaves, which nothing may change in place.
+        self.starts_in_place = _starts_in_place(partition)
+        self.checkpointed_function = _on_private_copy(partition) if self.starts_in_place else partition
 
     def on_worker(self, host: "StageRunner") -> "StageRunner":
         """This stage run by ``host``'s worker (interleaved schedules share workers)."""
@@ -92,11 +94,24 @@ class ForwardContext:
         self.skips = SkipStore()
 
 
+# Layers that hand on their input itself or a view of it: an in-place layer after them still
+# overwrites the partition's input.
+_PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Unflatten)
+
+
 def _starts_in_place(partition: nn.Module) -> bool:
-    """Whether the partition's first layer overwrites its input (``ReLU(inplace=True)`` and kin)."""
+    """Whether the partition overwrites its input first thing (``ReLU(inplace=True)`` and kin).
+
+    Looks past leading layers that pass the input through (``Identity``, ``Flatten``).
+    Anything this misses is caught after the fact by :func:`_check_input_untouched`.
+    """
     for module in partition.modules():
-        if not list(module.children()):
-            return bool(getattr(module, "inplace", False))
+        if list(module.children()):
+            continue
+        if getattr(module, "inplace", False):
+            return True
+        if not isinstance(module, _PASS_THROUGH):
+            return False
     return False
 
 
@@ -138,30 +153,44 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
     """
     partition = stage.partition
     checkpointed = microbatch < ctx.checkpoint_stop
+    if record is not None and stage.starts_in_place:
+        partition = stage.checkpointed_function  # Pipe.step's inputs are leaves: work on a copy
     if not (checkpointed or ctx.rng_sections or stage.has_skips):
         return Batch(partition(batch.value))  # the common case: nothing to set up around the call
-    training = partition.training
+    training = stage.partition.training
     replay = stage.rng.new_replay(training) if checkpointed else None
     if replay is not None and stage.norms:
         norms = stage.norms
         replay.recompute_extras.append(lambda: running_statistics_frozen(norms))
     tracker = None
     if stage.has_skips:
-        memo: Optional[List[Tensor]] = [] if replay is not None else None
+        memo: Optional[List[Optional[Tensor]]] = [] if replay is not None else None
         if replay is not None and memo is not None:
             replay.recompute_extras.append(replay_context(memo))
         tracker = PipelineSkipTracker(ctx.skips, microbatch, stage, record, memo)
     with use_skip_tracker(tracker) if tracker is not None else contextlib.nullcontext():
-        if replay is not None:
-            versions = tuple(t._version for t in batch.tensors())
-            with stage.rng.forward_section(training):
-                output = checkpoint(stage.checkpointed_function, batch, replay)
-            _check_input_untouched(stage, batch, versions)
-        elif ctx.rng_sections:
-            with stage.rng.forward_section(training):
+        try:
+            if replay is not None:
+                versions = tuple(t._version for t in batch.tensors())
+                with stage.rng.forward_section(training):
+                    output = checkpoint(stage.checkpointed_function, batch, replay)
+                _check_input_untouched(stage, batch, versions)
+                if tracker is not None:
+                    tracker.check_popped_untouched()
+            elif ctx.rng_sections:
+                with stage.rng.forward_section(training):
+                    output = batch.call(partition)
+            else:
                 output = batch.call(partition)
-        else:
-            output = batch.call(partition)
+        except RuntimeError as exc:
+            if record is not None and record.popped and "leaf Variable that requires grad" in str(exc):
+                raise RuntimeError(
+                    f"partition {stage.index} modified a popped skip tensor in place; Pipe.step receives "
+                    "a skip from another partition as a leaf of the stage's graph, which cannot be changed "
+                    "in place: pop it into an out-of-place operation (skip = skip * 0.5, not "
+                    "skip.mul_(0.5)), or train through pipe(x) and backward()"
+                ) from exc
+            raise
     return output
 
 

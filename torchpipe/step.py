@@ -13,6 +13,8 @@ starts from the gradients ``I`` left at the parameter branches (see split_backwa
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
@@ -189,7 +191,11 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                 target = ctx.targets[microbatch]
                 if isinstance(target, Tensor) and target.device != device:
                     target = target.to(device)
-                loss = ctx.loss_fn(output.value, target)
+                # A loss that draws random numbers must not interleave with a checkpointed
+                # forward of another stage on the same generator (its replay would differ).
+                lock = stage.rng.lock if ctx.rng_sections else None
+                with lock if lock is not None else contextlib.nullcontext():
+                    loss = ctx.loss_fn(output.value, target)
                 if not isinstance(loss, Tensor) or loss.dim() != 0:
                     shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
                     raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {shape}")

@@ -5,9 +5,10 @@ job installs a :class:`PipelineSkipTracker`: a stash puts the tensor (and the pr
 ready event) into the store, a pop takes it out (so the store holds it no longer than
 needed) and copies it to the popping partition's device. Under ``Pipe.step`` the pop also
 cuts the graph: the popped tensor becomes a leaf whose gradient goes back through the store
-to the stashing partition's backward. Under checkpointing, the pops of the first forward are
-remembered so that the recompute receives exactly the same tensors, and its stashes are
-ignored (the originals are already on their way).
+to the stashing partition's backward. Under checkpointing, the pops of skips from other
+partitions are remembered so that the recompute receives exactly the same tensors, and the
+recompute's stashes do not leave the partition (the originals are already on their way):
+a skip stashed and popped within the partition is recomputed like any other activation.
 """
 from __future__ import annotations
 
@@ -71,12 +72,14 @@ class StageSkips:
 class PipelineSkipTracker:
     """The tracker a pipeline job installs while its partition runs one micro-batch."""
 
-    def __init__(self, store: SkipStore, microbatch: int, stage: Any, record: Optional[StageSkips], memo: Optional[List[Tensor]]) -> None:
+    def __init__(self, store: SkipStore, microbatch: int, stage: Any, record: Optional[StageSkips],
+                 memo: Optional[List[Optional[Tensor]]]) -> None:
         self.store = store
         self.microbatch = microbatch
         self.stage = stage
         self.record = record  # set under Pipe.step: cut popped tensors into leaves
         self.memo = memo  # set when the partition is checkpointed
+        self.memo_versions: List[int] = []
 
     def save(self, key: SkipKey, tensor: Tensor) -> None:
         stage = self.stage
@@ -95,26 +98,45 @@ class PipelineSkipTracker:
                 tensor = tensor.detach().requires_grad_(True)
                 self.record.popped.append((key, tensor))
         if self.memo is not None and is_checkpointing():
-            self.memo.append(tensor)
+            # A skip of this partition is recomputed with it: nothing to remember (None).
+            remembered = tensor if source != stage.index else None
+            self.memo.append(remembered)
+            self.memo_versions.append(remembered._version if isinstance(remembered, Tensor) else 0)
         return tensor
+
+    def check_popped_untouched(self) -> None:
+        """RuntimeError if a checkpointed forward changed a popped tensor in place.
+
+        Its recompute is served the same tensor, so it would start from the changed values.
+        """
+        for index, (tensor, version) in enumerate(zip(self.memo or [], self.memo_versions)):
+            if isinstance(tensor, Tensor) and tensor._version != version:
+                raise RuntimeError(
+                    f"partition {self.stage.index} modified popped skip tensor {index} in place while "
+                    "being checkpointed, so its recompute would start from the wrong values; pop it "
+                    "into an out-of-place operation (skip = skip * 0.5, not skip.mul_(0.5)) or use "
+                    "checkpoint='never'"
+                )
 
 
 class _ReplayTracker:
-    """Serves a recompute's pops from the first forward's memo and ignores its stashes."""
+    """Serves a recompute's pops: skips from other partitions from the first forward's memo,
+    skips of this partition from the recompute's own stashes (which go nowhere else)."""
 
-    def __init__(self, memo: List[Tensor]) -> None:
+    def __init__(self, memo: List[Optional[Tensor]]) -> None:
         self.memo = memo
         self.position = 0
+        self.local: Dict[SkipKey, Tensor] = {}
 
     def save(self, key: SkipKey, tensor: Tensor) -> None:
-        pass
+        self.local[key] = tensor
 
     def load(self, key: SkipKey) -> Tensor:
         tensor = self.memo[self.position]
         self.position += 1
-        return tensor
+        return self.local.pop(key) if tensor is None else tensor
 
 
-def replay_context(memo: List[Tensor]) -> Callable[[], ContextManager[None]]:
+def replay_context(memo: List[Optional[Tensor]]) -> Callable[[], ContextManager[None]]:
     """A recompute context factory that installs a fresh replay tracker over ``memo``."""
     return lambda: use_skip_tracker(_ReplayTracker(memo))
