@@ -2,6 +2,7 @@
 import collections
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -348,6 +349,87 @@ def test_sequential_like_access_and_names():
         assert [len(p) for p in pipe.partitions] == [2, 2, 2]
         assert pipe.devices == [torch.device("cpu")] * 3
         nn.Sequential(*copy.deepcopy(layers)).load_state_dict(pipe.state_dict())
+
+
+def test_copies_and_pickles_run_on_workers_of_their_own():
+    """copy.deepcopy(pipe) (an EMA or best-model snapshot), pickle and torch.save work like torchgpipe's."""
+    import io
+    import pickle
+
+    x = torch.randn(6, 8)
+    with Pipe(make_model(), [3, 6], chunks=3) as pipe:
+        expected = pipe(x)
+        saved = io.BytesIO()
+        torch.save(pipe, saved)
+        saved.seek(0)
+        copies = [copy.deepcopy(pipe), pickle.loads(pickle.dumps(pipe)), torch.load(saved, weights_only=False)]
+    for twin in copies:
+        with twin:
+            assert twin[0] is not pipe[0] and twin._workers[0].thread is not pipe._workers[0].thread
+            torch.testing.assert_close(twin(x), expected, rtol=0, atol=0)
+            twin(x).sum().backward()
+            assert pipe[0].weight.grad is None  # the copy's parameters are its own
+
+
+def test_train_and_eval_reach_the_partition_containers():
+    with Pipe(make_model(), [3, 6]) as pipe:
+        pipe.eval()
+        assert [p.training for p in pipe.partitions] == [False, False] and not pipe[0].training
+        pipe.train()
+        assert [p.training for p in pipe.partitions] == [True, True] and pipe[0].training
+
+
+def test_a_slice_is_a_sequential_of_the_named_layers():
+    model = make_model()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with Pipe(model, [3, 6]) as pipe:
+        head = pipe[:4]
+        assert isinstance(head, nn.Sequential)
+        assert [name for name, _ in head.named_children()] == ["0", "1", "2", "3"]
+        assert head[0] is pipe[0] and pipe[-1] is pipe[len(pipe) - 1]
+        torch.testing.assert_close(head(x), reference[:4](x))
+
+
+def test_state_dicts_of_torchgpipe_and_fairscale_load():
+    """Both keep the layers under 'partitions.<i>.<name>'; a Pipe keeps the model's own names."""
+    from torchgpipe import GPipe
+
+    source = make_model()
+    gpipe = GPipe(copy.deepcopy(source), [3, 6], devices=["cpu", "cpu"], chunks=2)
+    saved = gpipe.state_dict()
+    assert next(iter(saved)).startswith("partitions.0.")
+    with Pipe(make_model(), [4, 5]) as pipe:  # another balance: the names still line up
+        pipe.load_state_dict(saved)
+        for (name, tensor), (_, want) in zip(pipe.state_dict().items(), source.state_dict().items()):
+            assert torch.equal(tensor, want), name
+        wrapper = nn.Module()
+        wrapper.pipe = pipe
+        wrapper.load_state_dict({"pipe." + key: value for key, value in saved.items()})
+        with pytest.raises(RuntimeError, match="Unexpected key"):
+            pipe.load_state_dict({**source.state_dict(), "partitions.x.y": torch.zeros(1)})
+
+
+class _Noise(nn.Module):
+    def forward(self, x):
+        time.sleep(0.002)  # widens the window between the RNG snapshot and the draw
+        return x * torch.rand_like(x)
+
+
+def test_two_spellings_of_one_device_share_its_generator_lock():
+    """'cpu' and 'cpu:0' are one generator: the recompute must redraw the same numbers."""
+    with Pipe(nn.Sequential(_Noise(), _Noise()), [1, 1], devices=["cpu", "cpu:0"], chunks=8,
+              checkpoint="always") as pipe:
+        assert pipe.devices == [torch.device("cpu")] * 2
+        for _ in range(3):
+            x = (torch.rand(32, 4) + 0.5).requires_grad_()
+            y = pipe(x)
+            y.sum().backward()
+            # y = x * r1 * r2, so dy/dx = y / x if the recompute drew r1 and r2 again.
+            torch.testing.assert_close(x.grad, y.detach() / x.detach())
+    linear = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    with Pipe(linear, [1, 1, 1, 1], devices=["cpu", "cpu:0", "cpu:1", "cpu"], chunks=4) as pipe:
+        pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss(), schedule="zb-v")
 
 
 def test_moving_is_denied_but_dtype_casts_work():

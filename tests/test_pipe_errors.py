@@ -87,3 +87,29 @@ def test_a_refused_module_is_left_untouched_and_no_thread_starts():
         assert names(original) == ["0", "1", "2", "3"]
         assert all(torch.equal(state[k], v) for k, v in original.state_dict().items())
     assert set(pipeline_threads()) <= before
+
+
+def test_numpy_and_tensor_integers_count_as_integers():
+    """torchgpipe accepts them (balance_by_time results, configs read through NumPy)."""
+    import numpy as np
+
+    with Pipe(model(), np.array([1, 3]), chunks=np.int64(2)) as pipe:
+        assert pipe.balance == [1, 3] and pipe.chunks == 2
+        assert all(type(n) is int for n in pipe.balance) and type(pipe.chunks) is int
+    with Pipe(model(), [torch.tensor(2), 2], chunks=torch.tensor(3)) as pipe:
+        assert pipe.balance == [2, 2] and pipe.chunks == 3
+    with pytest.raises(BalanceError, match="positive integers"):
+        Pipe(model(), [np.float64(2.0), 2])
+    with pytest.raises(ValueError, match="number of chunks"):
+        Pipe(model(), [2, 2], chunks=torch.tensor(True))
+
+
+def test_chunks_passed_as_balance_gets_a_hint():
+    """PyTorch's retired Pipe took chunks as its second argument: Pipe(model, 4)."""
+    with pytest.raises(BalanceError, match=r"got 4 \(to split into micro-batches, pass chunks=4\)"):
+        Pipe(model(), 4)
+
+
+def test_devices_as_one_string_is_refused():
+    with pytest.raises(TypeError, match=r"devices must be a sequence.*got 'cpu'.*devices=\['cpu'\] \* 2"):
+        Pipe(model(), [2, 2], devices="cpu")

@@ -509,6 +509,67 @@ def test_a_constructor_failing_after_the_workers_start_stops_them(monkeypatch):
     assert not wait_until_gone(_new_threads(before)), "a failed Pipe() left its worker threads running"
 
 
+def test_close_from_another_thread_during_a_call_never_strands_the_caller(no_thread_leak):
+    """close() lands after the call checked that the Pipe is open: the call raises, it does not hang."""
+    model, _ = make_probed(2)
+    pipe = Pipe(model, [2, 2], chunks=2)
+    original = pipe._forward_program
+
+    def close_meanwhile(m):
+        pipe.close()  # another thread's close() in this very window
+        return original(m)
+
+    pipe._forward_program = close_meanwhile
+    outcome = []
+    caller = threading.Thread(target=lambda: outcome.append(_outcome(lambda: pipe(torch.randn(4, 4)))), daemon=True)
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive(), "the caller waits forever on workers that close() stopped"
+    assert outcome == ["RuntimeError: this Pipe is closed"]
+
+
+def test_close_waits_for_a_call_in_progress(no_thread_leak):
+    model, probes = make_probed(2)
+    probes[1].sleep = 0.1
+    pipe = Pipe(model, [2, 2], chunks=2)
+    outcome = []
+    caller = threading.Thread(target=lambda: outcome.append(_outcome(lambda: pipe(torch.randn(4, 4)))))
+    caller.start()
+    time.sleep(0.05)
+    pipe.close()
+    caller.join(10)
+    assert outcome == ["ok"]
+
+
+def test_close_from_inside_a_stage_is_refused_at_once(no_thread_leak):
+    closing = {}
+
+    class Closer(nn.Module):
+        def forward(self, x):
+            try:
+                closing["pipe"].close()
+            except RuntimeError as exc:
+                closing["error"] = str(exc)
+            return x
+
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), Closer()), [1, 1], chunks=2)
+    no_thread_leak.append(pipe)
+    closing["pipe"] = pipe
+    started = time.monotonic()
+    pipe(torch.randn(4, 4))
+    assert time.monotonic() - started < 5
+    assert "called from one of this Pipe's own stages" in closing["error"]
+    pipe(torch.randn(4, 4))
+
+
+def _outcome(call):
+    try:
+        call()
+        return "ok"
+    except Exception as exc:  # noqa: B902
+        return f"{type(exc).__name__}: {exc}"
+
+
 def test_garbage_collection_joins_every_worker():
     before = torchpipe_threads()
     model, _ = make_probed(3)

@@ -65,6 +65,14 @@ class Backend:
     def check(self, device: torch.device) -> None:
         """Raise a clear error if ``device`` cannot be used (missing library, bad index)."""
 
+    def canonical(self, device: torch.device) -> torch.device:
+        """One spelling per physical device, so that ``'cpu'``/``'cpu:0'`` compare equal.
+
+        Partitions on one device share its random generator (and need its lock); two
+        spellings of one device must not look like two devices.
+        """
+        return device
+
     def current_stream(self, device: torch.device) -> Any:
         return CPU_STREAM
 
@@ -104,6 +112,9 @@ class CPUBackend(Backend):
     """The CPU: one in-order stream, nothing to synchronise."""
 
     type = "cpu"
+
+    def canonical(self, device: torch.device) -> torch.device:
+        return torch.device("cpu")  # 'cpu:0', 'cpu:1': one memory, one generator
 
 
 class MetaBackend(Backend):
@@ -154,6 +165,11 @@ class AcceleratorBackend(Backend):
 
     def device_count(self) -> int:
         return int(self.module.device_count()) if self.is_available() else 0
+
+    def canonical(self, device: torch.device) -> torch.device:
+        if device.index is not None:
+            return device
+        return torch.device(self.type, int(self.module.current_device()))
 
     def check(self, device: torch.device) -> None:
         module = self.module

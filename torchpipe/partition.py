@@ -1,15 +1,16 @@
 """Split an ``nn.Sequential`` into partitions and check that it can be split at all."""
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
 
 from .devices import as_device
 
-__all__ = ["verify_module", "verify_balance", "split_module", "infer_placement", "BalanceError"]
+__all__ = ["verify_module", "verify_balance", "split_module", "infer_placement", "BalanceError", "as_positive_int"]
 
 
 class BalanceError(ValueError):
@@ -43,16 +44,35 @@ def verify_module(module: nn.Module) -> None:
                     )
 
 
+def as_positive_int(value: Any) -> Optional[int]:
+    """``value`` as an int if it is a positive integer (NumPy and 0-dim integer tensors too), else None.
+
+    bool is refused: ``True`` is an int to Python, but never a meant count.
+    """
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number > 0 else None
+
+
 def verify_balance(balance: Sequence[int], num_layers: int) -> List[int]:
     """Check that ``balance`` is a list of positive ints summing to ``num_layers``."""
     try:
         values = list(balance)
     except TypeError:
-        raise BalanceError(f"balance must be a sequence of positive integers, got {balance!r}") from None
+        hint = ""
+        if as_positive_int(balance) is not None:  # Pipe(model, 4): torch's retired Pipe took chunks second
+            hint = f" (to split into micro-batches, pass chunks={balance!r})"
+        raise BalanceError(f"balance must be a sequence of positive integers, got {balance!r}{hint}") from None
     if not values:
         raise BalanceError("balance is empty: expected at least one partition size")
-    if any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in values):
+    numbers = [as_positive_int(v) for v in values]
+    if any(n is None for n in numbers):
         raise BalanceError(f"all balance numbers must be positive integers (balance: {values})")
+    values = cast(List[int], numbers)
     if sum(values) != num_layers:
         raise BalanceError(
             f"module and sum of balance have different length (module: {num_layers}, sum of balance: {sum(values)})"

@@ -7,9 +7,11 @@ thread, also when several partitions share a device, so pipelining happens on CP
 """
 from __future__ import annotations
 
+import re
 import threading
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
+from collections import OrderedDict
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -18,14 +20,14 @@ from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend
 from .lowering import ForwardContext, StageRunner, lower_forward
 from .microbatch import Batch, TensorOrTensors, gather, scatter
-from .partition import infer_placement, split_module, verify_balance, verify_module
+from .partition import as_positive_int, infer_placement, split_module, verify_balance, verify_module
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build
 from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import microbatch_weights, split_targets
 from .step_report import StepReport, report
-from .workers import ThreadBudget, Worker, spawn_workers, stop_workers
+from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, spawn_workers, stop_workers
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
 
@@ -38,14 +40,31 @@ _BALANCE_HINT = (
 )
 
 
+_PARTITIONED_KEY = re.compile(r"partitions\.\d+\.")
+
+
+def _accept_partitioned_keys(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load state dicts saved from torchgpipe's ``GPipe`` or fairscale's ``Pipe``.
+
+    Those keep the layers under ``partitions.<i>.<name>``; a ``Pipe`` keeps the original
+    model's names (``<name>``), so that its state dict also loads into the plain model.
+    """
+    start = prefix + "partitions."
+    for key in [k for k in state_dict if k.startswith(start)]:
+        match = _PARTITIONED_KEY.match(key, len(prefix))
+        if match is not None:
+            state_dict[prefix + key[match.end():]] = state_dict.pop(key)
+
+
 class MovingDenied(TypeError):
     """Raised when a ``Pipe`` is moved with ``.to()``, ``.cuda()`` or ``.cpu()``: it owns placement."""
 
 
 def _check_chunks(chunks: Any) -> int:
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
+    value = as_positive_int(chunks)
+    if value is None:
         raise ValueError(f"number of chunks must be a positive integer, got {chunks!r}")
-    return chunks
+    return value
 
 
 def _check_checkpoint(mode: Any) -> str:
@@ -61,6 +80,9 @@ def _resolve_devices(devices: Optional[Sequence[DeviceLike]], partitions: int) -
             devices = [torch.device("cuda", i) for i in range(cuda.device_count())]
         else:
             return [torch.device("cpu")] * partitions
+    if isinstance(devices, (str, torch.device)):
+        raise TypeError(f"devices must be a sequence of devices, one per partition, got {devices!r} "
+                        f"(for one device: devices=[{str(devices)!r}] * {partitions})")
     resolved = [as_device(d) for d in devices]
     if len(resolved) < partitions:
         raise IndexError(
@@ -69,7 +91,7 @@ def _resolve_devices(devices: Optional[Sequence[DeviceLike]], partitions: int) -
     resolved = resolved[:partitions]
     for device in resolved:
         get_backend(device).check(device)
-    return resolved
+    return [get_backend(device).canonical(device) for device in resolved]
 
 
 def _check_skip_routes(module: nn.Sequential, balance: Sequence[int]) -> None:
@@ -150,7 +172,18 @@ class Pipe(nn.Module):
         self.deferred_batch_norm = deferred_batch_norm
         object.__setattr__(self, "partitions", nn.ModuleList(partitions))
 
-        workers = spawn_workers(device_list, name="torchpipe-stage", budget=budget)
+        self._intra_op_threads = budget.intra_op_threads
+        self.register_load_state_dict_pre_hook(_accept_partitioned_keys)
+        self._start_workers()
+
+    # What a running Pipe holds besides its model: threads, queues, locks, compiled programs.
+    # Not copied or pickled; a copy (deepcopy, unpickling) starts workers of its own.
+    _RUNTIME_STATE = ("_workers", "_runtime", "_stages", "_programs", "_last_run", "_step_lock", "_finalizer")
+
+    def _start_workers(self) -> None:
+        device_list = self.devices
+        partitions = list(self.partitions)
+        workers = spawn_workers(device_list, name="torchpipe-stage", budget=ThreadBudget(self._intra_op_threads))
         try:
             self._workers: List[Worker] = workers
             self._runtime = Runtime(workers)
@@ -169,17 +202,38 @@ class Pipe(nn.Module):
         self._step_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, stop_workers, list(workers))
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """The model and settings, without threads: ``copy.deepcopy(pipe)`` (an EMA copy, say) and
+        pickling work, and the copy runs on workers of its own."""
+        state = self.__dict__.copy()
+        for name in self._RUNTIME_STATE:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._start_workers()
+
     # ------------------------------------------------------------------ Sequential-like access
     def __len__(self) -> int:
         return sum(len(p) for p in self.partitions)
 
-    def __getitem__(self, index: int) -> nn.Module:
-        layers = [layer for partition in self.partitions for layer in partition]
-        return layers[index]
+    def __getitem__(self, index: Union[int, slice]) -> nn.Module:
+        """The layer at ``index``; a slice gives the layers as a plain ``nn.Sequential`` (runs on the caller)."""
+        named = list(self._modules.items())  # the layers, under their names in the original model
+        if isinstance(index, slice):
+            return nn.Sequential(OrderedDict(named[index]))
+        return named[index][1]
 
     def __iter__(self) -> Iterator[nn.Module]:
         for partition in self.partitions:
             yield from partition
+
+    def train(self, mode: bool = True) -> "Pipe":
+        """Like ``nn.Module.train``; the partition containers (``pipe.partitions[i]``) follow too."""
+        super().train(mode)
+        self.partitions.train(mode)
+        return self
 
     # ------------------------------------------------------------------ placement is ours
     def cuda(self, device: Any = None) -> "Pipe":  # type: ignore[override]
@@ -340,6 +394,8 @@ class Pipe(nn.Module):
         """
         self._runtime.refuse_worker_caller()  # before the lock: a stage calling its own Pipe
         with self._step_lock:
+            if not self._finalizer.alive:  # closed by another thread since the caller's check
+                raise RuntimeError("this Pipe is closed")
             self._prepare_batch_norm(plan.num_microbatches)
             if context.rng_sections:
                 for stage in self._stages:
@@ -403,8 +459,21 @@ class Pipe(nn.Module):
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Stop and join the worker threads (idempotent). The Pipe cannot run afterwards."""
-        self._finalizer()
+        """Stop and join the worker threads (idempotent). The Pipe cannot run afterwards.
+
+        A call in progress on another thread finishes first. From inside one of the Pipe's own
+        stages, close() raises RuntimeError: the stage's own step could never finish.
+        """
+        if threading.get_ident() in {w.thread.ident for w in self._workers if w.is_alive()}:
+            raise RuntimeError("close() was called from one of this Pipe's own stages; close it from outside the pipeline")
+        # A step that never ends (a stage stuck in user code) must not block close() for good:
+        # the workers' stop markers then queue behind that step's tasks.
+        locked = self._step_lock.acquire(timeout=STOP_TIMEOUT_S)
+        try:
+            self._finalizer()
+        finally:
+            if locked:
+                self._step_lock.release()
 
     def __enter__(self) -> "Pipe":
         return self
