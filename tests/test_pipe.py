@@ -333,6 +333,31 @@ def test_dropout_raised_from_zero_between_steps_is_still_replayed(call):
                 assert any(torch.equal(again, first) for first in forward), "recompute drew another mask"
 
 
+class DropoutOnSmallBatches(RecordDropout):
+    """Draws only for micro-batches of fewer than 3 samples: RNG use that depends on the data."""
+
+    def forward(self, x):
+        return super().forward(x) if x.shape[0] < 3 else x * 1.0
+
+
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_dropout_on_some_micro_batches_only_is_still_replayed(call):
+    """Micro-batch 0 draws nothing, which must not make the recompute of the last one skip its replay."""
+    log = []
+    # Dropout first: the recompute stops after the partition's last saved tensor.
+    model = nn.Sequential(DropoutOnSmallBatches(0.5, log), nn.Linear(16, 16), nn.Linear(16, 16))
+    x, y = torch.randn(10, 16), torch.randn(10, 16)  # 4 chunks: 3, 3, 3 and 1 samples
+    with Pipe(model, [2, 1], chunks=4, checkpoint="always") as pipe:
+        if call == "forward":
+            pipe(x).sum().backward()
+        else:
+            pipe.step(x, y, nn.MSELoss())
+    forward = [out for kind, _, out in log if kind == "forward"]
+    recompute = [out for kind, _, out in log if kind == "recompute"]
+    assert len(forward) == len(recompute) == 1 and (forward[0] == 0).any()
+    assert torch.equal(recompute[0], forward[0]), "the recompute drew another mask"
+
+
 def test_sequential_like_access_and_names():
     model = make_model(depth=4)
     names = [name for name, _ in model.named_children()]

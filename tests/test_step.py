@@ -316,17 +316,92 @@ def test_outputs_without_gradient_do_not_shift_the_gradients(schedule):
     _step_matches_plain(model, [1, 1], schedule, {}, torch.randn(8, 8), torch.randn(8, 8))
 
 
+class ChainedExp(nn.Module):
+    """One weight branch feeds another: ``w3 = exp(w) * 2`` and ``exp(w)`` in two matmuls."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.1)
+
+    def forward(self, x):
+        w2 = self.w.exp()
+        return torch.tanh((x @ (w2 * 2)) @ w2) * 0.1
+
+
+class TiedLinear(nn.Module):
+    """A weight used by ``F.linear`` (through its transpose) and directly by a matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x):
+        return torch.tanh(nn.functional.linear(x, self.w)) @ self.w
+
+
 # Regressions: W ran each frontier node's parameter branch in its own engine call that freed the
 # graph, so a node shared by two branches (exp(w) used twice) was gone for the second one; and
-# when two frontier nodes fed the same branch, the lower one's share was counted twice.
-@pytest.mark.parametrize("transposed", [False, True])
+# when two frontier nodes fed the same branch, the lower one's share was counted twice. Then a
+# branch that *reaches* another one (chained, tied) still counted the lower path twice.
+@pytest.mark.parametrize("layer", [lambda: TiedExp(False), lambda: TiedExp(True), ChainedExp, TiedLinear],
+                         ids=["exp", "exp-transposed", "chained", "tied"])
 @pytest.mark.parametrize("schedule,options,balance", SCHEDULE_CASES)
-def test_weight_branches_that_meet_are_run_once(schedule, options, balance, transposed):
+def test_weight_branches_that_meet_are_run_once(schedule, options, balance, layer):
     torch.manual_seed(0)
-    layers = [nn.Linear(8, 8) if i % 2 == 0 else TiedExp(transposed) for i in range(len(balance) * 2)]
-    model = nn.Sequential(*layers)
+    layers = [nn.Linear(8, 8) if i % 2 == 0 else layer() for i in range(len(balance) * 2)]
+    model = nn.Sequential(*layers).double()
     balance = [2] * len(balance)
-    _step_matches_plain(model, balance, schedule, options, torch.randn(8, 8), torch.randn(8, 8))
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    _step_matches_plain(model, balance, schedule, options, x, y)
+
+
+class _CountRecompute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linears = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+        self.recomputes = 0
+
+    def forward(self, x):
+        self.recomputes += is_recomputing()
+        return self.linears(x)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_checkpointed_stage_is_recomputed_at_most_twice(schedule):
+    """Once for B (or I), once more for W; not once per parameter branch of the stage (four here)."""
+    counter = _CountRecompute()
+    with Pipe(nn.Sequential(nn.Linear(8, 8), counter), [1, 1], chunks=2, checkpoint="always") as pipe:
+        pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(), schedule=schedule)
+    assert counter.recomputes == {"1f1b": 1, "zb-h1": 2}[schedule] * 2
+
+
+class _Offset(nn.Module):
+    """Adds a tensor attribute that requires grad but is not a registered parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = torch.zeros(8, requires_grad=True)
+
+    def forward(self, x):
+        return x + self.offset
+
+
+@pytest.mark.parametrize("schedule,options,balance", SCHEDULE_CASES)
+def test_leaves_that_are_not_parameters_get_their_gradients(schedule, options, balance):
+    """A target that requires grad, or a plain tensor attribute, gets .grad as in the plain backward."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) if i % 2 == 0 else _Offset() for i in range(len(balance) * 2)]
+    model = nn.Sequential(*layers)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    y_reference = y.clone().requires_grad_()
+    nn.MSELoss()(reference(x), y_reference).backward()
+    y_pipe = y.clone().requires_grad_()
+    with Pipe(model, [2] * len(balance), chunks=2) as pipe:
+        pipe.step(x, y_pipe, nn.MSELoss(), schedule=schedule, **options)
+    torch.testing.assert_close(y_pipe.grad, y_reference.grad)
+    for i in range(1, len(model), 2):
+        torch.testing.assert_close(model[i].offset.grad, reference[i].offset.grad, msg=f"offset {i}")
 
 
 # Regression: plan() defaulted to 'gpipe' while step() defaults to '1f1b'.

@@ -79,10 +79,14 @@ class RNGGuard:
     device share its generator while running on different threads. So when the generator is
     shared, each forward of a checkpointing step (checkpointed or not: an unprotected draw
     would interleave) runs under the generator's lock. A partition observed to leave the
-    generator untouched in a forward is marked RNG-free and skips the lock for the rest of
-    the step, so dropout-free partitions still pipeline. Every step learns afresh
-    (:meth:`begin_step`): a partition may start drawing between steps (a dropout probability
-    raised from 0 by a schedule), and a stale "RNG-free" would replay a different mask.
+    generator untouched in a forward is marked RNG-free and skips the lock, so dropout-free
+    partitions still pipeline. A checkpointed forward always saves the generator state for
+    its replay, and one that draws after all (draws that depend on the data) clears the mark
+    for the rest of the step. Every step learns afresh (:meth:`begin_step`): a partition may
+    start drawing between steps (a dropout probability raised from 0 by a schedule).
+
+    Not covered: a partition marked RNG-free whose *first* data-dependent draw runs while a
+    partition on the same generator draws too; the two draws can interleave unlocked.
     """
 
     def __init__(self, device: torch.device, shared: bool) -> None:
@@ -95,9 +99,6 @@ class RNGGuard:
     def begin_step(self) -> None:
         """Forget what earlier steps learned: the first forward of this step checks again."""
         self._uses_rng[True] = self._uses_rng[False] = None
-
-    def needs_replay(self, training: bool) -> bool:
-        return self._uses_rng[training] is not False
 
     def forward_section(self, training: bool) -> "_ForwardSection":
         """Context for one forward of a checkpointing step (holds the lock if shared)."""
@@ -162,13 +163,20 @@ class _CheckpointContext:
 
     def __enter__(self) -> None:
         replay = self.replay
-        if replay.guard.needs_replay(replay.training):
-            replay.state = replay.guard.generator.get_state()
+        # Saved even when the partition looked RNG-free so far: its draws may depend on the
+        # data (dropout on some micro-batches only), and a replay that restores nothing would
+        # redraw differently. RNG-free only spares the lock.
+        replay.state = replay.guard.generator.get_state()
         self.previous = _flags.checkpointing
         _flags.checkpointing = True
 
     def __exit__(self, *exc: Any) -> None:
         _flags.checkpointing = self.previous
+        replay = self.replay
+        guard = replay.guard
+        if guard._uses_rng[replay.training] is False and replay.state is not None:
+            if not torch.equal(replay.state, guard.generator.get_state()):
+                guard._uses_rng[replay.training] = True  # it drew after all: lock from now on
 
 
 class _RecomputeContext:

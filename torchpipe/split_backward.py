@@ -10,10 +10,25 @@ during ``I``, while autograd computes nothing for the parameters (it skips outpu
 requested input needs). ``W`` then starts from those kept gradients and runs only the
 parameter branches: per frontier node, once to get the gradients entering its parameter
 branches, then once more through the branches into ``.grad``.
+
+"Parameter" here means every leaf of the stage graph other than the stage inputs: a target
+or a plain tensor attribute that requires grad gets its ``.grad`` as in the plain backward.
+
+Two cases fall back to the stage's whole backward into those leaves (``whole``), which is
+correct but walks the input path a second time:
+
+* a parameter branch reachable from another one (a weight transformed once and used twice,
+  ``w.exp()`` feeding two matmuls, or a tied weight used directly and through ``F.linear``):
+  the per-node gradient of the upper node would also include the path through the lower
+  node, counting it twice;
+* a checkpointed micro-batch of a stage with more than two frontier nodes: torch's
+  checkpoint recomputes the forward once per backward call, so ``W`` would recompute the
+  stage once per frontier node; walking the input path again costs less than that.
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
@@ -21,6 +36,11 @@ from torch.autograd.graph import GradientEdge
 from . import engine
 
 __all__ = ["WeightSplit"]
+
+# Split W recomputes a checkpointed stage once per frontier node; whole W recomputes it once
+# and redoes the input-path backward (about one more forward's work). Above this many
+# frontier nodes, whole is cheaper.
+MAX_SPLIT_RECOMPUTES = 2
 
 Node = Any  # torch.autograd.graph.Node
 Edge = Tuple[Node, int]
@@ -31,10 +51,10 @@ def _is_accumulator(node: Node) -> bool:
 
 
 class _Reach:
-    """Memoised 'does this node lead to any of these leaf tensors' over one autograd graph."""
+    """Memoised 'does this node lead to a leaf that ``wanted`` accepts' over one autograd graph."""
 
-    def __init__(self, tensors: Sequence[Tensor]) -> None:
-        self.ids: Set[int] = {id(t) for t in tensors}
+    def __init__(self, wanted: Callable[[Tensor], bool]) -> None:
+        self.wanted = wanted
         self.memo: Dict[Node, bool] = {}
 
     def __call__(self, root: Optional[Node]) -> bool:
@@ -49,7 +69,7 @@ class _Reach:
             if node in self.memo and not expanded:
                 continue
             if _is_accumulator(node):
-                self.memo[node] = id(node.variable) in self.ids
+                self.memo[node] = self.wanted(node.variable)
                 continue
             children = [child for child, _ in node.next_functions if child is not None]
             if expanded:
@@ -61,11 +81,27 @@ class _Reach:
         return self.memo[root]
 
 
+def _below(roots: Sequence[Node]) -> Set[Node]:
+    """Every node reachable from ``roots``, the roots included."""
+    seen: Set[Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(child for child, _ in node.next_functions if child is not None and child not in seen)
+    return seen
+
+
 class WeightSplit:
     """The plan of one stage's split backward for one micro-batch; see the module docstring."""
 
-    def __init__(self, outputs: Sequence[Tensor], leaves: Sequence[Tensor], parameters: Sequence[Tensor]) -> None:
-        reaches_leaf, reaches_parameter = _Reach(leaves), _Reach(parameters)
+    def __init__(self, outputs: Sequence[Tensor], leaves: Sequence[Tensor], *, checkpointed: bool = False) -> None:
+        leaf_ids = {id(t) for t in leaves}
+        self.leaf_ids = leaf_ids
+        reaches_leaf = _Reach(lambda variable: id(variable) in leaf_ids)
+        reaches_weight = _Reach(lambda variable: id(variable) not in leaf_ids)
         self.frontier: Dict[Node, List[Edge]] = {}
         # Outputs whose graph never reaches the stage inputs: W back-propagates them whole.
         self.detached_outputs: List[int] = []
@@ -87,22 +123,24 @@ class WeightSplit:
                     if child not in seen and not _is_accumulator(child):
                         seen.add(child)
                         stack.append(child)
-                elif reaches_parameter(child):
+                elif reaches_weight(child):
                     side.append((child, slot))
             if side:
                 self.frontier[node] = list(dict.fromkeys(side))  # one capture per edge
-        # A parameter branch fed by two frontier nodes (a weight transformed once and used
-        # twice): from the upper node, autograd also reaches the branch through the lower
-        # one, so per-node gradients would count the lower path twice. W then runs the
-        # stage's whole backward into the parameters instead: correct, but it walks the
-        # activation path a second time.
-        owners: Dict[Node, Node] = {}
-        self.whole = any(owners.setdefault(child, node) is not node
-                         for node, side in self.frontier.items() for child, _ in side)
+        self.whole = (checkpointed and len(self.frontier) > MAX_SPLIT_RECOMPUTES) or self._branches_meet()
         if self.whole:
             self.frontier = {}
         self.kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
         self._hooks = [node.register_prehook(self._keeper(node)) for node in self.frontier]
+
+    def _branches_meet(self) -> bool:
+        """Whether one parameter branch feeds another (see the module docstring)."""
+        owners: Dict[Node, Node] = {}
+        branches = [(node, child) for node, side in self.frontier.items() for child, _ in side]
+        if any(owners.setdefault(child, node) is not node for node, child in branches):
+            return True  # two frontier nodes feed one branch
+        starts = {child for _, child in branches}
+        return any(_below([child]) & (starts - {child}) for child in starts)
 
     def _keeper(self, node: Node) -> Any:
         def keep(grad_outputs: Tuple[Optional[Tensor], ...]) -> None:
@@ -119,7 +157,7 @@ class WeightSplit:
                 hook.remove()
             self._hooks = []
 
-    def weight_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Optional[Tensor]], parameters: Sequence[Tensor]) -> None:
+    def weight_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Optional[Tensor]]) -> None:
         """``W``: accumulate the parameters' gradients into ``.grad``, from what ``I`` kept.
 
         All parameter branches go through the engine in one call: the branches of different
@@ -127,9 +165,11 @@ class WeightSplit:
         gradients before it runs, once.
         """
         if self.whole:
-            sources = [o for o, g in zip(outputs, grad_outputs) if g is not None]
-            if sources:
-                engine.backward(sources, [g for g in grad_outputs if g is not None], inputs=list(parameters))
+            pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
+            if pairs:
+                weights = self._weights([o for o, _ in pairs])
+                if weights:
+                    engine.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=weights)
             return
         entering: Dict[Edge, Tensor] = {}
         for node, side in self.frontier.items():
@@ -152,6 +192,12 @@ class WeightSplit:
             if grad is not None:
                 sources.append(outputs[i])
                 source_grads.append(grad)
-        if sources:
-            engine.backward(sources, source_grads, inputs=list(parameters))
+        if sources:  # branches and detached outputs reach no stage input: no need to name inputs
+            engine.backward(sources, source_grads)
         self.kept.clear()
+
+    def _weights(self, outputs: Sequence[Tensor]) -> List[Tensor]:
+        """Every leaf under ``outputs`` that needs a gradient, except the stage inputs."""
+        roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        found = [node.variable for node in _below(roots) if _is_accumulator(node)]
+        return [v for v in found if id(v) not in self.leaf_ids]

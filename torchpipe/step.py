@@ -328,7 +328,6 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> C
 
 def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
     """Gradients for the stage inputs (and popped skips) only; the graph is kept for ``W``."""
-    parameters = [p for p in stage.partition.parameters() if p.requires_grad]
 
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
         saved: _Saved = inputs[0].saved
@@ -339,7 +338,8 @@ def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) ->
         if not wanted or not outputs:
             all_grads: List[Optional[Tensor]] = [None] * len(wanted)
         else:
-            saved.split = WeightSplit(outputs, wanted, parameters)
+            # A checkpointed micro-batch recomputes its forward once per backward call W makes.
+            saved.split = WeightSplit(outputs, wanted, checkpointed=microbatch < ctx.checkpoint_stop)
             all_grads = saved.split.input_grads(outputs, grad_outputs, wanted)
         leaf_grads = all_grads[: len(saved.leaves)]
         _send_skip_grads(stage, ctx, microbatch, saved, all_grads[len(saved.leaves):])
@@ -350,22 +350,19 @@ def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) ->
     return run
 
 
-def _weight_grad(stage: StageRunner, microbatch: int, first: bool) -> Callable[[StepContext, Tuple[Any, ...]], None]:
+def _weight_grad(stage: StageRunner, microbatch: int) -> Callable[[StepContext, Tuple[Any, ...]], None]:
     index = stage.index
-    parameters = [p for p in stage.partition.parameters() if p.requires_grad]
 
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> None:
         saved: _Saved = inputs[0].saved
         assert saved.grads is not None
         outputs, grad_outputs = _pairs(saved, saved.grads)
-        if outputs and first:
-            # The first stage has no input leaves: its I did nothing, and its W also carries
-            # the gradient into the caller's input when that requires one.
+        if outputs and saved.split is not None:
+            saved.split.weight_grads(outputs, grad_outputs)
+        elif outputs:
+            # I had no input to differentiate (the first stage, or inputs that need no gradient):
+            # W is the whole backward, into the caller's input too when that requires one.
             engine.backward(outputs, grad_outputs)
-        elif outputs and parameters and saved.split is not None:
-            saved.split.weight_grads(outputs, grad_outputs, parameters)
-        elif outputs and parameters:  # I had no input to differentiate: W is the whole backward
-            engine.backward(outputs, grad_outputs, inputs=parameters)
         _release(ctx, index, saved)
 
     return run
@@ -389,7 +386,7 @@ def lower_step(plan: Any, stages: Sequence[StageRunner]) -> Program:
             elif kind == "I":
                 function = _input_grad(stage, m, first, is_last)
             elif kind == "W":
-                function = _weight_grad(stage, m, first)
+                function = _weight_grad(stage, m)
             else:  # pragma: no cover - Action rejects other kinds
                 raise ValueError(f"unknown action kind in {action}")
             # Own state first, then the gradient from the next stage (if any).
