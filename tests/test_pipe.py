@@ -213,6 +213,26 @@ def test_partitions_that_start_in_place(call, checkpoint, lead):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("leaf_input", [True, False])
+@pytest.mark.parametrize("balance", [[2], [1, 1]])
+def test_a_model_that_starts_in_place_on_a_chunked_input(checkpoint, leaf_input, balance):
+    """The micro-batches are views of one input and share its version counter: overwriting one
+    in place must not invalidate what the others saved for backward."""
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(3, 3)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    source = x.clone().requires_grad_(not leaf_input)
+    expected_source = x.clone().requires_grad_(not leaf_input)
+    reference(expected_source * 1).sum().backward()
+    with Pipe(model, balance, chunks=2, checkpoint=checkpoint) as pipe:
+        pipe(source * 1 if not leaf_input else source).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    if not leaf_input:
+        torch.testing.assert_close(source.grad, expected_source.grad, rtol=0, atol=0)
+
+
 def test_no_grad_and_eval_mode():
     model = make_model(dropout=0.5)
     reference = copy.deepcopy(model).eval()

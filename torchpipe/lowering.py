@@ -135,6 +135,25 @@ def _check_input_untouched(stage: StageRunner, batch: Batch, versions: Tuple[int
         )
 
 
+def _has_view(batch: Batch) -> bool:
+    return any(t._is_view() for t in batch.tensors())
+
+
+def _refuse_stashed_input(stage: StageRunner, skips: SkipStore, microbatch: int, batch: Batch) -> None:
+    """A stage that starts in place works on a private copy; if its input is also a waiting skip,
+    the plain model would change that skip through the alias, and the copy would not."""
+    for tensor in batch.tensors():
+        key = skips.aliased_by(microbatch, tensor)
+        if key is not None:
+            raise RuntimeError(
+                f"partition {stage.index} changes its input in place, and that input is also the skip "
+                f"{key[1]!r} stashed for a later layer: the pipeline must give the partition a copy "
+                "here (checkpointing, Pipe.step, or a chunked input), so the skip would not see the "
+                "change as in the plain model; make the first layer out-of-place (inplace=False) or "
+                "stash a copy (stash(name, x.clone()))"
+            )
+
+
 def needs_receive(stage: StageRunner, batch: Batch, event: Any) -> bool:
     """Whether a batch must go through :func:`receive` (streams or devices differ)."""
     if stage.on_cpu and event is None:
@@ -153,8 +172,12 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
     """
     partition = stage.partition
     checkpointed = microbatch < ctx.checkpoint_stop
-    if record is not None and stage.starts_in_place:
-        partition = stage.checkpointed_function  # Pipe.step's inputs are leaves: work on a copy
+    if stage.starts_in_place and (checkpointed or record is not None or _has_view(batch)):
+        # Overwriting the input in place would break the checkpoint's saved input, Pipe.step's
+        # leaves, or the sibling micro-batches that share a chunked input's version counter.
+        if stage.has_skips or len(ctx.skips):
+            _refuse_stashed_input(stage, ctx.skips, microbatch, batch)
+        partition = stage.checkpointed_function
     if not (checkpointed or ctx.rng_sections or stage.has_skips):
         return Batch(partition(batch.value))  # the common case: nothing to set up around the call
     training = stage.partition.training

@@ -58,6 +58,16 @@ class SkipStore:
         with self._lock:
             return len(self._tensors) + len(self._grads)
 
+    def aliased_by(self, microbatch: int, tensor: Tensor) -> Optional[SkipKey]:
+        """The key of a waiting skip of ``microbatch`` that shares ``tensor``'s memory, if any."""
+        pointer = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            for (key, index), (stashed, _, _) in self._tensors.items():
+                if index == microbatch and isinstance(stashed, Tensor) and \
+                        stashed.untyped_storage().data_ptr() == pointer:
+                    return key
+        return None
+
 
 class StageSkips:
     """What one (partition, micro-batch) stashed and popped, for its explicit backward."""
