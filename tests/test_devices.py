@@ -542,3 +542,17 @@ def test_a_task_with_its_own_stream_runs_inside_it():
         finally:
             stop_workers([worker])
     assert done == [["worker-stream", "copy-stream"], ["worker-stream"]]
+
+
+def test_a_mixed_batch_waits_for_the_producer_of_the_tensors_already_on_the_device(fake):
+    """Regression: only the copied tensors were ordered after the producer; the ones already on
+    the consumer's device were used on its stream without waiting for the producer's event."""
+    from torchpipe.copy import receive
+    from torchpipe.microbatch import Batch
+
+    stream, copy_stream, event = FakeStream("consumer"), FakeStream("copy"), FakeEvent("ready")
+    batch = Batch((torch.randn(2, 4, device="meta"), torch.randn(2, 4)))
+    moved = receive(batch, event, META, stream, lambda device: copy_stream)
+    assert [t.device for t in moved.tensors()] == [META, META]
+    assert ("wait_event", stream, event) in [c[1:] for c in fake.calls]
+    assert ("wait_stream", stream, copy_stream) in [c[1:] for c in fake.calls]

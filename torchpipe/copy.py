@@ -53,6 +53,9 @@ def receive(
 
     target_copy = copy_stream_for(device)
     waited = False
+    if ready_event is not None and any(t.device == device for t in batch.tensors()):
+        # The tensors already here are used as they are: wait for their producer too.
+        backend.wait_event(stream, ready_event)
 
     def copy(tensor: Tensor) -> Tensor:
         nonlocal waited
