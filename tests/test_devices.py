@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import torchpipe
 from torchpipe import BackendUnavailableError, Pipe
 from torchpipe.devices import (
     AcceleratorBackend,
@@ -556,3 +557,32 @@ def test_a_mixed_batch_waits_for_the_producer_of_the_tensors_already_on_the_devi
     assert [t.device for t in moved.tensors()] == [META, META]
     assert ("wait_event", stream, event) in [c[1:] for c in fake.calls]
     assert ("wait_stream", stream, copy_stream) in [c[1:] for c in fake.calls]
+
+
+class HostDrawingLayer(nn.Module):
+    """A layer on the (fake) accelerator that draws its random numbers on the host."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, device="meta"))
+        self.log = log
+
+    def forward(self, x):
+        self.log.append((torchpipe.is_recomputing(), torch.rand(3)))
+        return x * self.weight
+
+
+def test_host_random_numbers_of_an_accelerator_partition_are_replayed(fake):
+    """torchgpipe replays the CPU generator for GPU partitions too: a recompute must redraw them."""
+    fake.default_generator = lambda device: device_generator
+    device_generator = torch.Generator()
+    logs = [[], []]
+    model = nn.Sequential(HostDrawingLayer(logs[0]), HostDrawingLayer(logs[1]))
+    with Pipe(model, [1, 1], devices=["meta", "meta"], chunks=2, checkpoint="always") as pipe:
+        pipe(torch.randn(4, 4, device="meta")).sum().backward()
+    for log in logs:
+        forward = [draw for recomputing, draw in log if not recomputing]
+        recompute = [draw for recomputing, draw in log if recomputing]
+        assert len(forward) == len(recompute) == 2
+        for again in recompute:
+            assert any(torch.equal(again, first) for first in forward), "the recompute drew other host numbers"

@@ -46,7 +46,7 @@ def _set_flag(name: str) -> Iterator[None]:
 # Checkpointing with RNG replay
 # --------------------------------------------------------------------------------------------
 import contextlib  # noqa: E402
-from typing import Any, Callable, Dict, List, Optional, Tuple  # noqa: E402
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
@@ -54,7 +54,7 @@ import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
 from .devices import get_backend  # noqa: E402
 from .microbatch import Batch, rebuild  # noqa: E402
 
-__all__ += ["checkpoint", "RNGGuard"]
+__all__ += ["checkpoint", "RNGGuard", "StageRNG"]
 
 # One lock per generator, keyed by id: some torch versions (2.11) cannot weak-reference a
 # Generator. The entry keeps its generator alive so that an id is never reused; the
@@ -139,14 +139,12 @@ class _ForwardSection:
 class _Replay:
     """The generator state of one checkpointed forward, and the contexts that use it."""
 
-    __slots__ = ("guard", "training", "state", "recompute_extras")
+    __slots__ = ("guard", "training", "state")
 
     def __init__(self, guard: RNGGuard, training: bool) -> None:
         self.guard = guard
         self.training = training
         self.state: Optional[torch.Tensor] = None
-        # Factories of further contexts the recompute runs under (skip replay, for one).
-        self.recompute_extras: List[Callable[[], Any]] = []
 
     def forward_context(self) -> "_CheckpointContext":
         return _CheckpointContext(self)
@@ -180,7 +178,7 @@ class _CheckpointContext:
 
 
 class _RecomputeContext:
-    __slots__ = ("replay", "previous", "saved", "locked", "extras")
+    __slots__ = ("replay", "previous", "saved", "locked")
 
     def __init__(self, replay: _Replay) -> None:
         self.replay = replay
@@ -199,12 +197,8 @@ class _RecomputeContext:
             generator.set_state(replay.state)
         self.previous = _flags.recomputing
         _flags.recomputing = True
-        self.extras = contextlib.ExitStack()
-        for factory in replay.recompute_extras:
-            self.extras.enter_context(factory())
 
     def __exit__(self, *exc: Any) -> None:
-        self.extras.close()
         _flags.recomputing = self.previous
         try:
             if self.saved is not None:
@@ -214,7 +208,84 @@ class _RecomputeContext:
                 self.replay.guard.lock.release()  # type: ignore[union-attr]
 
 
-def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: _Replay) -> Batch:
+class StageRNG:
+    """The generators one partition's random ops may draw from, each behind its :class:`RNGGuard`.
+
+    The device's generator, and for a partition on an accelerator the CPU's too: a layer on a
+    GPU may still draw on the host (``torch.randperm(n)``), and its recompute must redraw the
+    same numbers (torchgpipe replays both). The CPU guard comes first, so every partition
+    takes the locks in one order.
+    """
+
+    def __init__(self, device: torch.device, shared: bool, host_shared: bool) -> None:
+        guard = RNGGuard(device, shared=shared)
+        self.guards = [guard]
+        if guard.generator is not torch.default_generator:
+            self.guards.insert(0, RNGGuard(torch.device("cpu"), shared=host_shared))
+
+    def begin_step(self) -> None:
+        for guard in self.guards:
+            guard.begin_step()
+
+    def forward_section(self, training: bool) -> Any:
+        """Context for one forward of a checkpointing step (each generator's section)."""
+        if len(self.guards) == 1:
+            return self.guards[0].forward_section(training)
+        stack = contextlib.ExitStack()
+        for guard in self.guards:
+            stack.enter_context(guard.forward_section(training))
+        return stack
+
+    def new_replay(self, training: bool) -> "_StageReplay":
+        return _StageReplay([guard.new_replay(training) for guard in self.guards])
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Hold every shared generator's lock (a loss that draws, while other stages replay)."""
+        with contextlib.ExitStack() as stack:
+            for guard in self.guards:
+                if guard.lock is not None:
+                    stack.enter_context(guard.lock)
+            yield
+
+
+class _StageReplay:
+    """The saved generator states of one checkpointed forward, and its extra recompute contexts."""
+
+    __slots__ = ("parts", "recompute_extras")
+
+    def __init__(self, parts: List[_Replay]) -> None:
+        self.parts = parts
+        # Factories of further contexts the recompute runs under (skip replay, for one).
+        self.recompute_extras: List[Callable[[], Any]] = []
+
+    def forward_context(self) -> Any:
+        if len(self.parts) == 1:
+            return self.parts[0].forward_context()
+        return _Contexts([part.forward_context for part in self.parts])
+
+    def recompute_context(self) -> Any:
+        return _Contexts([part.recompute_context for part in self.parts] + self.recompute_extras)
+
+
+class _Contexts:
+    """Enters the contexts the factories make, in order; leaves them in reverse."""
+
+    __slots__ = ("factories", "stack")
+
+    def __init__(self, factories: List[Callable[[], Any]]) -> None:
+        self.factories = factories
+
+    def __enter__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        for factory in self.factories:
+            self.stack.enter_context(factory())
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.__exit__(*exc)
+
+
+def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageReplay") -> Batch:
     """Run ``function`` on ``batch`` without keeping its activations; recompute them in backward.
 
     Built on PyTorch's non-reentrant checkpoint (saved-tensor hooks), which recomputes on

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .batchnorm import running_statistics_frozen, statistics_updating_norms
-from .checkpoint import RNGGuard, checkpoint
+from .checkpoint import StageRNG, checkpoint
 from .copy import mark_ready, receive
 from .devices import Backend, get_backend
 from .microbatch import Batch
@@ -41,7 +41,8 @@ __all__ = ["StageRunner", "ForwardContext", "lower_forward", "run_partition", "n
 class StageRunner:
     """What one partition needs to run an action: its module, device, streams and RNG guard."""
 
-    def __init__(self, index: int, partition: nn.Module, device: torch.device, worker: Worker, rng_shared: bool) -> None:
+    def __init__(self, index: int, partition: nn.Module, device: torch.device, worker: Worker, rng_shared: bool,
+                 host_rng_shared: bool = False) -> None:
         self.index = index
         self.partition = partition
         self.device = device
@@ -50,7 +51,7 @@ class StageRunner:
         self.worker = worker
         self.stream = worker.stream
         self._copy_streams: Dict[torch.device, Any] = {}
-        self.rng = RNGGuard(device, shared=rng_shared)
+        self.rng = StageRNG(device, shared=rng_shared, host_shared=host_rng_shared)
         self.has_skips = any(isinstance(m, Skippable) for m in partition.modules())
         # Batch norms a recompute must not update a second time.
         self.norms = statistics_updating_norms(partition)

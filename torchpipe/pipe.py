@@ -190,8 +190,13 @@ class Pipe(nn.Module):
             counts: Dict[torch.device, int] = {}
             for device in device_list:
                 counts[device] = counts.get(device, 0) + 1
+            # Every partition may draw on the host (an accelerator one too): with two or more,
+            # the CPU generator is shared.
+            host_shared = len(device_list) > 1
             self._stages = [
-                StageRunner(i, partition, device, worker, rng_shared=counts[device] > 1)
+                StageRunner(i, partition, device, worker,
+                            rng_shared=counts[device] > 1 or (device.type == "cpu" and host_shared),
+                            host_rng_shared=host_shared)
                 for i, (partition, device, worker) in enumerate(zip(partitions, device_list, workers))
             ]
         except BaseException:  # no finalizer owns the threads yet: stop them here

@@ -193,8 +193,7 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                     target = target.to(device)
                 # A loss that draws random numbers must not interleave with a checkpointed
                 # forward of another stage on the same generator (its replay would differ).
-                lock = stage.rng.lock if ctx.rng_sections else None
-                with lock if lock is not None else contextlib.nullcontext():
+                with stage.rng.hold() if ctx.rng_sections else contextlib.nullcontext():
                     loss = ctx.loss_fn(output.value, target)
                 if not isinstance(loss, Tensor) or loss.dim() != 0:
                     shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
