@@ -57,8 +57,10 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
     torch.set_num_threads(1)
     from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
 
-    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
-    from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
+    from torchrec import KeyedJaggedTensor
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RecInputError
+    from torchpipe.train import EmbCacheTrainPipeline, RecBatch, TableWiseSharding
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
@@ -103,6 +105,20 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
                     outputs.append(pipe.progress(it))
                 except StopIteration:
                     break
+            if rank == 1:  # a key out of range for t0, which rank 0 owns: refused here, before any
+                # collective, or rank 0 would never see the batch and the ranks would fall out of step
+                good = per_rank[rank][0].sparse_features
+                values = good.values().clone()
+                values[good.length_per_key()[0] - 1] = 10 ** 6  # the last key of t0's feature
+                bad = RecBatch(per_rank[rank][0].dense_features,
+                               KeyedJaggedTensor.from_lengths_sync(good.keys(), values, good.lengths()),
+                               per_rank[rank][0].labels)
+                try:
+                    pipe.progress(iter([bad]))
+                except RecInputError as exc:
+                    assert "out of range" in str(exc)
+                else:
+                    raise AssertionError("a key out of range on another rank's table was admitted")
             pipe.flush()
         assert len(outputs) == STEPS
         for step, batch in enumerate(global_batches):

@@ -151,3 +151,125 @@ def test_bad_input_is_refused_before_any_state_change(case: str, words: str) -> 
     assert len(outputs) == len(ref_outputs)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(outputs, ref_outputs))
     assert_same_state(model, reference)
+
+
+def fail_twice(model, where: str) -> None:
+    """Make ``where`` raise at its FAIL_AT-th call and again at the next one (in the recovery)."""
+    ebc = model.ebc
+    original, calls = getattr(ebc, where), {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] in (FAIL_AT, FAIL_AT + 1):
+            raise Injected(f"{where} failed (call {calls['n']})")
+        return original(*args, **kwargs)
+
+    setattr(ebc, where, wrapper)
+
+
+# Regression: the recovery emptied its list of in-flight batches before finishing their swaps,
+# so a fault that struck again there left keys protected and host writes pending for good
+# (CacheTooSmallError on every later batch, flush refused, a lookup blocked forever).
+@pytest.mark.parametrize("where", ["gather_out", "write_back", "fetch_in", "scatter_in"])
+def test_a_fault_that_strikes_again_during_recovery_is_retried_later(where: str) -> None:
+    tables = make_tables()
+    batches = make_batches(tables, STEPS, seed=11)
+    opt_sparse = Adam(lr=0.5)
+    model, opt = build(tables, window_minimum(tables, batches), opt_sparse)
+    with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
+        fail_twice(model, where)
+        it = iter(batches)
+        with pytest.raises(Injected, match=where) as raised:
+            while True:
+                pipe.progress(it)
+        assert any("retries them" in note for note in getattr(raised.value, "__notes__", []))
+        done = pipe.steps_done
+        pipe.flush()  # finishes the swaps left over, then writes the cache back
+        ebc = model.ebc
+        assert ebc.in_flight() == 0 and ebc.pending_writes() == 0
+        reference, ref_opt, _ = reference_run(tables, batches, opt_sparse, steps=done)
+        assert_same_state(model, reference)
+        rest = drain(pipe, iter(batches[done:]))
+        pipe.flush()
+    _, _, ref_rest = reference_run(tables, batches[done:], opt_sparse, model=reference, opt=ref_opt)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(rest, ref_rest)) and len(rest) == len(ref_rest)
+    assert_same_state(model, reference)
+
+
+def test_using_the_collection_directly_while_batches_are_in_flight_is_refused() -> None:
+    """Its lookup would wait for a host write that only the pipeline's next progress() makes."""
+    tables = make_tables()
+    batches = make_batches(tables, 30, seed=3)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
+        it = iter(batches)
+        pipe.progress(it)
+        while not model.ebc.pending_writes():  # until a planned batch evicts rows
+            pipe.progress(it)
+        started = time.monotonic()
+        with torch.no_grad(), pytest.raises(RuntimeError, match="pending from batches in flight.*flush"):
+            model.ebc(batches[0].sparse_features)
+        assert time.monotonic() - started < 5
+        pipe.flush()
+        with torch.no_grad():
+            model.ebc(batches[0].sparse_features)  # fine once drained
+
+
+@pytest.mark.parametrize("where", ["write_back", "fetch_in", "scatter_in"])
+def test_a_failed_direct_lookup_leaves_every_row_in_its_slot(where: str) -> None:
+    """The swap is completed before the error surfaces: no key maps to an evicted row."""
+    tables = make_tables()
+    batches = make_batches(tables, 12, seed=5)
+    model, _ = build(tables, window_minimum(tables, batches, window=1), Adam(lr=0.5))
+    full, _ = build(tables, None, Adam(lr=0.5), cached=False)
+    ebc, calls = model.ebc, {"n": 0}
+    original = getattr(ebc, where)
+
+    def once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise Injected(where)
+        return original(*args, **kwargs)
+
+    setattr(ebc, where, once)
+    failures = 0
+    with torch.no_grad():
+        for batch in batches:
+            try:
+                got = ebc(batch.sparse_features)
+            except Injected:
+                failures += 1
+                continue
+            assert torch.equal(got.values(), full.ebc(batch.sparse_features).values())
+    assert failures == 1 and ebc.in_flight() == 0 and ebc.pending_writes() == 0
+
+
+def test_a_dropped_pipeline_stops_its_threads_and_leaves_no_hook_behind() -> None:
+    """The collection outlives the pipeline; its hooks must not keep the pipeline alive."""
+    import gc
+    import threading
+
+    tables = make_tables()
+    batches = make_batches(tables, 6, seed=1)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    before = {t for t in threading.enumerate() if t.name.startswith("torchpipe")}
+    for _ in range(2):
+        pipe = EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1)
+        drain(pipe, iter(batches))
+        pipe.flush()
+        del pipe
+        gc.collect()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and {t for t in threading.enumerate() if t.name.startswith("torchpipe")} - before:
+        time.sleep(0.01)
+    assert not {t for t in threading.enumerate() if t.name.startswith("torchpipe") and t.is_alive()} - before
+    assert not model.ebc._forward_pre_hooks and not model.ebc._forward_hooks
+
+
+def test_optimizer_state_of_the_wrong_shape_is_refused() -> None:
+    tables = make_tables()
+    model, _ = build(tables, 40, Adam(lr=0.5))
+    state = model.ebc.optimizer_state("t0")
+    with pytest.raises(ValueError, match=r"must have shape \(\d+, \d+\).*got \(1, \d+\)"):
+        model.ebc.load_optimizer_state("t0", state[:1])
+    assert torch.equal(model.ebc.optimizer_state("t0"), state)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -84,6 +84,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.slots[layout.name] = torch.zeros(cache.cache_rows, layout.dim + width, device=self.device)
         self._plan_lock = threading.Lock()
         self._plan_seq = 0
+        # Swaps a failure stopped partway, oldest first: finished before anything else runs.
+        self._unfinished: list[BatchPlan] = []
+        self._finish_lock = threading.RLock()
         self._sync_plan: BatchPlan | None = None
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
 
@@ -97,6 +100,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
         Raises `CacheTooSmallError` before any state changes (all tables are checked first).
         """
+        self.finish_swaps()
         with self._plan_lock:
             for name, batch in keys.tables.items():
                 self.caches[name].check_fits(batch.unique_keys)
@@ -133,6 +137,28 @@ class CachedEmbeddingBagCollection(nn.Module):
         for name, p in plan.tables.items():
             self.slots[name].index_copy_(0, p.swap_in_slots.to(self.device), rows[name].to(self.device))
         plan.scattered = True
+
+    def finish_swaps(self, plans: Sequence[BatchPlan] = ()) -> None:
+        """Complete the swaps a failure stopped partway, oldest first, and release their batches.
+
+        A plan that failed between its steps leaves new keys mapped to slots that still hold
+        the evicted rows, and a host write pending that later lookups wait for. Swaps move
+        rows and never change them, so the remaining steps are always right to run (a step
+        already done is not repeated, or repeats the same copy). If one fails again, the rest
+        stay queued and every later `plan`, `flush` or direct forward retries them first:
+        an error each time, never a hang or a row lost.
+        """
+        with self._finish_lock:
+            self._unfinished.extend(plans)
+            while self._unfinished:
+                plan = self._unfinished[0]
+                if not plan.scattered:
+                    if not plan.written:
+                        self.write_back(plan, self.gather_out(plan))
+                    self.scatter_in(plan, self.fetch_in(plan))
+                if not plan.released:
+                    self.release(plan)
+                self._unfinished.pop(0)
 
     def swap(self, plan: BatchPlan) -> None:
         """All four swap steps of one batch, in order."""
@@ -198,12 +224,20 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise ValueError("forward needs features or a plan")
         keys = self.prepare(features)
         self._release_sync_plan()
+        self.finish_swaps()
+        if self.pending_writes():
+            # Those belong to batches a pipeline planned and has not swapped yet: only its
+            # next progress() swaps them, so this lookup would wait for itself.
+            raise RuntimeError(
+                f"the collection has {self.pending_writes()} host write-backs pending from batches in "
+                "flight in a pipeline; call the pipeline's flush() before using the collection directly"
+            )
         plan = self.plan(keys)
         try:
             self.swap(plan)
             out = self._lookup(plan, release_after_backward=True)
         except BaseException:
-            self.release(plan)
+            self.finish_swaps([plan])  # the rows must not stay in the wrong slots
             raise
         if out.values().requires_grad:
             self._sync_plan = plan
@@ -233,6 +267,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         pipeline: raises if batches are still in flight.
         """
         self._release_sync_plan()
+        self.finish_swaps()
         if self.in_flight() or self.pending_writes():
             raise RuntimeError(f"flush with batches in flight: {self.in_flight()} protected slots, "
                                f"{self.pending_writes()} pending write-backs; drain the pipeline first")
@@ -258,6 +293,10 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def load_optimizer_state(self, table: str, state: torch.Tensor) -> None:
         """Overwrite a table's optimizer state (host and cached rows)."""
+        expected = tuple(self.hosts[table].state.shape)
+        if tuple(state.shape) != expected:
+            raise ValueError(f"optimizer state for table {table!r} must have shape {expected} "
+                             f"(rows, state width), got {tuple(state.shape)}")
         self.flush()
         self.hosts[table].state.copy_(state)
         self._refresh_slots()

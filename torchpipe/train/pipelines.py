@@ -11,6 +11,7 @@ The model contract is TorchRec's: ``losses, output = model(batch)``; the step is
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -21,7 +22,7 @@ from torchrec import KeyedJaggedTensor
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend
 from ..rec import BatchPlan, CachedEmbeddingBagCollection
-from ..rec.batch_keys import BatchKeys, check_kjt
+from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
 from .schedule import Clock
 from .staged import PipelineFailure, PipelineStage, StagedPipeline
 
@@ -232,6 +233,16 @@ class _Armed:
     used: bool = False
 
 
+def _call_if_alive(pipeline: "weakref.ref[Any]", method: str, *args: Any) -> Any:
+    alive = pipeline()
+    return None if alive is None else getattr(alive, method)(*args)
+
+
+def _remove_hooks(hooks: List[Any]) -> None:
+    for hook in hooks:
+        hook.remove()
+
+
 def find_collection(model: nn.Module) -> CachedEmbeddingBagCollection:
     found = [m for m in model.modules() if isinstance(m, CachedEmbeddingBagCollection)]
     if len(found) != 1:
@@ -299,6 +310,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
                              f"{self.device}")
         self._sharding = sharding
+        self._global_layouts: Optional[List[Any]] = None
         # Across processes the dense part is replicated: its gradients are all-reduced over the
         # sharding's output group before the dense optimizer steps ('mean' like DDP, or 'sum').
         self._dense_sync: Optional[Callable[[], None]] = None
@@ -315,9 +327,16 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self._live: List[_Item] = []  # planned, not yet released; in plan order
         self._live_lock = threading.Lock()
         self._armed: Optional[_Armed] = None
-        self._hooks = [self.collection.register_forward_pre_hook(self._inject_plan, with_kwargs=True)]
+        # The collection outlives the pipeline: its hooks must not keep the pipeline (and its
+        # threads) alive, so they reach it through a weak reference and go with it.
+        this = weakref.ref(self)
+        self._hooks = [self.collection.register_forward_pre_hook(
+            lambda module, args, kwargs: _call_if_alive(this, "_inject_plan", module, args, kwargs),
+            with_kwargs=True)]
         if sharding is not None:
-            self._hooks.append(self.collection.register_forward_hook(self._output_dist))
+            self._hooks.append(self.collection.register_forward_hook(
+                lambda module, args, output: _call_if_alive(this, "_output_dist", module, args, output)))
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
         self.pipeline = StagedPipeline(
             [PipelineStage("h2d", lambda b: self._h2d(_Item(b)), "copy"),
              PipelineStage("input_dist", self._dist, "host"),
@@ -334,6 +353,13 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             raise TypeError(f"EmbCacheTrainPipeline batches need .sparse_features, got {type(batch).__name__}")
         if self._sharding is None:
             check_features(batch.sparse_features, self.collection)
+        else:
+            # Every rank checks the whole batch against every table (all ranks have the configs):
+            # a bad key found only by its owner, after the key exchange, would leave the ranks'
+            # collectives out of step.
+            if self._global_layouts is None:
+                self._global_layouts = table_layouts(self._sharding.tables)
+            check_kjt(batch.sparse_features, self._global_layouts)
 
     def _dist(self, item: _Item) -> _Item:
         features = item.batch.sparse_features
@@ -432,18 +458,19 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         others = super().streams()
         for _, stream in others:  # the swaps below come after every step's device work ...
             backend.wait_stream(swap, stream)
-        with backend.use_device(self.device), backend.use_stream(swap):
-            for item in live:  # plan order: swaps complete in ticket order
-                plan = item.plan
-                assert plan is not None
-                if not item.trained and not plan.scattered:
-                    if not plan.written:
-                        self.collection.write_back(plan, self.collection.gather_out(plan))
-                    self.collection.scatter_in(plan, self.collection.fetch_in(plan))
-                if not plan.released:
-                    self.collection.release(plan)
-        for _, stream in others:  # ... and the next steps come after them
-            backend.wait_stream(stream, swap)
+        try:
+            with backend.use_device(self.device), backend.use_stream(swap):
+                # Plan order: swaps complete in ticket order. Trained batches were swapped in.
+                self.collection.finish_swaps([item.plan for item in live if item.plan is not None])
+        except BaseException as again:  # noqa: B902 - the step's own error is the one to raise
+            if hasattr(failure.error, "add_note"):
+                failure.error.add_note(
+                    f"[torchpipe.train] completing the dropped batches' swaps failed too "
+                    f"({type(again).__name__}: {again}); the collection retries them before its next "
+                    "plan, flush or lookup")
+        finally:
+            for _, stream in others:  # ... and the next steps come after them
+                backend.wait_stream(stream, swap)
 
     # -- public --------------------------------------------------------------------------
     def flush(self) -> List[Any]:
