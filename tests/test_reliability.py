@@ -650,6 +650,29 @@ def test_a_failed_call_frees_its_activations_and_threads_without_the_cycle_colle
         gc.enable()
 
 
+class _RememberSavedOutput(_Remember):
+    """tanh saves its own output for backward: under a saved-tensor hook that hands back the
+    tensor itself, output -> grad_fn -> saved output is a cycle the collector cannot see."""
+
+    def forward(self, x):
+        y = torch.tanh(x)
+        self.made.append(weakref.ref(y))
+        return y
+
+
+# Regression: a failed Pipe.step leaked every such graph for good (never backpropagated, never
+# collected): 10 MiB per failed step in the reproducer, also after close().
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_failed_step_leaks_no_graph_that_saves_its_own_output(schedule):
+    remember = _RememberSavedOutput()
+    with Pipe(nn.Sequential(nn.Linear(4, 4), remember, _Fail()), [2, 1], chunks=4) as pipe:
+        for _ in range(3):
+            with pytest.raises(StageError):
+                pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss(), schedule=schedule)
+    gc.collect()
+    assert remember.made and all(ref() is None for ref in remember.made), "failed steps leaked their graphs"
+
+
 # --------------------------------------------------------------------------- concurrency
 def _parameter_grads(module, out):
     params = [p for p in module.parameters()]
@@ -782,6 +805,57 @@ def test_a_stage_calling_its_own_pipe_gets_runtime_error(no_thread_leak):
         torch.testing.assert_close(pipe(x), reference(x))
     finally:
         CallsOwnPipe.pipe = None
+
+
+class _InterruptedAfterRelease:
+    """A result lock whose release is followed at once by a Ctrl-C (the first time only)."""
+
+    def __init__(self, lock):
+        self.lock, self.fired = lock, False
+
+    def release(self):
+        self.lock.release()
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+# Regression: a second Ctrl-C landing inside abort() stopped its release loop halfway; the jobs
+# waiting on the other locks never woke, and the next call waited behind the step forever.
+def test_an_interrupt_inside_abort_still_releases_every_wait():
+    from torchpipe.runtime import Program, ThreadState, _Step
+
+    program = Program(1)
+    for key in range(4):
+        program.add(0, key, lambda context, inputs: None)
+    step = _Step(program.freeze(), None, ThreadState(["cpu"]))
+    real = list(step.locks)
+    step.locks[1] = _InterruptedAfterRelease(real[1])
+    with pytest.raises(KeyboardInterrupt):
+        step.abort(StageError("first failure"))
+    assert all(lock.acquire(blocking=False) for lock in real), "a wait was left locked"
+    assert isinstance(step.error, StageError) and step.aborted
+    step.abort(None)  # idempotent
+
+
+# Regression: an interrupt after the step was installed but before its tasks were queued left a
+# step that could never finish, and the next call waited for it forever.
+def test_a_step_left_behind_is_ended_by_the_next_call(no_thread_leak):
+    """Whatever an interrupt leaves installed (a step whose tasks never ran), the next call ends it."""
+    from torchpipe.runtime import ThreadState, _Step
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    with Pipe(model, [2, 2], chunks=4) as pipe:
+        program = pipe._forward_program(4)[1]
+        pipe._runtime._step = _Step(program, None, ThreadState(["cpu"]))
+        done = []
+        thread = threading.Thread(target=lambda: done.append(pipe(x)), daemon=True)
+        thread.start()
+        thread.join(10)
+        assert done, "the next call waited forever for a step that never ran"
+        torch.testing.assert_close(done[0], reference(x))
 
 
 class _InterruptingQueue:

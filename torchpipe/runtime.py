@@ -265,6 +265,7 @@ class _Step:
         self.drop_on_take = program.drop_on_take
         self.guard = threading.Lock()
         self.aborted = False
+        self.woken = False
         self.error: Optional[BaseException] = None
         self.starts = [-1.0] * n
         self.ends = [-1.0] * n
@@ -301,16 +302,42 @@ class _Step:
             self.finished.set()
 
     def abort(self, error: Optional[BaseException]) -> None:
+        # An interrupt (a second Ctrl-C) must not stop the release loop halfway: a job left
+        # waiting on a lock nobody releases would hang the step, and the next call behind it.
+        pending: Optional[BaseException] = None
+        while True:
+            try:
+                self._release_all(error)
+                wake = self._claim_wake()
+                break
+            except BaseException as exc:  # noqa: B902 - held until every wait is released
+                pending = pending or exc
+        if wake:
+            self._wake_outside(error)
+        if pending is not None:
+            raise pending
+
+    def _claim_wake(self) -> bool:
+        """True once per step: the abort that wakes the waits outside the runtime."""
+        with self.guard:
+            first, self.woken = not self.woken, True
+            return first
+
+    def _release_all(self, error: Optional[BaseException]) -> None:
+        """Mark the step aborted and release every result lock (again, if a pass was cut short)."""
         with self.guard:
             if self.error is None and error is not None:
                 self.error = error
-            if self.aborted:
-                return
             self.aborted = True
             for i, lock in enumerate(self.locks):
                 if not self.done[i]:
+                    try:
+                        lock.release()
+                    except RuntimeError:  # released by a pass that an interrupt cut short
+                        pass
                     self.done[i] = True
-                    lock.release()
+
+    def _wake_outside(self, error: Optional[BaseException]) -> None:
         if self.on_abort is not None:
             # Wake waits that live outside the runtime (a host-table lookup, say).
             try:
@@ -448,12 +475,14 @@ class Runtime:
         self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]]
     ) -> Dict[Hashable, Any]:
         previous = self._step
-        if previous is not None:  # a step left behind by a second interrupt: let it drain first
-            previous.finished.wait()
+        if previous is not None:  # a step an interrupt left behind: end it, let the workers drain
+            previous.abort(None)
+            self._drain_workers()
+            self._step = None
         step = _Step(program, context, state, on_abort)
-        self._step = step
         wall_start = time.perf_counter()
         try:
+            self._step = step  # inside the try: an interrupt here still aborts and drains
             for worker, tasks in zip(self.workers, self._tasks_for(program)):
                 put = worker.in_queue.put
                 for task in tasks:
@@ -472,7 +501,10 @@ class Runtime:
                 break
             except BaseException as exc:  # noqa: B902 - KeyboardInterrupt while waiting: abort, drain
                 interrupt = interrupt or exc
-                step.abort(exc)
+                try:
+                    step.abort(exc)
+                except BaseException:  # noqa: B902 - yet another interrupt: keep waiting, raise the first
+                    pass
         wall_end = time.perf_counter()
         self._step = None
         self.last_step = StepRecord(

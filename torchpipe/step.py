@@ -107,10 +107,9 @@ class _Handoff:
 class _CountSaved:
     """Saved-tensor hooks that add up the bytes autograd keeps for backward."""
 
-    def __init__(self, parameter_ids: FrozenSet[int], alias: bool) -> None:
+    def __init__(self, parameter_ids: FrozenSet[int]) -> None:
         self.nbytes = 0
         self.parameter_ids = parameter_ids
-        self.alias = alias
         # The caller's own hooks (``save_on_cpu``), which these would otherwise shadow.
         self.outer = current_saved_tensors_hooks()
 
@@ -122,10 +121,12 @@ class _CountSaved:
             base = tensor
         if id(base) not in self.parameter_ids and type(base) is not nn.Parameter:
             self.nbytes += tensor.nbytes
-        # When the next stage is on another device, the outputs it copies get freed
-        # (``_drop_storage`` swaps their data): a saved output must then be an alias that
-        # keeps the values it saved, not the tensor itself.
-        packed = tensor.detach() if self.alias else tensor
+        # Saved as an alias, never the tensor itself: a layer that saves its own output
+        # (tanh) would otherwise close a cycle output -> grad_fn -> output through C++, which
+        # only a backward breaks, so a failed step would leak the graph for good. And when the
+        # next stage is on another device, the outputs it copies get freed (``_drop_storage``
+        # swaps their data); the alias keeps the values saved.
+        packed = tensor.detach()
         return packed if self.outer is None else self.outer[0](packed)
 
     def unpack(self, packed: Any) -> Tensor:
@@ -183,7 +184,7 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                 ctx.memory.freed_output_bytes[index - 1] += _free_sent_outputs(handoff, received)
             batch = received
         batch, leaves = _as_leaves(batch, positions)
-        counter = _CountSaved(parameter_ids, alias=sends_copies)
+        counter = _CountSaved(parameter_ids)
         skips = StageSkips()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             output = run_partition(stage, ctx, microbatch, batch, skips)
