@@ -1,6 +1,5 @@
 import pathlib
 import sys
-import threading
 
 import pytest
 import torch
@@ -15,10 +14,6 @@ if REC_TESTS not in sys.path:
 def _seed():
     torch.manual_seed(0)
     yield
-
-
-def pipeline_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("torchpipe")]
 
 
 @pytest.fixture(autouse=True)

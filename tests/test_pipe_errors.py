@@ -1,16 +1,11 @@
 """Constructor errors: torchgpipe's error types, a message naming the bad value, no state changed."""
-import threading
-
 import pytest
 import torch
+from thread_helpers import torchpipe_threads
 from torch import nn
 
 from torchpipe import Pipe
 from torchpipe.partition import BalanceError
-
-
-def pipeline_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("torchpipe")]
 
 
 def model(layers=4):
@@ -77,7 +72,7 @@ def test_shared_parameters_and_buffers_are_refused():
 
 
 def test_a_refused_module_is_left_untouched_and_no_thread_starts():
-    before = set(pipeline_threads())
+    before = torchpipe_threads()
     original = model()
     state = {k: v.clone() for k, v in original.state_dict().items()}
     for kwargs in (dict(balance=[1, 1]), dict(balance=[2, 2], chunks=0), dict(balance=[2, 2], checkpoint="x"),
@@ -86,7 +81,7 @@ def test_a_refused_module_is_left_untouched_and_no_thread_starts():
             Pipe(original, **kwargs)
         assert names(original) == ["0", "1", "2", "3"]
         assert all(torch.equal(state[k], v) for k, v in original.state_dict().items())
-    assert set(pipeline_threads()) <= before
+    assert torchpipe_threads() <= before
 
 
 def test_numpy_and_tensor_integers_count_as_integers():

@@ -18,7 +18,7 @@ import weakref
 
 import pytest
 import torch
-from thread_helpers import wait_until_gone
+from thread_helpers import torchpipe_threads, wait_until_gone
 from torch import nn
 
 import torchpipe
@@ -28,9 +28,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # ---------------------------------------------------------------------------------- helpers
-def torchpipe_threads():
-    return {t for t in threading.enumerate() if t.name.startswith("torchpipe")}
-
 
 @pytest.fixture
 def no_thread_leak():

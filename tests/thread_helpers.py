@@ -1,8 +1,14 @@
 """Thread helpers shared by the tests: waiting for threads to exit, torch's intra-op threads."""
+import threading
 import time
 
 import pytest
 import torch
+
+
+def torchpipe_threads():
+    """The live threads torchpipe started (workers and host pools are named 'torchpipe...')."""
+    return {t for t in threading.enumerate() if t.name.startswith("torchpipe")}
 
 
 def wait_until_gone(threads, timeout=5.0):

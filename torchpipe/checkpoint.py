@@ -46,7 +46,7 @@ def _set_flag(name: str) -> Iterator[None]:
 # Checkpointing with RNG replay
 # --------------------------------------------------------------------------------------------
 import contextlib  # noqa: E402
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402

@@ -247,22 +247,20 @@ def test_a_failed_direct_lookup_leaves_every_row_in_its_slot(where: str) -> None
 def test_a_dropped_pipeline_stops_its_threads_and_leaves_no_hook_behind() -> None:
     """The collection outlives the pipeline; its hooks must not keep the pipeline alive."""
     import gc
-    import threading
+
+    from thread_helpers import torchpipe_threads, wait_until_gone
 
     tables = make_tables()
     batches = make_batches(tables, 6, seed=1)
     model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
-    before = {t for t in threading.enumerate() if t.name.startswith("torchpipe")}
+    before = torchpipe_threads()
     for _ in range(2):
         pipe = EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1)
         drain(pipe, iter(batches))
         pipe.flush()
         del pipe
         gc.collect()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and {t for t in threading.enumerate() if t.name.startswith("torchpipe")} - before:
-        time.sleep(0.01)
-    assert not {t for t in threading.enumerate() if t.name.startswith("torchpipe") and t.is_alive()} - before
+    assert not wait_until_gone(torchpipe_threads() - before), "a dropped pipeline left its threads running"
     assert not model.ebc._forward_pre_hooks and not model.ebc._forward_hooks
 
 
