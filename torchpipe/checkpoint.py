@@ -63,11 +63,11 @@ _generator_locks: Dict[int, Tuple[torch.Generator, threading.Lock]] = {}
 _generator_locks_guard = threading.Lock()
 
 
-def _lock_for(generator: torch.Generator) -> threading.Lock:
+def _lock_for(generator: torch.Generator) -> Any:
     with _generator_locks_guard:
         entry = _generator_locks.get(id(generator))
         if entry is None:
-            entry = _generator_locks[id(generator)] = (generator, threading.Lock())
+            entry = _generator_locks[id(generator)] = (generator, threading.RLock())
         return entry[1]
 
 
@@ -92,7 +92,7 @@ class RNGGuard:
     def __init__(self, device: torch.device, shared: bool) -> None:
         self.device = device
         self.generator = get_backend(device).default_generator(device)
-        self.lock: Optional[threading.Lock] = _lock_for(self.generator) if shared else None
+        self.lock: Optional[Any] = _lock_for(self.generator) if shared else None
         # Per training flag of the partition: None unknown, True uses RNG, False RNG-free.
         self._uses_rng: Dict[bool, Optional[bool]] = {True: None, False: None}
 
@@ -164,7 +164,7 @@ class _CheckpointContext:
         # Saved even when the partition looked RNG-free so far: its draws may depend on the
         # data (dropout on some micro-batches only), and a replay that restores nothing would
         # redraw differently. RNG-free only spares the lock.
-        replay.state = replay.guard.generator.get_state()
+        replay.state = _state_of(replay.guard)
         self.previous = _flags.checkpointing
         _flags.checkpointing = True
 
@@ -173,8 +173,22 @@ class _CheckpointContext:
         replay = self.replay
         guard = replay.guard
         if guard._uses_rng[replay.training] is False and replay.state is not None:
-            if not torch.equal(replay.state, guard.generator.get_state()):
+            if not torch.equal(replay.state, _state_of(guard)):
                 guard._uses_rng[replay.training] = True  # it drew after all: lock from now on
+
+
+def _state_of(guard: RNGGuard) -> torch.Tensor:
+    """The generator's state, read under its lock (re-entrant: the forward may hold it already).
+
+    Never two ``get_state``/``set_state`` calls at once: torch takes the generator's mutex
+    while holding the GIL, and the tensor it then creates can start the garbage collector,
+    whose Python code may hand the GIL to a thread that waits for that mutex: a deadlock.
+    """
+    lock = guard.lock
+    if lock is None:
+        return guard.generator.get_state()
+    with lock:
+        return guard.generator.get_state()
 
 
 class _RecomputeContext:
