@@ -233,6 +233,27 @@ def test_a_model_that_starts_in_place_on_a_chunked_input(checkpoint, leaf_input,
         torch.testing.assert_close(source.grad, expected_source.grad, rtol=0, atol=0)
 
 
+class PassOn(nn.Module):
+    """Hands its input on unchanged (a layer the in-place detection does not know)."""
+
+    def forward(self, x):
+        return x
+
+
+def test_an_in_place_layer_behind_an_unknown_pass_through_on_a_chunked_input():
+    """Each micro-batch of an input that needs no gradient has its own version counter, so
+    overwriting one does not invalidate what the others saved (no checkpointing here: that
+    case is caught and named, see test_partitions_that_start_in_place)."""
+    model = nn.Sequential(PassOn(), nn.ReLU(inplace=True), nn.Linear(3, 3)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    reference(x.clone()).sum().backward()
+    with Pipe(model, [3], chunks=3, checkpoint="never") as pipe:
+        pipe(x.clone()).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_no_grad_and_eval_mode():
     model = make_model(dropout=0.5)
     reference = copy.deepcopy(model).eval()
