@@ -847,12 +847,17 @@ def test_a_step_left_behind_is_ended_by_the_next_call(no_thread_leak):
     with Pipe(model, [2, 2], chunks=4) as pipe:
         program = pipe._forward_program(4)[1]
         pipe._runtime._step = _Step(program, None, ThreadState(["cpu"]))
-        done = []
-        thread = threading.Thread(target=lambda: done.append(pipe(x)), daemon=True)
-        thread.start()
-        thread.join(10)
-        assert done, "the next call waited forever for a step that never ran"
-        torch.testing.assert_close(done[0], reference(x))
+        _assert_next_call_finishes(pipe, x, reference, "the next call waited forever for a step that never ran")
+
+
+def _assert_next_call_finishes(pipe, x, reference, message):
+    """``pipe(x)`` on another thread returns within 10 s, with the plain model's output."""
+    done = []
+    thread = threading.Thread(target=lambda: done.append(pipe(x)), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert done, message
+    torch.testing.assert_close(done[0], reference(x))
 
 
 class _InterruptingQueue:
@@ -889,9 +894,4 @@ def test_an_interrupt_while_queueing_a_step_leaves_the_pipe_usable(fail_at, call
         finally:
             worker.in_queue = real
         assert pipe._runtime._step is None
-        done = []
-        thread = threading.Thread(target=lambda: done.append(pipe(x)), daemon=True)
-        thread.start()
-        thread.join(10)
-        assert done, "the next call hung behind the half-queued step"
-        torch.testing.assert_close(done[0], reference(x))
+        _assert_next_call_finishes(pipe, x, reference, "the next call hung behind the half-queued step")

@@ -90,10 +90,15 @@ def test_fault_surfaces_and_nothing_is_lost(where: str) -> None:
         if where == "h2d":
             batches[FAIL_AT] = RecBatch(batches[FAIL_AT].dense_features, batches[FAIL_AT].sparse_features,
                                         batches[FAIL_AT].labels)
-        rest = drain(pipe, iter(batches[done:]))
-        pipe.flush()
-    _, _, ref_rest = reference_run(tables, batches[done:], opt_sparse, model=reference, opt=ref_opt)
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(rest, ref_rest)) and len(rest) == len(ref_rest)
+        resume_like_the_reference(pipe, model, reference, ref_opt, tables, batches[done:], opt_sparse)
+
+
+def resume_like_the_reference(pipe, model, reference, ref_opt, tables, rest, opt_sparse) -> None:
+    """Train ``rest`` through the pipeline: step for step what the reference loop does."""
+    outputs = drain(pipe, iter(rest))
+    pipe.flush()
+    _, _, expected = reference_run(tables, rest, opt_sparse, model=reference, opt=ref_opt)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(outputs, expected)) and len(outputs) == len(expected)
     assert_same_state(model, reference)
 
 
@@ -189,11 +194,7 @@ def test_a_fault_that_strikes_again_during_recovery_is_retried_later(where: str)
         assert ebc.in_flight() == 0 and ebc.pending_writes() == 0
         reference, ref_opt, _ = reference_run(tables, batches, opt_sparse, steps=done)
         assert_same_state(model, reference)
-        rest = drain(pipe, iter(batches[done:]))
-        pipe.flush()
-    _, _, ref_rest = reference_run(tables, batches[done:], opt_sparse, model=reference, opt=ref_opt)
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(rest, ref_rest)) and len(rest) == len(ref_rest)
-    assert_same_state(model, reference)
+        resume_like_the_reference(pipe, model, reference, ref_opt, tables, batches[done:], opt_sparse)
 
 
 def test_using_the_collection_directly_while_batches_are_in_flight_is_refused() -> None:
