@@ -62,13 +62,29 @@ __all__ += ["checkpoint", "RNGGuard", "StageRNG"]
 _generator_locks: Dict[int, Tuple[torch.Generator, threading.Lock]] = {}
 _generator_locks_guard = threading.Lock()
 
+# Every get_state/set_state of ours runs under this one short lock, and nothing is acquired
+# while it is held. Two such calls at once can deadlock: torch holds the generator's mutex
+# with the GIL while it creates the state tensor, which can start the garbage collector,
+# whose Python code may hand the GIL to the thread waiting for that mutex.
+_state_lock = threading.Lock()
 
-def _lock_for(generator: torch.Generator) -> Any:
+
+def _lock_for(generator: torch.Generator) -> threading.Lock:
     with _generator_locks_guard:
         entry = _generator_locks.get(id(generator))
         if entry is None:
-            entry = _generator_locks[id(generator)] = (generator, threading.RLock())
+            entry = _generator_locks[id(generator)] = (generator, threading.Lock())
         return entry[1]
+
+
+def _get_state(generator: torch.Generator) -> torch.Tensor:
+    with _state_lock:
+        return generator.get_state()
+
+
+def _set_state(generator: torch.Generator, state: torch.Tensor) -> None:
+    with _state_lock:
+        generator.set_state(state)
 
 
 class RNGGuard:
@@ -80,10 +96,11 @@ class RNGGuard:
     shared, each forward of a checkpointing step (checkpointed or not: an unprotected draw
     would interleave) runs under the generator's lock. A partition observed to leave the
     generator untouched in a forward is marked RNG-free and skips the lock, so dropout-free
-    partitions still pipeline. A checkpointed forward always saves the generator state for
-    its replay, and one that draws after all (draws that depend on the data) clears the mark
-    for the rest of the step. Every step learns afresh (:meth:`begin_step`): a partition may
-    start drawing between steps (a dropout probability raised from 0 by a schedule).
+    partitions still pipeline. A checkpointed forward always saves the generator state, so a
+    partition whose draws depend on the data (dropout on small micro-batches only) is still
+    replayed; when the generator did not move, the state is dropped and the recompute takes
+    no lock. Every step learns afresh (:meth:`begin_step`): a partition may start drawing
+    between steps (a dropout probability raised from 0 by a schedule).
 
     Not covered: a partition marked RNG-free whose *first* data-dependent draw runs while a
     partition on the same generator draws too; the two draws can interleave unlocked.
@@ -92,7 +109,7 @@ class RNGGuard:
     def __init__(self, device: torch.device, shared: bool) -> None:
         self.device = device
         self.generator = get_backend(device).default_generator(device)
-        self.lock: Optional[Any] = _lock_for(self.generator) if shared else None
+        self.lock: Optional[threading.Lock] = _lock_for(self.generator) if shared else None
         # Per training flag of the partition: None unknown, True uses RNG, False RNG-free.
         self._uses_rng: Dict[bool, Optional[bool]] = {True: None, False: None}
 
@@ -124,13 +141,13 @@ class _ForwardSection:
         guard.lock.acquire()
         self.locked = True
         if guard._uses_rng[self.training] is None:
-            self.before = guard.generator.get_state()
+            self.before = _get_state(guard.generator)
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         guard = self.guard
         try:
             if self.before is not None and exc_type is None:
-                guard._uses_rng[self.training] = not torch.equal(self.before, guard.generator.get_state())
+                guard._uses_rng[self.training] = not torch.equal(self.before, _get_state(guard.generator))
         finally:
             if self.locked:
                 guard.lock.release()  # type: ignore[union-attr]
@@ -164,7 +181,7 @@ class _CheckpointContext:
         # Saved even when the partition looked RNG-free so far: its draws may depend on the
         # data (dropout on some micro-batches only), and a replay that restores nothing would
         # redraw differently. RNG-free only spares the lock.
-        replay.state = _state_of(replay.guard)
+        replay.state = _get_state(replay.guard.generator)
         self.previous = _flags.checkpointing
         _flags.checkpointing = True
 
@@ -173,22 +190,11 @@ class _CheckpointContext:
         replay = self.replay
         guard = replay.guard
         if guard._uses_rng[replay.training] is False and replay.state is not None:
-            if not torch.equal(replay.state, _state_of(guard)):
-                guard._uses_rng[replay.training] = True  # it drew after all: lock from now on
-
-
-def _state_of(guard: RNGGuard) -> torch.Tensor:
-    """The generator's state, read under its lock (re-entrant: the forward may hold it already).
-
-    Never two ``get_state``/``set_state`` calls at once: torch takes the generator's mutex
-    while holding the GIL, and the tensor it then creates can start the garbage collector,
-    whose Python code may hand the GIL to a thread that waits for that mutex: a deadlock.
-    """
-    lock = guard.lock
-    if lock is None:
-        return guard.generator.get_state()
-    with lock:
-        return guard.generator.get_state()
+            # Seen RNG-free, run unlocked: if the generator did not move, nothing was drawn and
+            # the recompute needs neither the state nor the lock. (If it moved, this forward or
+            # another partition drew; the state is kept and the recompute replays it.)
+            if torch.equal(replay.state, _get_state(guard.generator)):
+                replay.state = None
 
 
 class _RecomputeContext:
@@ -207,8 +213,8 @@ class _RecomputeContext:
                 lock.acquire()
                 self.locked = True
             generator = replay.guard.generator
-            self.saved = generator.get_state()
-            generator.set_state(replay.state)
+            self.saved = _get_state(generator)
+            _set_state(generator, replay.state)
         self.previous = _flags.recomputing
         _flags.recomputing = True
 
@@ -216,7 +222,7 @@ class _RecomputeContext:
         _flags.recomputing = self.previous
         try:
             if self.saved is not None:
-                self.replay.guard.generator.set_state(self.saved)
+                _set_state(self.replay.guard.generator, self.saved)
         finally:
             if self.locked:
                 self.replay.guard.lock.release()  # type: ignore[union-attr]
@@ -292,8 +298,12 @@ class _Contexts:
 
     def __enter__(self) -> None:
         self.stack = contextlib.ExitStack()
-        for factory in self.factories:
-            self.stack.enter_context(factory())
+        try:
+            for factory in self.factories:
+                self.stack.enter_context(factory())
+        except BaseException:  # noqa: B902 - the caller will not call __exit__: undo what was entered
+            self.stack.close()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         self.stack.__exit__(*exc)

@@ -104,8 +104,8 @@ def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
     if chunks == 1:
         return [Batch(input)]
     if isinstance(input, Tensor):
-        return [Batch(_own_version(part)) for part in input.chunk(chunks)]
-    pieces = [[_own_version(p) for p in v.chunk(chunks)] if isinstance(v, Tensor) else None for v in input]
+        return [Batch(part) for part in input.chunk(chunks)]
+    pieces = [v.chunk(chunks) if isinstance(v, Tensor) else None for v in input]
     count = min(len(p) for p in pieces if p is not None)
     return [Batch(rebuild(input, [p[i] if p is not None else v for p, v in zip(pieces, input)])) for i in range(count)]
 
@@ -118,18 +118,6 @@ def _holds_tensor(value: Any) -> bool:
     if isinstance(value, dict):
         return any(_holds_tensor(v) for v in value.values())
     return False
-
-
-def _own_version(part: Tensor) -> Tensor:
-    """A chunk with a version counter of its own.
-
-    Chunks are views of one tensor and share its version counter, so a layer that works in
-    place on one micro-batch would invalidate what the others saved for backward. A chunk that
-    needs no gradient has no autograd history to keep: ``.data`` is the same memory with a
-    counter of its own. (A chunk that needs one stays a view; a stage that starts in place
-    works on a copy of it.)
-    """
-    return part if part.requires_grad else part.data
 
 
 def gather(outputs: Sequence[Batch]) -> TensorOrTensors:

@@ -49,6 +49,8 @@ def _accept_partitioned_keys(module: nn.Module, state_dict: Dict[str, Any], pref
     Those keep the layers under ``partitions.<i>.<name>``; a ``Pipe`` keeps the original
     model's names (``<name>``), so that its state dict also loads into the plain model.
     """
+    if "partitions" in module._modules:  # a layer of the model itself is called 'partitions'
+        return
     start = prefix + "partitions."
     for key in [k for k in state_dict if k.startswith(start)]:
         match = _PARTITIONED_KEY.match(key, len(prefix))

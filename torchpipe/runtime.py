@@ -308,20 +308,14 @@ class _Step:
         while True:
             try:
                 self._release_all(error)
-                wake = self._claim_wake()
+                if not self.woken:  # marked only once done: a cut-short wake runs again
+                    self._wake_outside(error)
+                    self.woken = True
                 break
             except BaseException as exc:  # noqa: B902 - held until every wait is released
                 pending = pending or exc
-        if wake:
-            self._wake_outside(error)
         if pending is not None:
             raise pending
-
-    def _claim_wake(self) -> bool:
-        """True once per step: the abort that wakes the waits outside the runtime."""
-        with self.guard:
-            first, self.woken = not self.woken, True
-            return first
 
     def _release_all(self, error: Optional[BaseException]) -> None:
         """Mark the step aborted and release every result lock (again, if a pass was cut short)."""

@@ -139,8 +139,11 @@ class WeightSplit:
         branches = [(node, child) for node, side in self.frontier.items() for child, _ in side]
         if any(owners.setdefault(child, node) is not node for node, child in branches):
             return True  # two frontier nodes feed one branch
+        # A branch start below another start's children is reached from that branch (autograd
+        # graphs have no cycles, so a start is never below itself): one walk for all of them.
         starts = {child for _, child in branches}
-        return any(_below([child]) & (starts - {child}) for child in starts)
+        below_starts = _below([grand for start in starts for grand, _ in start.next_functions if grand is not None])
+        return not below_starts.isdisjoint(starts)
 
     def _keeper(self, node: Node) -> Any:
         def keep(grad_outputs: Tuple[Optional[Tensor], ...]) -> None:
