@@ -209,9 +209,9 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
         except RuntimeError as exc:
             if record is not None and record.popped and "leaf Variable that requires grad" in str(exc):
                 raise RuntimeError(
-                    f"partition {stage.index} modified a popped skip tensor in place; Pipe.step receives "
-                    "a skip from another partition as a leaf of the stage's graph, which cannot be changed "
-                    "in place: pop it into an out-of-place operation (skip = skip * 0.5, not "
+                    f"partition {stage.index}: {exc} If that leaf is a popped skip tensor: Pipe.step "
+                    "receives a skip from another partition as a leaf of the stage's graph, which cannot "
+                    "be changed in place; pop it into an out-of-place operation (skip = skip * 0.5, not "
                     "skip.mul_(0.5)), or train through pipe(x) and backward()"
                 ) from exc
             raise

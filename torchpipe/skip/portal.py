@@ -60,10 +60,12 @@ class SkipStore:
 
     def aliased_by(self, microbatch: int, tensor: Tensor) -> Optional[SkipKey]:
         """The key of a waiting skip of ``microbatch`` that shares ``tensor``'s memory, if any."""
+        if tensor.numel() == 0:  # no memory to share (and every empty storage points at 0)
+            return None
         pointer = tensor.untyped_storage().data_ptr()
         with self._lock:
             for (key, index), (stashed, _, _) in self._tensors.items():
-                if index == microbatch and isinstance(stashed, Tensor) and \
+                if index == microbatch and isinstance(stashed, Tensor) and stashed.numel() and \
                         stashed.untyped_storage().data_ptr() == pointer:
                     return key
         return None
