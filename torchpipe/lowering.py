@@ -176,8 +176,7 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
     if stage.starts_in_place and (checkpointed or record is not None or _has_view(batch)):
         # Overwriting the input in place would break the checkpoint's saved input, Pipe.step's
         # leaves, or the sibling micro-batches that share a chunked input's version counter.
-        if stage.has_skips or len(ctx.skips):
-            _refuse_stashed_input(stage, ctx.skips, microbatch, batch)
+        _refuse_stashed_input(stage, ctx.skips, microbatch, batch)
         partition = stage.checkpointed_function
     if not (checkpointed or ctx.rng_sections or stage.has_skips):
         return Batch(partition(batch.value))  # the common case: nothing to set up around the call

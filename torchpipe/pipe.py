@@ -471,8 +471,9 @@ class Pipe(nn.Module):
         A call in progress on another thread finishes first. From inside one of the Pipe's own
         stages, close() raises RuntimeError: the stage's own step could never finish.
         """
-        if threading.get_ident() in {w.thread.ident for w in self._workers if w.is_alive()}:
-            raise RuntimeError("close() was called from one of this Pipe's own stages; close it from outside the pipeline")
+        if self._finalizer.alive:  # the workers' thread ids are current only while they run
+            self._runtime.refuse_worker_caller(
+                "close() was called from one of this Pipe's own stages; close it from outside the pipeline")
         # A step that never ends (a stage stuck in user code) must not block close() for good:
         # the workers' stop markers then queue behind that step's tasks.
         locked = self._step_lock.acquire(timeout=STOP_TIMEOUT_S)

@@ -383,10 +383,12 @@ class Runtime:
         if pending is not None:
             raise pending
 
-    def refuse_worker_caller(self) -> None:
-        """RuntimeError when called from one of this runtime's workers (it would deadlock)."""
+    def refuse_worker_caller(
+        self, message: str = "a pipeline stage called its own pipeline: re-entrant calls would deadlock"
+    ) -> None:
+        """RuntimeError(``message``) when called from one of this runtime's workers (it would deadlock)."""
         if threading.get_ident() in self._worker_threads:
-            raise RuntimeError("a pipeline stage called its own pipeline: re-entrant calls would deadlock")
+            raise RuntimeError(message)
 
     def _tasks_for(self, program: Program) -> List[List[Task]]:
         cached = self._tasks.get(id(program))
