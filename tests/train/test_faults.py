@@ -12,7 +12,7 @@ from train_helpers import (assert_same_state, build, drain, make_batches, make_t
                            window_minimum)
 
 from torchpipe.rec import Adam, RecInputError
-from torchpipe.train import EmbCacheTrainPipeline, RecBatch
+from torchpipe.train import EmbCacheTrainPipeline, RecBatch, train_step
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -263,6 +263,55 @@ def test_a_dropped_pipeline_stops_its_threads_and_leaves_no_hook_behind() -> Non
         gc.collect()
     assert not wait_until_gone(torchpipe_threads() - before), "a dropped pipeline left its threads running"
     assert not model.ebc._forward_pre_hooks and not model.ebc._forward_hooks
+
+
+@pytest.mark.parametrize("how", ["close", "with", "garbage-collected"])
+def test_a_pipeline_ended_with_batches_in_flight_hands_the_collection_back_whole(how: str) -> None:
+    """Stopping mid-epoch (early stopping, a break out of the loop) drops the in-flight batches.
+
+    The collection must still flush and save the state after ``steps_done`` steps, and a new
+    pipeline must be able to go on from there: before, every later flush was refused ("batches
+    in flight") for good, since nothing could drain a closed pipeline.
+    """
+    import gc
+
+    from thread_helpers import torchpipe_threads, wait_until_gone
+
+    tables = make_tables()
+    batches = make_batches(tables, 10, seed=3)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    before = torchpipe_threads()
+    it = iter(batches)
+    pipe = EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1)
+
+    def train_two() -> int:
+        pipe.progress(it)
+        pipe.progress(it)
+        assert model.ebc.in_flight() > 0  # the next batches are planned (and swapped) already
+        return pipe.steps_done
+
+    if how == "with":
+        with pipe:
+            done = train_two()
+    elif how == "close":
+        done = train_two()
+        pipe.close()
+        pipe.close()  # idempotent
+    else:
+        done = train_two()
+        del pipe
+        gc.collect()
+    assert not wait_until_gone(torchpipe_threads() - before)
+    assert model.ebc.in_flight() == 0 and model.ebc.pending_writes() == 0
+    assert not model.ebc._forward_pre_hooks
+    reference, reference_opt, _ = reference_run(tables, batches, Adam(lr=0.5), steps=done)
+    assert_same_state(model, reference)  # flushes: refused before the fix
+    # The dropped batches were not trained: a new pipeline trains them, from where we stopped.
+    with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as again:
+        drain(again, iter(batches[done:]))
+    for batch in batches[done:]:
+        train_step(reference, reference_opt, batch)
+    assert_same_state(model, reference)
 
 
 def test_optimizer_state_of_the_wrong_shape_is_refused() -> None:

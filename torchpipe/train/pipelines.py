@@ -238,9 +238,53 @@ def _call_if_alive(pipeline: "weakref.ref[Any]", method: str, *args: Any) -> Any
     return None if alive is None else getattr(alive, method)(*args)
 
 
-def _remove_hooks(hooks: List[Any]) -> None:
+class _InFlight:
+    """The batches planned on the collection and not yet released, in plan order.
+
+    Kept apart from the pipeline, so that the pipeline's finalizer can reach them without
+    keeping the pipeline alive: a pipeline closed or collected with batches in flight must
+    still hand the collection back whole, or every later `flush` would be refused.
+    """
+
+    def __init__(self, collection: CachedEmbeddingBagCollection) -> None:
+        self.collection = collection
+        self._items: List[_Item] = []
+        self._lock = threading.Lock()
+
+    def add(self, item: _Item) -> None:
+        with self._lock:
+            self._items.append(item)
+
+    def pop_trained(self) -> List[_Item]:
+        """The batches whose train step ran, in plan order; they leave the set."""
+        with self._lock:
+            done = [item for item in self._items if item.trained]
+            self._items = [item for item in self._items if not item.trained]
+        return done
+
+    def drop_all(self) -> None:
+        """Complete the swaps of every batch left (oldest first) and release them all.
+
+        Swaps move rows without changing them, so the tables plus the cache keep exactly the
+        state of the steps that ran. If a swap fails, the collection keeps the rest queued
+        and retries them before its next plan, flush or lookup.
+        """
+        with self._lock:
+            items, self._items = self._items, []
+        plans = [item.plan for item in items if item.plan is not None]
+        if plans:
+            self.collection.finish_swaps(plans)
+
+
+def _drop_pipeline(hooks: List[Any], in_flight: _InFlight, backend: Any, device: torch.device) -> None:
+    """Finalizer of an `EmbCacheTrainPipeline`: unhook it and hand its batches back (see `_InFlight`)."""
     for hook in hooks:
         hook.remove()
+    backend.synchronize(device)  # the device work of the steps that ran comes first ...
+    try:
+        in_flight.drop_all()
+    finally:
+        backend.synchronize(device)  # ... and the swaps finish before anyone reads the rows
 
 
 def find_collection(model: nn.Module) -> CachedEmbeddingBagCollection:
@@ -324,8 +368,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         # and before the train step of their batch (events; no-ops on the CPU).
         self._swap_stream = self._backend.new_stream(self.device)
         self._trained_event: Any = None
-        self._live: List[_Item] = []  # planned, not yet released; in plan order
-        self._live_lock = threading.Lock()
+        self._in_flight = _InFlight(self.collection)
         self._armed: Optional[_Armed] = None
         # The collection outlives the pipeline: its hooks must not keep the pipeline (and its
         # threads) alive, so they reach it through a weak reference and go with it.
@@ -336,7 +379,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         if sharding is not None:
             self._hooks.append(self.collection.register_forward_hook(
                 lambda module, args, output: _call_if_alive(this, "_output_dist", module, args, output)))
-        weakref.finalize(self, _remove_hooks, list(self._hooks))
+        # Closed or collected with batches in flight: the workers stop first, then this runs.
+        self._finalizer = weakref.finalize(self, _drop_pipeline, list(self._hooks), self._in_flight,
+                                           self._backend, self.device)
         self.pipeline = StagedPipeline(
             [PipelineStage("h2d", lambda b: self._h2d(_Item(b)), "copy"),
              PipelineStage("input_dist", self._dist, "host"),
@@ -373,8 +418,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         assert item.keys is not None
         plan = self.collection.plan(item.keys)
         item.plan = plan
-        with self._live_lock:
-            self._live.append(item)
+        self._in_flight.add(item)
         return item
 
     def _swap(self, item: _Item) -> _Item:
@@ -442,18 +486,13 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     # -- bookkeeping on the caller's thread ------------------------------------------------
     def _after_clock(self, clock: Clock, outputs: Dict[int, Any]) -> None:
         """Release the batches trained in this clock (their backward is done)."""
-        with self._live_lock:
-            done = [item for item in self._live if item.trained]
-            self._live = [item for item in self._live if not item.trained]
-        for item in done:
+        for item in self._in_flight.pop_trained():
             assert item.plan is not None
             self.collection.release(item.plan)
 
     def _recover(self, failure: PipelineFailure) -> None:
         """After a failed clock: finish the swaps of dropped batches, release everything."""
         self.collection.clear_abort()
-        with self._live_lock:
-            live, self._live = self._live, []
         backend, swap = self._backend, self._swap_stream
         others = super().streams()
         for _, stream in others:  # the swaps below come after every step's device work ...
@@ -461,7 +500,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         try:
             with backend.use_device(self.device), backend.use_stream(swap):
                 # Plan order: swaps complete in ticket order. Trained batches were swapped in.
-                self.collection.finish_swaps([item.plan for item in live if item.plan is not None])
+                self._in_flight.drop_all()
         except BaseException as again:  # noqa: B902 - the step's own error is the one to raise
             if hasattr(failure.error, "add_note"):
                 failure.error.add_note(
@@ -486,6 +525,11 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         return hits / total if total else 0.0
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        super().close()
+        """Stop the threads. Batches still in flight are dropped, not trained (`flush` trains them).
+
+        Their swaps are completed and their keys released, so the collection holds exactly the
+        state after `steps_done` steps: its `flush()` and `save` work, and a new pipeline (or
+        the model called directly) can go on training from there.
+        """
+        super().close()  # no stage runs after this
+        self._finalizer()
