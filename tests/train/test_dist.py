@@ -141,3 +141,67 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
 def test_two_process_table_wise_dist_equals_single_process(tmp_path) -> None:
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     mp.spawn(worker, args=(str(tmp_path / "init"), tests_dir), nprocs=WORLD, join=True)
+
+
+def failing_rank_worker(rank: int, init_file: str, tests_dir: str, errors_file: str) -> None:
+    """Rank 0's model fails in one step after the output all-to-all; rank 1 does not."""
+    import datetime
+    sys.path.insert(0, tests_dir)
+    sys.path.insert(0, os.path.join(os.path.dirname(tests_dir), "rec"))
+    torch.set_num_threads(1)
+    from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection
+    from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=5))
+    errors = []
+    try:
+        tables = make_tables()
+        sharding = TableWiseSharding(tables, input_group=None, output_group=dist.new_group(list(range(WORLD))))
+        mine = sharding.local_tables
+        per_rank = [make_batches(tables, 10, batch_size=3 + r, seed=10 + r) for r in range(WORLD)]
+        global_batches = [concat_samples([per_rank[r][i] for r in range(WORLD)]) for i in range(10)]
+        ebc = CachedEmbeddingBagCollection(mine, window_minimum(mine, global_batches), optimizer=SGD(lr=1.0),
+                                           weights=integer_weights(tables))
+        model = SparseAndDense(ebc, DENSE_IN)
+        forward, calls = model.forward, [0]
+
+        def failing_forward(batch):
+            out = forward(batch)
+            calls[0] += 1
+            if rank == 0 and calls[0] == 4:
+                raise ValueError("injected on rank 0")
+            return out
+
+        model.forward = failing_forward
+        opt = torch.optim.SGD(model.dense.parameters(), lr=2.0 ** -6)
+        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
+                                   device_threads=1) as pipe:
+            it = iter(per_rank[rank])
+            while len(errors) < 2:
+                try:
+                    pipe.progress(it)
+                except StopIteration:
+                    break
+                except Exception as exc:  # noqa: BLE001 - recorded for the parent's asserts
+                    errors.append(type(exc).__name__ + ": " + str(exc).splitlines()[0][:200])
+    finally:
+        with open(f"{errors_file}.{rank}", "w") as out:
+            out.write("\n".join(errors))
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_on_one_rank_fails_every_rank_within_the_process_group_timeout(tmp_path) -> None:
+    """Documented limit: a failure only one rank sees leaves the others in a collective. They
+    must fail (the process group's timeout), never hang, and the failing rank raises its own
+    error first."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    errors_file = str(tmp_path / "errors")
+    mp.spawn(failing_rank_worker, args=(str(tmp_path / "init"), tests_dir, errors_file), nprocs=WORLD, join=True)
+    first = open(f"{errors_file}.0").read().splitlines()
+    other = open(f"{errors_file}.1").read().splitlines()
+    assert first and first[0] == "ValueError: injected on rank 0", first
+    assert other and all(line.startswith("RuntimeError") for line in other), other
