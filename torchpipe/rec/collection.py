@@ -86,6 +86,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._plan_seq = 0
         # Swaps a failure stopped partway, oldest first: finished before anything else runs.
         self._unfinished: list[BatchPlan] = []
+        # Those of a pipeline collected with batches in flight: its finalizer only queues them
+        # here (it may run on any thread, in the middle of anything), `finish_swaps` runs them.
+        self._dropped: list[BatchPlan] = []
         self._finish_lock = threading.RLock()
         self._sync_plan: BatchPlan | None = None
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
@@ -149,7 +152,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         an error each time, never a hang or a row lost.
         """
         with self._finish_lock:
+            while self._dropped:
+                self._unfinished.append(self._dropped.pop(0))
             self._unfinished.extend(plans)
+            self._unfinished.sort(key=lambda queued: queued.seq)  # ticket order, whoever queued them
             while self._unfinished:
                 plan = self._unfinished[0]
                 if not plan.scattered:
@@ -159,6 +165,14 @@ class CachedEmbeddingBagCollection(nn.Module):
                 if not plan.released:
                     self.release(plan)
                 self._unfinished.pop(0)
+
+    def defer_swaps(self, plans: Sequence[BatchPlan]) -> None:
+        """Queue the swaps of batches whose pipeline is gone, running nothing now.
+
+        For finalizers: it takes no lock and moves no row. The next `finish_swaps` (every
+        `plan`, `flush` and direct lookup starts with one) completes them in plan order.
+        """
+        self._dropped.extend(plans)
 
     def swap(self, plan: BatchPlan) -> None:
         """All four swap steps of one batch, in order."""

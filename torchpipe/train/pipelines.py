@@ -10,6 +10,7 @@ The model contract is TorchRec's: ``losses, output = model(batch)``; the step is
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -262,6 +263,11 @@ class _InFlight:
             self._items = [item for item in self._items if not item.trained]
         return done
 
+    def _take_plans(self) -> List[BatchPlan]:
+        with self._lock:
+            items, self._items = self._items, []
+        return [item.plan for item in items if item.plan is not None]
+
     def drop_all(self) -> None:
         """Complete the swaps of every batch left (oldest first) and release them all.
 
@@ -269,22 +275,44 @@ class _InFlight:
         state of the steps that ran. If a swap fails, the collection keeps the rest queued
         and retries them before its next plan, flush or lookup.
         """
-        with self._lock:
-            items, self._items = self._items, []
-        plans = [item.plan for item in items if item.plan is not None]
+        plans = self._take_plans()
         if plans:
             self.collection.finish_swaps(plans)
 
+    def hand_back(self) -> None:
+        """Like `drop_all`, but only queue the swaps on the collection (see `defer_swaps`)."""
+        self.collection.defer_swaps(self._take_plans())
+
 
 def _drop_pipeline(hooks: List[Any], in_flight: _InFlight, backend: Any, device: torch.device) -> None:
-    """Finalizer of an `EmbCacheTrainPipeline`: unhook it and hand its batches back (see `_InFlight`)."""
+    """Finalizer of an `EmbCacheTrainPipeline`: unhook it and hand its batches back (see `_InFlight`).
+
+    It may run on any thread, from the garbage collector, so it takes no lock of ours; the
+    device work of the steps that ran is waited for, so the queued swaps read the final rows.
+    """
     for hook in hooks:
         hook.remove()
-    backend.synchronize(device)  # the device work of the steps that ran comes first ...
-    try:
-        in_flight.drop_all()
-    finally:
-        backend.synchronize(device)  # ... and the swaps finish before anyone reads the rows
+    backend.synchronize(device)
+    in_flight.hand_back()
+
+
+def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
+    """Refuse a collection that still has batches in flight: a cache serves one pipeline at a time.
+
+    A pipeline that was dropped without `close()` hands its batches back when it is collected,
+    so collect garbage first; a live one (or a direct lookup whose backward has not run) must
+    be flushed or closed. Two pipelines planning on one cache would evict each other's
+    protected rows or wait on each other's write-backs.
+    """
+    if not (collection.in_flight() or collection.pending_writes()):
+        return
+    gc.collect()
+    collection.finish_swaps()
+    if collection.in_flight() or collection.pending_writes():
+        raise RuntimeError(
+            f"the collection has batches in flight ({collection.in_flight()} protected slots, "
+            f"{collection.pending_writes()} pending write-backs) from another pipeline or a direct lookup "
+            "whose backward has not run; flush() or close() that pipeline first")
 
 
 def find_collection(model: nn.Module) -> CachedEmbeddingBagCollection:
@@ -353,6 +381,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         if self.collection.device != self.device:
             raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
                              f"{self.device}")
+        claim_collection(self.collection)
         self._sharding = sharding
         self._global_layouts: Optional[List[Any]] = None
         # Across processes the dense part is replicated: its gradients are all-reduced over the
@@ -533,3 +562,5 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         """
         super().close()  # no stage runs after this
         self._finalizer()
+        with self._backend.use_device(self.device):
+            self.collection.finish_swaps()  # on the caller's stream, after the device work (above)
