@@ -1,17 +1,24 @@
 """Tests of torchpipe.balance: the optimal solver, the profilers, the sandbox, the errors."""
 from __future__ import annotations
 
+import copy
+import gc
 import itertools
 import math
 import random
+import sys
 import time
+import weakref
 from fractions import Fraction
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence
+
+import numpy as np
 
 import pytest
 import torch
 from torch import nn
 
+from torchpipe import Pipe
 from torchpipe.balance import balance_by_cost, balance_by_size, balance_by_time, blockpartition
 from torchpipe.balance.profile_size import profile_sizes
 
@@ -239,12 +246,139 @@ def test_argument_errors() -> None:
     for timeout in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match=f"timeout.*{timeout}"):
             balance_by_time(2, model, x, timeout=timeout)
-    for chunks in (0, -2, 1.5):
+    for chunks in (0, -2):
         with pytest.raises(ValueError, match=f"chunks.*{chunks}"):
-            balance_by_size(2, model, x, chunks=chunks)  # type: ignore[arg-type]
+            balance_by_size(2, model, x, chunks=chunks)
     for scale in (-0.5, math.nan):
         with pytest.raises(ValueError, match=f"param_scale.*{scale}"):
             balance_by_size(2, model, x, param_scale=scale)
+    # Wrong types are TypeErrors naming the value; NumPy integers count as integers, as in Pipe.
+    with pytest.raises(TypeError, match=r"chunks must be an int, got float 1.5"):
+        balance_by_size(2, model, x, chunks=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"timeout must be .*got str '1'"):
+        balance_by_time(2, model, x, timeout="1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"param_scale must be .*got NoneType None"):
+        balance_by_size(2, model, x, param_scale=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"partitions must be an int, got float"):
+        balance_by_time(2.0, model, x)  # type: ignore[arg-type]
+    assert balance_by_size(np.int64(2), model, x, chunks=np.int64(2)) == balance_by_size(2, model, x, chunks=2)
+    assert blockpartition([np.float32(1.5), np.float32(0.5), 1], np.int64(2)) == [[0], [1, 2]]
+    with pytest.raises(TypeError, match="holds no Tensor"):
+        balance_by_time(2, model, ())
+    with pytest.raises(ValueError, match=r"same non-empty batch dimension.*\[\(4, 2\), \(\)\]"):
+        balance_by_size(2, model, (x, torch.tensor(1.0)))
+    for balance in (balance_by_time, balance_by_size):  # meta tensors have no time or storage
+        with pytest.raises(ValueError, match="device='meta' cannot be profiled"):
+            balance(2, model, x, device="meta")
+
+
+class Pair(NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class SwapPair(nn.Module):
+    """Reads its input's fields by name, as a layer fed a namedtuple does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, pair: Pair) -> Pair:
+        return Pair(self.linear(pair.second), pair.first)
+
+
+class ScaleBy(nn.Module):
+    """Takes ``(tensor, factor)``: a tuple with a non-tensor item, which Pipe passes through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, value: tuple) -> tuple:
+        tensor, factor = value
+        return self.linear(tensor) * factor, factor
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (nn.Sequential(SwapPair(), SwapPair(), SwapPair()), Pair(torch.randn(4, 2), torch.randn(4, 2))),
+    lambda: (nn.Sequential(ScaleBy(), ScaleBy(), ScaleBy()), (torch.randn(4, 2), 3)),
+], ids=["namedtuple", "non-tensor item"])
+def test_profilers_accept_what_pipe_accepts_between_layers(make) -> None:
+    model, sample = make()
+    with Pipe(copy.deepcopy(model), [1, 2], devices=["cpu", "cpu"]) as pipe:
+        pipe(sample)
+    assert balance_by_time(3, model, sample, timeout=0.01) == [1, 1, 1]
+    assert balance_by_size(3, model, sample) == [1, 1, 1]
+
+
+class CopyCounter(nn.Linear):
+    """Counts its own live copies from inside each profiling run."""
+
+    copies: List[weakref.ref] = []
+    most_alive = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gc.collect()
+        alive = sum(1 for ref in CopyCounter.copies if ref() is not None)
+        CopyCounter.most_alive = max(CopyCounter.most_alive, alive)
+        return super().forward(x)
+
+    def __deepcopy__(self, memo: dict) -> "CopyCounter":
+        twin = CopyCounter(self.in_features, self.out_features)
+        twin.load_state_dict(self.state_dict())
+        CopyCounter.copies.append(weakref.ref(twin.weight))
+        return twin
+
+
+@pytest.mark.parametrize("balance", [balance_by_time, balance_by_size])
+def test_only_one_layer_copy_is_alive_while_profiling(balance) -> None:
+    """The whole model may not fit on the profiling device: one layer's copy at a time.
+    The previous copy stayed alive through the caller's loop variable and its output's graph."""
+    CopyCounter.copies, CopyCounter.most_alive = [], 0
+    model = nn.Sequential(*[CopyCounter(4, 4) for _ in range(4)])
+    balance(2, model, torch.randn(3, 4))
+    assert CopyCounter.most_alive == 1
+
+
+class SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        time.sleep(0.05)
+        return grad
+
+
+class SlowBackwardLayer(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return SlowBackward.apply(super().forward(x))
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_profiling_measures_backward_under_no_grad_and_inference_mode(mode) -> None:
+    model = nn.Sequential(SlowBackwardLayer(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    with mode():
+        sample = torch.randn(8, 4)
+        assert balance_by_time(2, model, sample, timeout=0.05) == [1, 3]  # [2, 2] if backward is skipped
+        sizes = profile_sizes(nn.Sequential(ExpSin()), sample.requires_grad_(False), 1, 2.0, torch.device("cpu"))
+    assert sizes == profile_sizes(nn.Sequential(ExpSin()), torch.randn(8, 4), 1, 2.0, torch.device("cpu"))
+
+
+class FailsInForward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("broken layer")
+
+
+def test_a_profiling_error_names_the_layer() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), FailsInForward(), nn.Linear(2, 2))
+    for balance in (balance_by_time, balance_by_size):
+        with pytest.raises(ValueError, match="broken layer") as failure:
+            balance(2, model, torch.randn(3, 2))
+        if sys.version_info >= (3, 11):  # exception notes
+            assert "while profiling layer 1 (FailsInForward)" in failure.value.__notes__[-1]
 
 
 def test_in_place_first_layer_does_not_write_into_the_sample() -> None:

@@ -617,3 +617,12 @@ def test_autocast_state_reaches_workers():
             out = pipe(torch.randn(4, 8))
         assert out.dtype == torch.bfloat16
         assert pipe(torch.randn(4, 8)).dtype == torch.float32
+
+
+def test_profile_takes_every_keyword_of_torch_profiler():
+    """An experimental_config of the user's own crashed (torch's config is read-only)."""
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
+        with torchpipe.profiling.profile(experimental_config=config, record_shapes=True) as prof:
+            pipe(torch.randn(4, 8)).sum().backward()
+    assert "stage 1 F mb 1" in {event.name for event in prof.events()}

@@ -265,3 +265,51 @@ def test_balancing_profiles_skippable_layers():
     model = unet()
     assert len(balance_by_time(3, model, torch.randn(4, 8), timeout=0.05)) == 3
     assert sum(balance_by_size(2, model, torch.randn(4, 8))) == len(model)
+
+
+@skippable(stash=["maybe"])
+class StashesNone(nn.Module):
+    """Stashes ``None`` (``stash`` takes an optional tensor, as in torchgpipe)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        yield stash("maybe", None)
+        return self.linear(x)
+
+
+@skippable(pop=["maybe"])
+class PopsMaybe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        skip = yield pop("maybe")
+        return self.linear(x) if skip is None else self.linear(x) + skip
+
+
+@pytest.mark.parametrize("balance", [[1, 2], [2, 1], [1, 1, 1]])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("path", ["forward", "step"])
+def test_a_skip_that_is_none_crosses_partitions(balance, checkpoint, path):
+    """The recompute used None as its own marker for 'recomputed here', so a None stashed by
+    another partition failed with a KeyError under checkpointing."""
+    model = nn.Sequential(StashesNone(), nn.ReLU(), PopsMaybe())
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    with Pipe(model, balance, devices=["cpu"] * len(balance), chunks=3, checkpoint=checkpoint) as pipe:
+        if path == "forward":
+            loss = nn.MSELoss()(pipe(x), y)
+            loss.backward()
+        else:
+            loss = pipe.step(x, y, nn.MSELoss())
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    for got, want in zip(grads(model), grads(reference)):
+        torch.testing.assert_close(got, want)
+    assert balance_by_time(3, model, x, timeout=0.01) == [1, 1, 1]  # profiling failed on None too
+    assert balance_by_size(3, model, x) == [1, 1, 1]

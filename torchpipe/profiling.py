@@ -16,11 +16,13 @@ __all__ = ["profile"]
 
 
 def profile(**kwargs: Any) -> "torch.profiler.profile":
-    """``torch.profiler.profile(**kwargs)`` with worker threads recorded too."""
-    config = kwargs.pop("experimental_config", None)
-    if config is None:
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    else:
-        config.profile_all_threads = True  # type: ignore[attr-defined]
-    kwargs.setdefault("activities", [torch.profiler.ProfilerActivity.CPU])
-    return torch.profiler.profile(experimental_config=config, **kwargs)
+    """``torch.profiler.profile(**kwargs)`` with worker threads recorded too.
+
+    Every keyword of ``torch.profiler.profile`` works, with its defaults (``activities``:
+    every kind the machine supports, so a GPU's kernels are recorded too). torch's config
+    object is read-only, so an ``experimental_config`` of your own is passed on unchanged:
+    build it with ``profile_all_threads=True``, or the trace shows the calling thread only.
+    """
+    if kwargs.get("experimental_config") is None:
+        kwargs["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    return torch.profiler.profile(**kwargs)

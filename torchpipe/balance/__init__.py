@@ -12,8 +12,10 @@ sequence is split optimally into consecutive partitions (:func:`blockpartition`)
 from __future__ import annotations
 
 import math
+import operator
+from contextlib import contextmanager
 from numbers import Real
-from typing import List, Union
+from typing import Iterator, List, Optional, Union
 
 import torch
 from torch import nn
@@ -21,7 +23,7 @@ from torch import nn
 from torchpipe.balance.layer_call import Activation, tensors_of
 from torchpipe.balance.profile_size import profile_sizes
 from torchpipe.balance.profile_time import profile_times
-from torchpipe.balance.solver import balance_by_cost, blockpartition
+from torchpipe.balance.solver import balance_by_cost, blockpartition, check_partitions
 
 __all__ = ["balance_by_time", "balance_by_size", "blockpartition", "balance_by_cost"]
 
@@ -29,32 +31,32 @@ Device = Union[torch.device, str, int]
 
 
 def balance_by_time(partitions: int, module: nn.Sequential, sample: Activation, *,
-                    timeout: float = 1.0, device: Device = torch.device("cpu")) -> List[int]:
+                    timeout: float = 1.0, device: Optional[Device] = None) -> List[int]:
     """Balance by the time each layer takes, forward plus backward, on ``device``.
 
     Why: a pipeline's throughput is bounded by its slowest partition. Each layer is run on
     ``sample`` (any batch size) and timed repeatedly for about ``timeout / len(module)``
     seconds, at least once, after one untimed warm-up run; its cost is the median time. The
-    whole call takes about ``timeout`` seconds plus one warm-up per layer.
+    whole call takes about ``timeout`` seconds plus one warm-up per layer. ``device``
+    defaults, as in torchgpipe, to the current accelerator (CUDA, NPU) when there is one,
+    else the CPU.
 
     Returns the number of consecutive layers per partition, the ``balance`` a pipe takes.
-    Raises ``TypeError`` if ``module`` is not an ``nn.Sequential``, ``ValueError`` if
-    ``partitions`` is below 1 or above ``len(module)``, or ``timeout`` is negative or not finite.
+    Raises ``TypeError`` if ``module`` is not an ``nn.Sequential`` or an argument has the
+    wrong type, ``ValueError`` if ``partitions`` is below 1 or above ``len(module)``,
+    ``timeout`` is negative or not finite, or ``device`` is ``meta``.
     """
-    _check_common(partitions, module, sample)
-    if isinstance(timeout, bool) or not isinstance(timeout, Real) or not (
-        math.isfinite(timeout) and timeout >= 0
-    ):
-        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
-    device = torch.device(device)
-    with _untouched_rng(device), torch.enable_grad():
-        times = profile_times(module, sample, float(timeout), device)
+    partitions = _check_common(partitions, module, sample)
+    timeout = _non_negative("timeout", timeout, "a finite number of seconds >= 0")
+    device = _profiling_device(device)
+    with _profiling_mode(device):
+        times = profile_times(module, sample, timeout, device)
     return balance_by_cost(times, partitions)
 
 
 def balance_by_size(partitions: int, module: nn.Sequential, input: Activation, *,
                     chunks: int = 1, param_scale: float = 2.0,
-                    device: Device = torch.device("cpu")) -> List[int]:
+                    device: Optional[Device] = None) -> List[int]:
     """Balance by the memory each layer needs on its device while training.
 
     Why: a partition must fit its device, and the largest partition bounds the batch size.
@@ -67,42 +69,75 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: Activation, *
     ``param_scale`` depends on the optimizer: 2 counts weights and gradients (plain SGD); add
     1 per optimizer state tensor per parameter (SGD with momentum: 3, Adam: 4).
 
-    Raises ``TypeError`` if ``module`` is not an ``nn.Sequential``, ``ValueError`` if
-    ``partitions`` is below 1 or above ``len(module)``, ``chunks`` is not a positive int, or
-    ``param_scale`` is negative or not finite.
+    Raises ``TypeError`` if ``module`` is not an ``nn.Sequential`` or an argument has the
+    wrong type, ``ValueError`` if ``partitions`` is below 1 or above ``len(module)``,
+    ``chunks`` is below 1, ``param_scale`` is negative or not finite, or ``device`` is
+    ``meta``. ``device`` defaults as for :func:`balance_by_time`.
     """
-    _check_common(partitions, module, input)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive int, got {chunks!r}")
-    if isinstance(param_scale, bool) or not isinstance(param_scale, Real) or not (
-        math.isfinite(param_scale) and param_scale >= 0
-    ):
-        raise ValueError(f"param_scale must be a finite number >= 0, got {param_scale!r}")
-    device = torch.device(device)
-    with _untouched_rng(device), torch.enable_grad():
-        sizes = profile_sizes(module, input, chunks, float(param_scale), device)
+    partitions = _check_common(partitions, module, input)
+    if isinstance(chunks, bool):
+        raise TypeError(f"chunks must be an int, got {chunks!r}")
+    try:
+        chunks = operator.index(chunks)
+    except TypeError:
+        raise TypeError(f"chunks must be an int, got {type(chunks).__name__} {chunks!r}") from None
+    if chunks < 1:
+        raise ValueError(f"chunks must be at least 1, got {chunks}")
+    param_scale = _non_negative("param_scale", param_scale, "a finite number >= 0")
+    device = _profiling_device(device)
+    with _profiling_mode(device):
+        sizes = profile_sizes(module, input, chunks, param_scale, device)
     return balance_by_cost(sizes, partitions)
 
 
-def _check_common(partitions: int, module: nn.Sequential, sample: Activation) -> None:
+def _check_common(partitions: int, module: nn.Sequential, sample: Activation) -> int:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
-    if isinstance(partitions, bool) or not isinstance(partitions, int):
-        raise TypeError(f"partitions must be an int, got {type(partitions).__name__}")
-    if partitions < 1:
-        raise ValueError(f"partitions must be at least 1 (got {partitions} < 1)")
-    if partitions > len(module):
-        raise ValueError(
-            f"more partitions than layers: cannot split {len(module)} layers into "
-            f"{partitions} non-empty partitions ({partitions} > {len(module)})"
-        )
+    partitions = check_partitions(partitions, len(module))
     tensors = tensors_of(sample)
-    if not tensors or tensors[0].dim() == 0 or tensors[0].size(0) == 0:
-        raise ValueError("the sample must have a non-empty batch dimension (dimension 0)")
+    if not tensors:
+        raise TypeError("the sample tuple holds no Tensor to run the layers on")
+    sizes = {t.size(0) if t.dim() else None for t in tensors}
+    if None in sizes or 0 in sizes or len(sizes) != 1:
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(f"every tensor of the sample needs the same non-empty batch dimension (dim 0), "
+                         f"got shapes {shapes}")
+    return partitions
 
 
-def _untouched_rng(device: torch.device):  # type: ignore[no-untyped-def]
-    """Fork the RNG so that profiling (dropout, ...) does not advance the user's random stream."""
+def _non_negative(name: str, value: float, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return float(value)
+
+
+def _profiling_device(device: Optional[Device]) -> torch.device:
+    """``device``, or the current accelerator (torchgpipe profiles on the current CUDA device)."""
+    if device is None:
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        if accelerator is None:
+            return torch.device("cpu")
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("device='meta' cannot be profiled: meta tensors take no time and share no "
+                         "storage to measure; profile on the CPU or an accelerator")
+    return device
+
+
+@contextmanager
+def _profiling_mode(device: torch.device) -> Iterator[None]:
+    """Forward plus backward whatever the caller's mode, without advancing the user's RNG.
+
+    ``no_grad`` and ``inference_mode`` around the call would otherwise turn profiling into
+    forward-only silently; the RNG is forked so that dropout in profiling draws nothing from
+    the user's random stream.
+    """
     if device.type == "cpu":
-        return torch.random.fork_rng(devices=[])
-    return torch.random.fork_rng(devices=[device], device_type=device.type)
+        rng = torch.random.fork_rng(devices=[])
+    else:
+        rng = torch.random.fork_rng(devices=[device], device_type=device.type)
+    with rng, torch.inference_mode(False), torch.enable_grad():
+        yield

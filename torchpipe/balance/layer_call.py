@@ -6,35 +6,52 @@ further down the sequence: :func:`profiling_skips` keeps the latest stash of eve
 serves each pop a fresh copy of it, so that a layer can be run many times and a popping
 layer profiles with the tensor its stashing layer produced.
 
-A layer takes and returns either one tensor or a tuple of tensors, as in torchgpipe: a tuple
-is passed to the layer as a single argument.
+A layer takes and returns either one tensor or a tuple, as in torchgpipe: a tuple is passed
+to the layer as a single argument. As in a pipe, a namedtuple keeps its type and the
+non-tensor items of a tuple travel unchanged.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterator, Tuple, Union
+from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from torchpipe.microbatch import rebuild
 from torchpipe.skip import use_skip_tracker
 from torchpipe.skip.tracker import SkipKey, skip_name
 
-__all__ = ["Activation", "call_layer", "tensors_of", "partition_input", "to_device", "profiling_skips"]
+__all__ = ["Activation", "call_layer", "tensors_of", "partition_input", "to_device", "cut", "map_tensors",
+           "profiling_skips"]
 
 Activation = Union[Tensor, Tuple[Tensor, ...]]
 
 
 def tensors_of(value: Activation) -> Tuple[Tensor, ...]:
-    """The tensors of an activation, whether it is one tensor or a tuple of them."""
+    """The tensors of an activation, whether it is one tensor or a tuple (other items skipped)."""
     if isinstance(value, Tensor):
         return (value,)
-    if isinstance(value, tuple) and all(isinstance(x, Tensor) for x in value):
-        return value
-    raise TypeError(
-        "a layer input or output must be a Tensor or a tuple of Tensors, "
-        f"got {type(value).__name__}"
-    )
+    if isinstance(value, tuple):
+        return tuple(x for x in value if isinstance(x, Tensor))
+    raise TypeError(f"a layer input or output must be a Tensor or a tuple, got {type(value).__name__}")
+
+
+def map_tensors(value: Activation, function: Callable[[Tensor], Tensor]) -> Activation:
+    """``value`` with ``function`` applied to each of its tensors; the rest, and a namedtuple's type, kept."""
+    if isinstance(value, Tensor):
+        return function(value)
+    tensors_of(value)  # the type check
+    return rebuild(value, [function(x) if isinstance(x, Tensor) else x for x in value])
+
+
+def cut(value: Activation) -> Activation:
+    """``value`` without its autograd graph, ``requires_grad`` kept.
+
+    Why: the next layer only needs the values; the graph would keep the previous layer's
+    copy (its parameters and gradients) alive while the next one is profiled.
+    """
+    return map_tensors(value, lambda x: x.detach().requires_grad_(x.requires_grad))
 
 
 def partition_input(value: Activation) -> Activation:
@@ -47,21 +64,19 @@ def partition_input(value: Activation) -> Activation:
     input in the pipe (which comes out of a copy). Make it outside any timed or measured
     region.
     """
-    if isinstance(value, tuple):
-        return tuple(_fresh(x) for x in tensors_of(value))
-    return _fresh(value)
+    return map_tensors(value, _fresh)
 
 
 def _fresh(tensor: Tensor) -> Tensor:
-    leaf = tensor.detach()
-    return leaf.requires_grad_().clone() if tensor.requires_grad else leaf.clone()
+    # Cloned before requires_grad is set: a sample made under inference_mode is an inference
+    # tensor, which refuses requires_grad; its clone (made outside inference mode) does not.
+    copy = tensor.detach().clone()
+    return copy.requires_grad_().clone() if tensor.requires_grad else copy
 
 
 def to_device(value: Activation, device: torch.device) -> Activation:
     """Move an activation to the profiling device."""
-    if isinstance(value, Tensor):
-        return value.to(device)
-    return tuple(x.to(device) for x in tensors_of(value))
+    return map_tensors(value, lambda x: x.to(device))
 
 
 def call_layer(layer: nn.Module, value: Activation) -> Activation:
@@ -75,16 +90,17 @@ class _ProfilingSkipTracker:
     """Keeps the latest stash per name; every pop gets a fresh, graph-free copy of it."""
 
     def __init__(self) -> None:
-        self.tensors: Dict[SkipKey, Tensor] = {}
+        self.tensors: Dict[SkipKey, Optional[Tensor]] = {}
 
-    def save(self, key: SkipKey, tensor: Tensor) -> None:
-        self.tensors[key] = tensor.detach()
+    def save(self, key: SkipKey, tensor: Optional[Tensor]) -> None:
+        self.tensors[key] = None if tensor is None else tensor.detach()
 
-    def load(self, key: SkipKey) -> Tensor:
+    def load(self, key: SkipKey) -> Optional[Tensor]:
         try:
-            return _fresh(self.tensors[key])
+            tensor = self.tensors[key]
         except KeyError:
             raise RuntimeError(f"profiling: pop of skip {skip_name(key)} before any layer stashed it") from None
+        return None if tensor is None else _fresh(tensor)
 
 
 @contextmanager

@@ -32,9 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from torchpipe.balance.device_sync import allocated_bytes, has_allocator_statistics
-from torchpipe.balance.layer_call import (Activation, call_layer, partition_input, profiling_skips, tensors_of,
-                                          to_device)
-from torchpipe.balance.sandbox import layerwise_sandbox
+from torchpipe.balance.layer_call import (Activation, call_layer, cut, map_tensors, partition_input,
+                                          profiling_skips, tensors_of, to_device)
+from torchpipe.balance.sandbox import blame_layer, layerwise_sandbox
 
 __all__ = ["profile_sizes", "microbatch_of"]
 
@@ -45,8 +45,10 @@ def profile_sizes(module: nn.Sequential, input: Activation, chunks: int, param_s
     value = to_device(microbatch_of(input, chunks), device)
     sizes: List[int] = []
     with profiling_skips():
-        for layer in layerwise_sandbox(module, device):
-            value = _size_layer(layer, value, param_scale, device, sizes)
+        for index, layer in layerwise_sandbox(module, device):
+            with blame_layer(module, index):
+                value = cut(_size_layer(layer, value, param_scale, device, sizes))
+            del layer  # only one copy alive: see layerwise_sandbox
     return sizes
 
 
@@ -65,12 +67,9 @@ def _size_layer(layer: nn.Module, value: Activation, param_scale: float, device:
 
 def microbatch_of(input: Activation, chunks: int) -> Activation:
     """The largest micro-batch a batch splits into: its first ``ceil(batch / chunks)`` samples."""
-    tensors = tensors_of(input)
-    batch = tensors[0].size(0)
+    batch = tensors_of(input)[0].size(0)
     size = math.ceil(batch / chunks)
-    if isinstance(input, Tensor):
-        return input[:size]
-    return tuple(x[:size] for x in tensors)
+    return map_tensors(input, lambda x: x[:size])
 
 
 def _forward_measured_by_allocator(layer: nn.Module, value: Activation,

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from torchpipe.balance.device_sync import synchronize
-from torchpipe.balance.layer_call import (Activation, call_layer, partition_input, profiling_skips, tensors_of,
+from torchpipe.balance.layer_call import (Activation, call_layer, cut, partition_input, profiling_skips, tensors_of,
                                           to_device)
-from torchpipe.balance.sandbox import layerwise_sandbox
+from torchpipe.balance.sandbox import blame_layer, layerwise_sandbox
 
 __all__ = ["profile_times"]
 
@@ -30,8 +30,10 @@ def profile_times(module: nn.Sequential, sample: Activation, timeout: float,
     value = to_device(sample, device)
     times: List[float] = []
     with profiling_skips():
-        for layer in layerwise_sandbox(module, device):
-            value = _time_layer(layer, value, budget_per_layer, device, times)
+        for index, layer in layerwise_sandbox(module, device):
+            with blame_layer(module, index):
+                value = cut(_time_layer(layer, value, budget_per_layer, device, times))
+            del layer  # only one copy alive: see layerwise_sandbox
     return times
 
 

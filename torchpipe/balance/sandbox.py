@@ -8,25 +8,40 @@ deep-copied instead, one at a time, so only one layer's copy occupies the profil
 from __future__ import annotations
 
 import copy
-from typing import Iterator
+from contextlib import contextmanager
+from typing import Iterator, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["layerwise_sandbox"]
+__all__ = ["layerwise_sandbox", "blame_layer"]
 
 
-def layerwise_sandbox(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
-    """Yield a training-mode copy of each layer of ``module`` on ``device``, in order.
+def layerwise_sandbox(module: nn.Sequential, device: torch.device) -> Iterator[Tuple[int, nn.Module]]:
+    """Yield the index and a training-mode copy of each layer of ``module`` on ``device``, in order.
 
-    The copy of a layer is dropped by the caller before the next one is made. Parameters
-    shared between layers are copied once per layer that uses them, which is what each
-    partition would hold anyway.
+    The caller must drop the copy (and anything holding its graph: see
+    ``layer_call.cut``) before asking for the next one, so that only one copy is alive.
+    Parameters shared between layers are copied once per layer that uses them, which is
+    what each partition would hold anyway.
     """
-    for layer in module:
-        layer_copy = copy.deepcopy(layer).to(device)
+    for index, layer in enumerate(module):
+        with blame_layer(module, index):
+            layer_copy = copy.deepcopy(layer).to(device)
         layer_copy.train()
         for parameter in layer_copy.parameters():
             parameter.grad = None
-        yield layer_copy
-        del layer_copy  # before copying the next layer, so only one copy is alive
+        yield index, layer_copy
+        del layer_copy
+
+
+@contextmanager
+def blame_layer(module: nn.Sequential, index: int) -> Iterator[None]:
+    """Name the layer in an error raised while it is copied or profiled (the error itself is kept)."""
+    try:
+        yield
+    except Exception as exc:
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"[torchpipe.balance] while profiling layer {index} "
+                         f"({type(module[index]).__name__}) of the module")
+        raise

@@ -24,8 +24,9 @@ the last block.
 from __future__ import annotations
 
 import math
+import operator
 from fractions import Fraction
-from numbers import Real
+from numbers import Rational, Real
 from typing import List, Sequence
 
 __all__ = ["blockpartition", "balance_by_cost"]
@@ -42,7 +43,7 @@ def blockpartition(costs: Sequence[float], partitions: int) -> List[List[int]]:
     integer or a cost is not a real number.
     """
     scaled = _exact_integers(costs)
-    _check_partitions(partitions, len(scaled))
+    partitions = check_partitions(partitions, len(scaled))
     starts = _optimal_block_starts(scaled, partitions)
     ends = starts[1:] + [len(scaled)]
     return [list(range(start, end)) for start, end in zip(starts, ends)]
@@ -57,9 +58,14 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> List[int]:
     return [len(block) for block in blockpartition(costs, partitions)]
 
 
-def _check_partitions(partitions: int, length: int) -> None:
-    if isinstance(partitions, bool) or not isinstance(partitions, int):
+def check_partitions(partitions: int, length: int) -> int:
+    """``partitions`` as an int (NumPy and 0-dim tensor integers too) that can split ``length`` layers."""
+    if isinstance(partitions, bool):
         raise TypeError(f"partitions must be an int, got {type(partitions).__name__}")
+    try:
+        partitions = operator.index(partitions)
+    except TypeError:
+        raise TypeError(f"partitions must be an int, got {type(partitions).__name__}") from None
     if partitions < 1:
         raise ValueError(f"partitions must be at least 1 (got {partitions} < 1)")
     if partitions > length:
@@ -67,6 +73,7 @@ def _check_partitions(partitions: int, length: int) -> None:
             f"more partitions than layers: cannot split {length} layers into {partitions} "
             f"non-empty partitions ({partitions} > {length})"
         )
+    return partitions
 
 
 def _exact_integers(costs: Sequence[float]) -> List[int]:
@@ -77,7 +84,8 @@ def _exact_integers(costs: Sequence[float]) -> List[int]:
             raise TypeError(f"cost {index} is not a real number: {cost!r}")
         if not math.isfinite(float(cost)):
             raise ValueError(f"cost {index} must be finite, got {cost!r}")
-        exact = Fraction(cost)
+        # Fraction takes Python floats and exact rationals; a NumPy float32 goes through float.
+        exact = Fraction(cost) if isinstance(cost, (Rational, float)) else Fraction(float(cost))
         if exact < 0:
             raise ValueError(f"cost {index} must be non-negative, got {cost!r}")
         fractions.append(exact)

@@ -24,6 +24,9 @@ from .tracker import SkipKey, skip_name, use_skip_tracker
 
 __all__ = ["SkipStore", "PipelineSkipTracker", "StageSkips"]
 
+RECOMPUTED_HERE: Any = object()
+"""A checkpointed partition's memo entry for a pop of its own stash, which the recompute redoes."""
+
 
 class SkipStore:
     """The per-step mailbox of skip tensors and of their gradients."""
@@ -110,8 +113,9 @@ class PipelineSkipTracker:
                 tensor = tensor.detach().requires_grad_(True)
                 self.record.popped.append((key, tensor))
         if self.memo is not None and is_checkpointing():
-            # A skip of this partition is recomputed with it: nothing to remember (None).
-            remembered = tensor if source != stage.index else None
+            # A skip of this partition is recomputed with it: nothing to remember (a marker,
+            # since another partition may stash None itself).
+            remembered = tensor if source != stage.index else RECOMPUTED_HERE
             self.memo.append(remembered)
             self.memo_versions.append(remembered._version if isinstance(remembered, Tensor) else 0)
         return tensor
@@ -146,7 +150,7 @@ class _ReplayTracker:
     def load(self, key: SkipKey) -> Tensor:
         tensor = self.memo[self.position]
         self.position += 1
-        return self.local.pop(key) if tensor is None else tensor
+        return self.local.pop(key) if tensor is RECOMPUTED_HERE else tensor
 
 
 def replay_context(memo: List[Optional[Tensor]]) -> Callable[[], ContextManager[None]]:
