@@ -21,6 +21,7 @@ from torch import nn
 from torchpipe import Pipe
 from torchpipe.balance import balance_by_cost, balance_by_size, balance_by_time, blockpartition
 from torchpipe.balance.profile_size import profile_sizes
+from torchpipe.skip import pop, skippable, stash
 
 CPU = torch.device("cpu")
 
@@ -389,3 +390,39 @@ def test_in_place_first_layer_does_not_write_into_the_sample() -> None:
         balance_by_time(2, model, sample, timeout=0.01)
         balance_by_size(2, model, sample)
         assert torch.equal(sample.detach(), original)
+
+
+@skippable(stash=["wide"])
+class StashWide(nn.Module):
+    """Stashes a new tensor 64 times its input: alive from here to the pop."""
+
+    def forward(self, x: torch.Tensor):
+        yield stash("wide", x.repeat(1, 64))
+        return x * 1
+
+
+@skippable(stash=["wide"])
+class StashItsInput(nn.Module):
+    def forward(self, x: torch.Tensor):
+        yield stash("wide", x)
+        return x * 1
+
+
+@skippable(pop=["wide"])
+class MultiplyByPopped(nn.Module):
+    """Saves the popped tensor (a slice of it) for backward."""
+
+    def forward(self, x: torch.Tensor):
+        wide = yield pop("wide")
+        return x * wide[:, : x.size(1)]
+
+
+def test_skip_tensors_are_charged_to_the_layer_that_stashes_them() -> None:
+    """A stash was charged to nobody, and a pop that autograd saves was charged to the popping
+    layer as a fresh copy (the profiler's own clone)."""
+    x = torch.randn(16, 8, requires_grad=True)
+    cpu, x_bytes = torch.device("cpu"), 16 * 8 * 4
+    new_stash = nn.Sequential(StashWide(), nn.Identity(), MultiplyByPopped())
+    assert profile_sizes(new_stash, x, 1, 2.0, cpu) == [x_bytes + 64 * x_bytes, 0, x_bytes]
+    input_stash = nn.Sequential(StashItsInput(), nn.Identity(), MultiplyByPopped())
+    assert profile_sizes(input_stash, x, 1, 2.0, cpu) == [x_bytes, 0, x_bytes]

@@ -13,17 +13,18 @@ non-tensor items of a tuple travel unchanged.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from torchpipe.microbatch import rebuild
 from torchpipe.skip import use_skip_tracker
+from torchpipe.skip.skippable import Skippable
 from torchpipe.skip.tracker import SkipKey, skip_name
 
 __all__ = ["Activation", "call_layer", "tensors_of", "partition_input", "to_device", "cut", "map_tensors",
-           "profiling_skips"]
+           "profiling_skips", "ProfilingSkipTracker"]
 
 Activation = Union[Tensor, Tuple[Tensor, ...]]
 
@@ -86,16 +87,37 @@ def call_layer(layer: nn.Module, value: Activation) -> Activation:
     return output
 
 
-class _ProfilingSkipTracker:
-    """Keeps the latest stash per name; every pop gets a fresh, graph-free copy of it."""
+class ProfilingSkipTracker:
+    """Keeps the latest stash per name; every pop gets a fresh, graph-free copy of it.
+
+    The copies for a layer's pops are made by :meth:`prepare`, before the layer runs, so that
+    making them is neither timed nor counted as the popping layer's memory: a skip tensor
+    lives from its stash to its pop, and is charged to the layer that stashes it
+    (:attr:`stashed`).
+    """
 
     def __init__(self) -> None:
         self.tensors: Dict[SkipKey, Optional[Tensor]] = {}
+        self.ready: Dict[SkipKey, Optional[Tensor]] = {}
+        self.stashed: List[Tensor] = []
+
+    def prepare(self, layer: nn.Module) -> List[Tensor]:
+        """Before a run of ``layer``: make its pops' copies now; returns them."""
+        self.stashed = []
+        self.ready = {key: self._copy(key) for key in _pops_of(layer) if key in self.tensors}
+        return [t for t in self.ready.values() if t is not None]
 
     def save(self, key: SkipKey, tensor: Optional[Tensor]) -> None:
         self.tensors[key] = None if tensor is None else tensor.detach()
+        if tensor is not None:
+            self.stashed.append(tensor)
 
     def load(self, key: SkipKey) -> Optional[Tensor]:
+        if key in self.ready:
+            return self.ready.pop(key)
+        return self._copy(key)
+
+    def _copy(self, key: SkipKey) -> Optional[Tensor]:
         try:
             tensor = self.tensors[key]
         except KeyError:
@@ -103,8 +125,13 @@ class _ProfilingSkipTracker:
         return None if tensor is None else _fresh(tensor)
 
 
+def _pops_of(layer: nn.Module) -> List[SkipKey]:
+    return [key for module in layer.modules() if isinstance(module, Skippable) for key in module.poppable()]
+
+
 @contextmanager
-def profiling_skips() -> Iterator[None]:
+def profiling_skips() -> Iterator[ProfilingSkipTracker]:
     """Serve ``@skippable`` stashes and pops while layers are profiled one by one."""
-    with use_skip_tracker(_ProfilingSkipTracker()):
-        yield
+    tracker = ProfilingSkipTracker()
+    with use_skip_tracker(tracker):
+        yield tracker

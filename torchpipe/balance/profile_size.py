@@ -12,9 +12,10 @@ The cost of layer ``i`` is::
     forward (output alive) minus before it, as torchgpipe does. The input and the layer are
     already on the device, so only new allocations count.
   - on CPU, which has no allocator statistics: the bytes of every distinct storage among the
-    layer's outputs and the tensors autograd saves for backward (captured with
-    ``torch.autograd.graph.saved_tensors_hooks``), excluding storages of the layer's input,
-    parameters and buffers, which exist anyway. Each storage counts whole and once (views
+    layer's outputs, the tensors it stashes for a skip connection and the tensors autograd
+    saves for backward (captured with ``torch.autograd.graph.saved_tensors_hooks``),
+    excluding storages of the layer's input, the skip tensors it pops (charged to the layer
+    that stashed them), parameters and buffers, which exist anyway. Each storage counts whole and once (views
     and in-place results share storage). Transient temporaries freed during the forward are
     not counted, on either device.
 
@@ -32,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from torchpipe.balance.device_sync import allocated_bytes, has_allocator_statistics
-from torchpipe.balance.layer_call import (Activation, call_layer, cut, map_tensors, partition_input,
-                                          profiling_skips, tensors_of, to_device)
+from torchpipe.balance.layer_call import (Activation, ProfilingSkipTracker, call_layer, cut, map_tensors,
+                                          partition_input, profiling_skips, tensors_of, to_device)
 from torchpipe.balance.sandbox import blame_layer, layerwise_sandbox
 
 __all__ = ["profile_sizes", "microbatch_of"]
@@ -44,21 +45,23 @@ def profile_sizes(module: nn.Sequential, input: Activation, chunks: int, param_s
     """Bytes each layer of ``module`` costs on ``device`` (see the module docstring)."""
     value = to_device(microbatch_of(input, chunks), device)
     sizes: List[int] = []
-    with profiling_skips():
+    with profiling_skips() as skips:
         for index, layer in layerwise_sandbox(module, device):
             with blame_layer(module, index):
-                value = cut(_size_layer(layer, value, param_scale, device, sizes))
+                value = cut(_size_layer(layer, value, param_scale, device, sizes, skips))
             del layer  # only one copy alive: see layerwise_sandbox
     return sizes
 
 
-def _size_layer(layer: nn.Module, value: Activation, param_scale: float, device: torch.device, sizes: List[int]) -> Activation:
+def _size_layer(layer: nn.Module, value: Activation, param_scale: float, device: torch.device, sizes: List[int],
+                skips: ProfilingSkipTracker) -> Activation:
     """Append ``layer``'s byte cost to ``sizes``; return its output."""
     value = partition_input(value)
+    popped = skips.prepare(layer)  # allocated before the measurement: charged to their stasher
     if has_allocator_statistics(device):
         output, activation = _forward_measured_by_allocator(layer, value, device)
     else:
-        output, activation = _forward_measured_by_autograd(layer, value)
+        output, activation = _forward_measured_by_autograd(layer, value, popped, skips)
     parameters = _storage_bytes(layer.parameters())
     buffers = _storage_bytes(layer.buffers())
     sizes.append(int(activation + param_scale * parameters + buffers))
@@ -79,7 +82,8 @@ def _forward_measured_by_allocator(layer: nn.Module, value: Activation,
     return output, allocated_bytes(device) - before
 
 
-def _forward_measured_by_autograd(layer: nn.Module, value: Activation) -> tuple[Activation, int]:
+def _forward_measured_by_autograd(layer: nn.Module, value: Activation, popped: List[Tensor],
+                                  skips: ProfilingSkipTracker) -> tuple[Activation, int]:
     kept: Dict[int, int] = {}
 
     def pack(tensor: Tensor) -> Tensor:
@@ -88,11 +92,11 @@ def _forward_measured_by_autograd(layer: nn.Module, value: Activation) -> tuple[
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = call_layer(layer, value)
-    for tensor in tensors_of(output):
+    for tensor in (*tensors_of(output), *skips.stashed):  # a stash lives until its pop
         _remember_storage(kept, tensor)
 
     existing: Set[int] = set()
-    for tensor in (*tensors_of(value), *layer.parameters(), *layer.buffers()):
+    for tensor in (*tensors_of(value), *popped, *layer.parameters(), *layer.buffers()):
         existing.update(_storage_entry(tensor))
     return output, sum(size for key, size in kept.items() if key not in existing)
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from torchpipe.balance.device_sync import synchronize
-from torchpipe.balance.layer_call import (Activation, call_layer, cut, partition_input, profiling_skips, tensors_of,
-                                          to_device)
+from torchpipe.balance.layer_call import (Activation, ProfilingSkipTracker, call_layer, cut, partition_input,
+                                          profiling_skips, tensors_of, to_device)
 from torchpipe.balance.sandbox import blame_layer, layerwise_sandbox
 
 __all__ = ["profile_times"]
@@ -29,21 +29,24 @@ def profile_times(module: nn.Sequential, sample: Activation, timeout: float,
     budget_per_layer = timeout / len(module)
     value = to_device(sample, device)
     times: List[float] = []
-    with profiling_skips():
+    with profiling_skips() as skips:
         for index, layer in layerwise_sandbox(module, device):
             with blame_layer(module, index):
-                value = cut(_time_layer(layer, value, budget_per_layer, device, times))
+                value = cut(_time_layer(layer, value, budget_per_layer, device, times, skips))
             del layer  # only one copy alive: see layerwise_sandbox
     return times
 
 
-def _time_layer(layer: nn.Module, value: Activation, budget: float, device: torch.device, times: List[float]) -> Activation:
+def _time_layer(layer: nn.Module, value: Activation, budget: float, device: torch.device, times: List[float],
+                skips: ProfilingSkipTracker) -> Activation:
     """Append ``layer``'s median forward+backward seconds to ``times``; return its output."""
+    skips.prepare(layer)
     output = _forward_backward(layer, partition_input(value))
     samples: List[float] = []
     began = time.perf_counter()
     while not samples or time.perf_counter() - began < budget:
         fresh_input = partition_input(value)
+        skips.prepare(layer)  # the pops' copies, outside the timed region
         synchronize(device)
         tick = time.perf_counter()
         _forward_backward(layer, fresh_input)
