@@ -12,7 +12,6 @@ sequence is split optimally into consecutive partitions (:func:`blockpartition`)
 from __future__ import annotations
 
 import math
-import operator
 from contextlib import contextmanager
 from numbers import Real
 from typing import Iterator, List, Optional, Union
@@ -23,7 +22,7 @@ from torch import nn
 from torchpipe.balance.layer_call import Activation, tensors_of
 from torchpipe.balance.profile_size import profile_sizes
 from torchpipe.balance.profile_time import profile_times
-from torchpipe.balance.solver import balance_by_cost, blockpartition, check_partitions
+from torchpipe.balance.solver import as_count, balance_by_cost, blockpartition, check_partitions
 
 __all__ = ["balance_by_time", "balance_by_size", "blockpartition", "balance_by_cost"]
 
@@ -75,14 +74,7 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: Activation, *
     ``meta``. ``device`` defaults as for :func:`balance_by_time`.
     """
     partitions = _check_common(partitions, module, input)
-    if isinstance(chunks, bool):
-        raise TypeError(f"chunks must be an int, got {chunks!r}")
-    try:
-        chunks = operator.index(chunks)
-    except TypeError:
-        raise TypeError(f"chunks must be an int, got {type(chunks).__name__} {chunks!r}") from None
-    if chunks < 1:
-        raise ValueError(f"chunks must be at least 1, got {chunks}")
+    chunks = as_count("chunks", chunks)
     param_scale = _non_negative("param_scale", param_scale, "a finite number >= 0")
     device = _profiling_device(device)
     with _profiling_mode(device):

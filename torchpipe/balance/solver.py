@@ -58,16 +58,22 @@ def balance_by_cost(costs: Sequence[float], partitions: int) -> List[int]:
     return [len(block) for block in blockpartition(costs, partitions)]
 
 
+def as_count(name: str, value: int) -> int:
+    """``value`` as an int of at least 1 (NumPy and 0-dim tensor integers too), else TypeError/ValueError."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if number < 1:
+        raise ValueError(f"{name} must be at least 1 (got {number} < 1)")
+    return number
+
+
 def check_partitions(partitions: int, length: int) -> int:
     """``partitions`` as an int (NumPy and 0-dim tensor integers too) that can split ``length`` layers."""
-    if isinstance(partitions, bool):
-        raise TypeError(f"partitions must be an int, got {type(partitions).__name__}")
-    try:
-        partitions = operator.index(partitions)
-    except TypeError:
-        raise TypeError(f"partitions must be an int, got {type(partitions).__name__}") from None
-    if partitions < 1:
-        raise ValueError(f"partitions must be at least 1 (got {partitions} < 1)")
+    partitions = as_count("partitions", partitions)
     if partitions > length:
         raise ValueError(
             f"more partitions than layers: cannot split {length} layers into {partitions} "
