@@ -626,3 +626,33 @@ def test_profile_takes_every_keyword_of_torch_profiler():
         with torchpipe.profiling.profile(experimental_config=config, record_shapes=True) as prof:
             pipe(torch.randn(4, 8)).sum().backward()
     assert "stage 1 F mb 1" in {event.name for event in prof.events()}
+
+
+class _SelfAttention(nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_pipe_step_under_autocast_follows_the_amp_recipe(schedule, checkpoint):
+    """Forward (and loss) under autocast, backward outside it, as ``loss.backward()`` after the
+    autocast block: the backward actions ran under the caller's autocast, and attention's
+    backward then gave other bf16 gradients (0.3 % off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _SelfAttention(), nn.Linear(8, 4))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(2, 5, 8), torch.randn(2, 5, 4)
+
+    def loss_fn(out, target):
+        return nn.functional.mse_loss(out.float(), target)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = loss_fn(reference(x), y)
+    expected.backward()
+    with Pipe(model, [1, 2], devices=["cpu", "cpu"], chunks=1, checkpoint=checkpoint) as pipe:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pipe.step(x, y, loss_fn, schedule=schedule)
+    assert torch.equal(loss, expected.detach())
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(got.grad, want.grad), name

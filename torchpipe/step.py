@@ -309,9 +309,41 @@ def _leaf_grads(stage: StageRunner, saved: _Saved, grads: List[Optional[Tensor]]
     return _Handoff(Batch(tuple(grads)), None if on_cpu else mark_ready(stage.backend, stage.stream), None)
 
 
+def _outside_autocast(stage: StageRunner) -> Any:
+    """Leave the caller's autocast for a backward action, as torch's AMP recipe does.
+
+    Jobs run under the caller's thread state, autocast included (see ``ThreadState``); the
+    recipe runs ``loss.backward()`` after the autocast block, and a backward under autocast
+    casts differently (``scaled_dot_product_attention``'s, a custom Function's). A
+    checkpoint's recompute restores the forward's autocast state by itself.
+    """
+    active = [t for t in dict.fromkeys(("cpu", stage.backend.type))
+              if torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)]
+    if not active:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device_type in active:
+        stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
+
+
+def _runs_outside_autocast(stage: StageRunner) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a backward action's body with :func:`_outside_autocast`."""
+
+    def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
+        def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> Any:
+            with _outside_autocast(stage):
+                return body(ctx, inputs)
+
+        return run
+
+    return decorate
+
+
 def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], Optional[_Handoff]]:
     index = stage.index
 
+    @_runs_outside_autocast(stage)
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> Optional[_Handoff]:
         saved: _Saved = inputs[0].saved
         grads = _received_grads(stage, saved, inputs[1] if len(inputs) > 1 else None, last, microbatch, ctx)
@@ -329,6 +361,7 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> C
 def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
     """Gradients for the stage inputs (and popped skips) only; the graph is kept for ``W``."""
 
+    @_runs_outside_autocast(stage)
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
         saved: _Saved = inputs[0].saved
         grads = _received_grads(stage, saved, inputs[1] if len(inputs) > 1 else None, last, microbatch, ctx)
@@ -353,6 +386,7 @@ def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) ->
 def _weight_grad(stage: StageRunner, microbatch: int) -> Callable[[StepContext, Tuple[Any, ...]], None]:
     index = stage.index
 
+    @_runs_outside_autocast(stage)
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> None:
         saved: _Saved = inputs[0].saved
         assert saved.grads is not None
