@@ -498,3 +498,26 @@ def test_a_loss_drawing_random_numbers_does_not_shift_a_replayed_dropout_mask():
         pipe.step(x, torch.zeros(8), sampling_loss, schedule="1f1b", reduction="sum")
     forward_mask = torch.cat(outputs) != 0
     assert torch.equal(x.grad != 0, forward_mask), "the recompute replayed another dropout mask"
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_zero_bubble_runs_a_compiled_layer_whose_backward_donates_buffers(schedule):
+    """Once a torch.compile'd region has run one backward, torch compiles its backward with
+    donated buffers, which refuses retain_graph=True: I then runs the whole backward and W
+    has nothing left. Before, every zero-bubble step after a 1f1b step (or a reference
+    backward) raised."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 16), nn.Sequential(nn.Linear(16, 16), nn.GELU()), nn.Linear(16, 3),
+                          nn.Identity()).double()
+    model = copy.deepcopy(plain)
+    model[1] = torch.compile(model[1], backend="aot_eager")
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with Pipe(model, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=2, checkpoint="never") as pipe:
+        pipe.step(x, y, nn.CrossEntropyLoss(), schedule="1f1b")  # compiles the backward, donating
+        pipe.zero_grad()
+        loss = pipe.step(x, y, nn.CrossEntropyLoss(), schedule=schedule)
+    expected = nn.CrossEntropyLoss()(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for got, want in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)

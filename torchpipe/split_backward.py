@@ -131,6 +131,7 @@ class WeightSplit:
         if self.whole:
             self.frontier = {}
         self.kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
+        self.done_in_input = False  # see input_grads
         self._hooks = [node.register_prehook(self._keeper(node)) for node in self.frontier]
 
     def _branches_meet(self) -> bool:
@@ -152,13 +153,26 @@ class WeightSplit:
         return keep
 
     def input_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> List[Optional[Tensor]]:
-        """``I``: gradients for ``leaves``; the graph is kept and the frontier's gradients too."""
+        """``I``: gradients for ``leaves``; the graph is kept and the frontier's gradients too.
+
+        A ``torch.compile``\ d region whose backward donates its buffers refuses to keep its
+        graph (once it has run a backward anywhere, torch compiles it that way). Then the
+        whole backward runs here, into ``.grad`` too, and ``W`` has nothing left to do:
+        correct, without the split's overlap for this micro-batch.
+        """
         try:
             return list(engine.grad(outputs, leaves, grad_outputs, retain_graph=True))
+        except RuntimeError as exc:
+            if "donated buffers" not in str(exc):
+                raise
         finally:
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
+        self.done_in_input = True
+        self.kept.clear()
+        engine.backward(outputs, grad_outputs)  # the stage's own input leaves get .grad as well
+        return [leaf.grad for leaf in leaves]
 
     def weight_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Optional[Tensor]]) -> None:
         """``W``: accumulate the parameters' gradients into ``.grad``, from what ``I`` kept.
@@ -167,6 +181,8 @@ class WeightSplit:
         frontier nodes may meet further down, and a node they share must get the sum of their
         gradients before it runs, once.
         """
+        if self.done_in_input:
+            return
         if self.whole:
             pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
             if pairs:
