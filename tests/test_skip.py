@@ -313,3 +313,23 @@ def test_a_skip_that_is_none_crosses_partitions(balance, checkpoint, path):
         torch.testing.assert_close(got, want)
     assert balance_by_time(3, model, x, timeout=0.01) == [1, 1, 1]  # profiling failed on None too
     assert balance_by_size(3, model, x) == [1, 1, 1]
+
+
+def test_a_pipe_with_skippable_layers_pickles_and_saves():
+    """The decorator gave its wrapper the class's name, so pickle could not find the class of
+    the layer inside: pickle.dumps and torch.save of any model with skips failed."""
+    import io
+    import pickle
+
+    model = unet()
+    x = torch.randn(6, 8)
+    with Pipe(model, [2, 3], devices=["cpu", "cpu"], chunks=2) as pipe:
+        expected = pipe(x)
+        buffer = io.BytesIO()
+        torch.save(pipe, buffer)
+        buffer.seek(0)
+        copies = [pickle.loads(pickle.dumps(pipe)), torch.load(buffer, weights_only=False)]
+    for copied in copies:
+        with copied:
+            assert torch.equal(copied(x), expected)
+    assert torch.equal(pickle.loads(pickle.dumps(model))(x), model(x))

@@ -124,7 +124,12 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Any:
             "__module__": cls.__module__,
             "__doc__": cls.__doc__,
         }
-        return type(cls.__name__, (Skippable,), attrs)
+        wrapper = type(cls.__name__, (Skippable,), attrs)
+        # The wrapper takes the class's name in its module, so pickle (torch.save of a model)
+        # would look the inner layer's class up by that name and find the wrapper instead.
+        # Named as the wrapper's attribute, the class is found.
+        cls.__qualname__ = f"{cls.__qualname__}.module_cls"
+        return wrapper
 
     return decorate
 
