@@ -155,7 +155,7 @@ class WeightSplit:
     def input_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> List[Optional[Tensor]]:
         """``I``: gradients for ``leaves``; the graph is kept and the frontier's gradients too.
 
-        A ``torch.compile``\ d region whose backward donates its buffers refuses to keep its
+        A region compiled with ``torch.compile`` whose backward donates its buffers refuses to keep its
         graph (once it has run a backward anywhere, torch compiles it that way). Then the
         whole backward runs here, into ``.grad`` too, and ``W`` has nothing left to do:
         correct, without the split's overlap for this micro-batch.
