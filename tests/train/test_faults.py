@@ -47,6 +47,10 @@ def inject(model, pipe, where: str, batches):
         batches[FAIL_AT] = FailingBatch(b.dense_features, b.sparse_features, b.labels)
     elif where in ("prepare", "plan", "gather_out", "write_back", "fetch_in", "scatter_in"):
         setattr(ebc, where, once(getattr(ebc, where)))
+    elif where == "plan_swap":  # the second table's: the first one is planned already
+        ebc.caches["t1"].plan_swap = once(ebc.caches["t1"].plan_swap)
+    elif where == "reserve_write":  # the second table's, after its cache plan was committed
+        ebc.hosts["t1"].reserve_write = once(ebc.hosts["t1"].reserve_write)
     elif where == "train":
         model.top.register_forward_pre_hook(lambda m, a: once(lambda: None)())
     elif where == "optimizer":  # after backward: the sparse rows already carry the update
@@ -55,9 +59,11 @@ def inject(model, pipe, where: str, batches):
         raise AssertionError(where)
 
 
-@pytest.mark.parametrize("where", ["h2d", "prepare", "plan", "write_back", "fetch_in", "scatter_in", "train",
-                                   "optimizer"])
+@pytest.mark.parametrize("where", ["h2d", "prepare", "plan", "plan_swap", "reserve_write", "write_back", "fetch_in",
+                                   "scatter_in", "train", "optimizer"])
 def test_fault_surfaces_and_nothing_is_lost(where: str) -> None:
+    """``plan_swap``/``reserve_write``: a plan that failed after committing some tables left their
+    keys protected and a write-back pending for good; the next step then waited forever."""
     tables = make_tables()
     batches = make_batches(tables, STEPS, seed=11)
     opt_sparse = Adam(lr=0.5)
@@ -91,6 +97,50 @@ def test_fault_surfaces_and_nothing_is_lost(where: str) -> None:
             batches[FAIL_AT] = RecBatch(batches[FAIL_AT].dense_features, batches[FAIL_AT].sparse_features,
                                         batches[FAIL_AT].labels)
         resume_like_the_reference(pipe, model, reference, ref_opt, tables, batches[done:], opt_sparse)
+
+
+def test_a_ctrl_c_while_a_trained_batch_is_released_leaves_nothing_protected() -> None:
+    """The batch left the in-flight list, and was marked released, before its tables were
+    released: a KeyboardInterrupt in between kept its keys protected and flush() refused for good."""
+    tables = make_tables()
+    batches = make_batches(tables, 12, seed=12)
+    model, opt = build(tables, window_minimum(tables, batches) + 4, Adam(lr=0.5))
+    release, calls = model.ebc.caches["t1"].release, {"n": 0}
+
+    def interrupted_release(plan):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("Ctrl-C while the caller's thread releases a trained batch")
+        return release(plan)
+
+    model.ebc.caches["t1"].release = interrupted_release
+    with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
+        it = iter(batches)
+        with pytest.raises(KeyboardInterrupt):
+            while True:
+                pipe.progress(it)
+        drain(pipe, it)  # the interrupted clock had finished: nothing was dropped
+        pipe.flush()
+        assert model.ebc.in_flight() == 0 and pipe.steps_done == len(batches)
+    reference, _, _ = reference_run(tables, batches, Adam(lr=0.5))
+    assert_same_state(model, reference)
+
+
+def test_a_direct_lookup_without_backward_does_not_keep_protecting_its_keys_from_the_pipeline() -> None:
+    """An evaluation without no_grad between steps (forward, no backward) kept its keys
+    protected through the pipeline's later plans: CacheTooSmallError at the documented minimum."""
+    tables = make_tables()
+    batches = make_batches(tables, 12, seed=13)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
+        outputs = drain(pipe, iter(batches[:6]))
+        loss, _ = model(batches[0])  # grad enabled, no backward
+        assert model.ebc.in_flight() > 0
+        outputs += drain(pipe, iter(batches[6:]))
+        pipe.flush()
+    reference, _, expected = reference_run(tables, batches, Adam(lr=0.5))
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(outputs, expected)) and len(outputs) == len(expected)
+    assert_same_state(model, reference)
 
 
 def resume_like_the_reference(pipe, model, reference, ref_opt, tables, rest, opt_sparse) -> None:

@@ -103,17 +103,26 @@ class CachedEmbeddingBagCollection(nn.Module):
 
         Raises `CacheTooSmallError` before any state changes (all tables are checked first).
         """
-        self.finish_swaps()
+        self.settle()
         with self._plan_lock:
             for name, batch in keys.tables.items():
                 self.caches[name].check_fits(batch.unique_keys)
             plans: dict[str, SwapPlan] = {}
-            for name, batch in keys.tables.items():
-                plan = self.caches[name].plan_swap(batch.unique_keys)
-                plan.ticket = self.hosts[name].reserve_write(plan.swap_out_keys)
-                plans[name] = plan
             batch_plan = BatchPlan(self._plan_seq, keys, plans)
             self._plan_seq += 1
+            try:
+                for name, batch in keys.tables.items():
+                    plan = self.caches[name].plan_swap(batch.unique_keys)
+                    plans[name] = plan  # committed in that table's cache from here on
+                    plan.ticket = self.hosts[name].reserve_write(plan.swap_out_keys)
+            except BaseException:
+                if plans:
+                    # The tables planned so far moved keys to slots and protected them (and
+                    # later lookups of the evicted keys wait for their write-back): their swaps
+                    # must still run, or those waits never end. Queued, they run first thing.
+                    with self._finish_lock:
+                        self._unfinished.append(batch_plan)
+                raise
             return batch_plan
 
     def gather_out(self, plan: BatchPlan) -> dict[str, torch.Tensor]:
@@ -158,6 +167,9 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._unfinished.sort(key=lambda queued: queued.seq)  # ticket order, whoever queued them
             while self._unfinished:
                 plan = self._unfinished[0]
+                for name, table_plan in plan.tables.items():
+                    if table_plan.ticket is None:  # planning failed between plan_swap and its ticket
+                        table_plan.ticket = self.hosts[name].reserve_write(table_plan.swap_out_keys)
                 if not plan.scattered:
                     if not plan.written:
                         self.write_back(plan, self.gather_out(plan))
@@ -165,6 +177,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                 if not plan.released:
                     self.release(plan)
                 self._unfinished.pop(0)
+
+    def settle(self) -> None:
+        """What every plan, flush and direct lookup does first: release a direct lookup whose
+        backward never ran (its graph goes stale) and complete the swaps queued by failures."""
+        self._release_sync_plan()
+        self.finish_swaps()
 
     def defer_swaps(self, plans: Sequence[BatchPlan]) -> None:
         """Queue the swaps of batches whose pipeline is gone, running nothing now.
@@ -210,12 +228,16 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.slots[name].index_copy_(0, p.slots_of_keys.to(self.device), rows[name])
 
     def release(self, plan: BatchPlan) -> None:
-        """End the protection of the batch's keys (after its backward, or when dropping it)."""
+        """End the protection of the batch's keys (after its backward, or when dropping it).
+
+        Table by table: if it is cut short (a Ctrl-C), calling it again releases the rest.
+        """
         if plan.released:
             raise RuntimeError(f"batch {plan.seq} released twice")
-        plan.released = True
         for name, p in plan.tables.items():
-            self.caches[name].release(p)
+            if not p.released:
+                self.caches[name].release(p)
+        plan.released = True
 
     def _lookup(self, plan: BatchPlan, release_after_backward: bool) -> KeyedTensor:
         names = list(plan.tables)
@@ -237,8 +259,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         if features is None:
             raise ValueError("forward needs features or a plan")
         keys = self.prepare(features)
-        self._release_sync_plan()
-        self.finish_swaps()
+        self.settle()
         if self.pending_writes():
             # Those belong to batches a pipeline planned and has not swapped yet: only its
             # next progress() swaps them, so this lookup would wait for itself.
@@ -280,8 +301,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         The cache keeps its rows (both copies are equal afterwards). Needs a drained
         pipeline: raises if batches are still in flight.
         """
-        self._release_sync_plan()
-        self.finish_swaps()
+        self.settle()
         if self.in_flight() or self.pending_writes():
             raise RuntimeError(f"flush with batches in flight: {self.in_flight()} protected slots, "
                                f"{self.pending_writes()} pending write-backs; drain the pipeline first")

@@ -256,12 +256,20 @@ class _InFlight:
         with self._lock:
             self._items.append(item)
 
-    def pop_trained(self) -> List[_Item]:
-        """The batches whose train step ran, in plan order; they leave the set."""
+    def release_trained(self) -> None:
+        """Release the batches whose train step ran, oldest first.
+
+        A batch leaves the set only once released: a release cut short (a Ctrl-C on the
+        caller's thread) is finished by the next call, or by `drop_all`.
+        """
         with self._lock:
             done = [item for item in self._items if item.trained]
-            self._items = [item for item in self._items if not item.trained]
-        return done
+        for item in done:
+            assert item.plan is not None
+            if not item.plan.released:
+                self.collection.release(item.plan)
+            with self._lock:
+                self._items = [other for other in self._items if other is not item]
 
     def _take_plans(self) -> List[BatchPlan]:
         with self._lock:
@@ -307,7 +315,7 @@ def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
     if not (collection.in_flight() or collection.pending_writes()):
         return
     gc.collect()
-    collection.finish_swaps()
+    collection.settle()
     if collection.in_flight() or collection.pending_writes():
         raise RuntimeError(
             f"the collection has batches in flight ({collection.in_flight()} protected slots, "
@@ -515,9 +523,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     # -- bookkeeping on the caller's thread ------------------------------------------------
     def _after_clock(self, clock: Clock, outputs: Dict[int, Any]) -> None:
         """Release the batches trained in this clock (their backward is done)."""
-        for item in self._in_flight.pop_trained():
-            assert item.plan is not None
-            self.collection.release(item.plan)
+        self._in_flight.release_trained()
 
     def _recover(self, failure: PipelineFailure) -> None:
         """After a failed clock: finish the swaps of dropped batches, release everything."""
