@@ -63,3 +63,47 @@ def test_one_row_less_than_minimal_is_refused() -> None:
     with pytest.raises(CacheTooSmallError):
         for kjt in batches:
             cached(kjt).values().sum().backward()
+
+
+def two_batch_minimum(tables, batches) -> int:
+    """Least cache rows that hold the unique keys of every two consecutive batches together."""
+    best = 0
+    for pair in zip(batches, batches[1:]):
+        dicts = [kjt.to_dict() for kjt in pair]
+        for table in tables:
+            keys = torch.cat([d[f].values() for d in dicts for f in table.feature_names])
+            best = max(best, int(torch.unique(keys).numel()))
+    return best
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_two_lookups_in_one_backward_equal_full_table(optimizer: str) -> None:
+    """Two towers read one collection and share one loss. The second lookup released the
+    first one's keys, whose backward then raised StaleBatchError after the second's update."""
+    tables = make_tables()
+    batches = zipf_batches(tables, 40, seed=5)
+    cached, reference = build_pair(tables, two_batch_minimum(tables, batches), OPTIMIZERS[optimizer], "lru")
+    coefs = loss_coefficients(cached.layouts[0].dim * 4, 4, len(batches))
+    for step in range(len(batches) - 1):
+        first, second = batches[step], batches[step + 1]
+        out = (cached(first).values() * coefs[step]).sum() + (cached(second).values() * coefs[step + 1]).sum()
+        ref = (reference(first).values() * coefs[step]).sum() + (reference(second).values() * coefs[step + 1]).sum()
+        assert torch.equal(out, ref), f"losses differ at step {step}"
+        out.backward()
+        ref.backward()
+    assert cached.in_flight() == 0 and cached.cache_stats()["t0"].swapped_out > 0
+    assert_same_tables(cached, reference)
+
+
+def test_an_evaluation_loop_without_no_grad_still_runs_at_the_one_batch_minimum() -> None:
+    """The previous lookup's graph is alive while the next one plans (``loss`` is rebound after
+    the call): with no room for both, the previous one goes stale, as before, instead of failing."""
+    tables = make_tables()
+    batches = zipf_batches(tables, 30, seed=6)
+    cached, reference = build_pair(tables, max_unique_per_table(tables, batches), OPTIMIZERS["sgd"], "lru")
+    for kjt in batches:
+        out = cached(kjt)  # grad enabled, never backward
+        assert torch.equal(out.values(), reference(kjt).values())
+    cached.flush()
+    assert cached.in_flight() == 0
+    assert_same_tables(cached, reference)

@@ -14,6 +14,7 @@ backward) -> ``release`` (after backward). ``forward(features)`` runs them all.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -23,7 +24,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from .batch_keys import BatchKeys, TableLayout, initial_weight, prepare_batch, table_layouts
 from .cache import CacheStats, EmbeddingCache
-from .errors import StaleBatchError
+from .errors import CacheTooSmallError, StaleBatchError
 from .fused_lookup import fused_pooled_lookup
 from .host_table import HostEmbeddingTable
 from .optim import SGD, RowOptimizer
@@ -43,6 +44,18 @@ class BatchPlan:
     written: bool = field(default=False)
     scattered: bool = field(default=False)
     released: bool = field(default=False)
+
+
+class _Witness:
+    """Alive exactly as long as a direct lookup's autograd graph, which holds it.
+
+    A lookup keeps its keys protected until its backward has updated their rows. If the
+    graph is dropped without backward (an evaluation without ``no_grad``), the witness dies
+    and the next lookup releases the keys; while it lives, the backward may still come, with
+    another lookup's (two towers reading one collection in one step).
+    """
+
+    __slots__ = ("__weakref__",)
 
 
 def weight_key(table: str) -> str:
@@ -90,7 +103,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         # here (it may run on any thread, in the middle of anything), `finish_swaps` runs them.
         self._dropped: list[BatchPlan] = []
         self._finish_lock = threading.RLock()
-        self._sync_plan: BatchPlan | None = None
+        # Direct lookups whose backward has not run, with a witness of their graph (see _Witness).
+        self._sync_plans: list[tuple[BatchPlan, weakref.ref[_Witness]]] = []
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
 
     # -- per-batch steps ---------------------------------------------------------------
@@ -104,6 +118,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         Raises `CacheTooSmallError` before any state changes (all tables are checked first).
         """
         self.settle()
+        return self._plan(keys)
+
+    def _plan(self, keys: BatchKeys) -> BatchPlan:
         with self._plan_lock:
             for name, batch in keys.tables.items():
                 self.caches[name].check_fits(batch.unique_keys)
@@ -181,7 +198,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def settle(self) -> None:
         """What every plan, flush and direct lookup does first: release a direct lookup whose
         backward never ran (its graph goes stale) and complete the swaps queued by failures."""
-        self._release_sync_plan()
+        self._release_sync_plans(keep_live=False)
         self.finish_swaps()
 
     def defer_swaps(self, plans: Sequence[BatchPlan]) -> None:
@@ -239,12 +256,15 @@ class CachedEmbeddingBagCollection(nn.Module):
                 self.caches[name].release(p)
         plan.released = True
 
-    def _lookup(self, plan: BatchPlan, release_after_backward: bool) -> KeyedTensor:
+    def _lookup(self, plan: BatchPlan, release_after_backward: bool, witness: _Witness | None = None) -> KeyedTensor:
         names = list(plan.tables)
 
-        def before_update() -> None:
+        def before_update(witness: _Witness | None = witness) -> None:  # the graph holds the witness
             if plan.released:
-                raise StaleBatchError(f"backward of batch {plan.seq} after its slots were released")
+                raise StaleBatchError(
+                    f"backward of batch {plan.seq} after its slots were released: a later direct lookup "
+                    "needed them (the cache had no room for both batches' keys), a pipeline planned, or "
+                    "flush() ran while this lookup's graph waited for its backward")
 
         def after_update() -> None:
             if release_after_backward:
@@ -259,7 +279,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         if features is None:
             raise ValueError("forward needs features or a plan")
         keys = self.prepare(features)
-        self.settle()
+        self._release_sync_plans(keep_live=True)
+        self.finish_swaps()
         if self.pending_writes():
             # Those belong to batches a pipeline planned and has not swapped yet: only its
             # next progress() swaps them, so this lookup would wait for itself.
@@ -267,24 +288,40 @@ class CachedEmbeddingBagCollection(nn.Module):
                 f"the collection has {self.pending_writes()} host write-backs pending from batches in "
                 "flight in a pipeline; call the pipeline's flush() before using the collection directly"
             )
-        plan = self.plan(keys)
+        try:
+            plan = self._plan(keys)
+        except CacheTooSmallError:
+            if not self._sync_plans:
+                raise
+            # Earlier lookups whose graphs are alive keep their keys, for a backward through
+            # both (two towers on one collection). No room for both: they go stale instead.
+            self._release_sync_plans(keep_live=False)
+            plan = self._plan(keys)
         try:
             self.swap(plan)
-            out = self._lookup(plan, release_after_backward=True)
+            witness = _Witness()
+            out = self._lookup(plan, release_after_backward=True, witness=witness)
         except BaseException:
             self.finish_swaps([plan])  # the rows must not stay in the wrong slots
             raise
         if out.values().requires_grad:
-            self._sync_plan = plan
+            self._sync_plans.append((plan, weakref.ref(witness)))
         else:
             self.release(plan)
         return out
 
-    def _release_sync_plan(self) -> None:
-        """Drop a synchronous batch whose backward never ran (its graph goes stale)."""
-        plan, self._sync_plan = self._sync_plan, None
-        if plan is not None and not plan.released:
-            self.release(plan)
+    def _release_sync_plans(self, keep_live: bool) -> None:
+        """Release direct lookups whose backward never ran: those whose graph is gone, or
+        (``keep_live=False``) all of them, whose backward then raises `StaleBatchError`."""
+        kept = []
+        for plan, witness in self._sync_plans:
+            if plan.released:  # its backward ran
+                continue
+            if keep_live and witness() is not None:
+                kept.append((plan, witness))
+            else:
+                self.release(plan)
+        self._sync_plans = kept
 
     # -- whole-table operations --------------------------------------------------------
     def in_flight(self) -> int:
