@@ -295,8 +295,9 @@ class _InFlight:
 def _drop_pipeline(hooks: List[Any], in_flight: _InFlight, backend: Any, device: torch.device) -> None:
     """Finalizer of an `EmbCacheTrainPipeline`: unhook it and hand its batches back (see `_InFlight`).
 
-    It may run on any thread, from the garbage collector, so it takes no lock of ours; the
-    device work of the steps that ran is waited for, so the queued swaps read the final rows.
+    It may run on any thread, from the garbage collector, so it moves no row and takes none of
+    the collection's locks; the device work of the steps that ran is waited for, so the
+    queued swaps read the final rows.
     """
     for hook in hooks:
         hook.remove()
@@ -308,9 +309,10 @@ def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
     """Refuse a collection that still has batches in flight: a cache serves one pipeline at a time.
 
     A pipeline that was dropped without `close()` hands its batches back when it is collected,
-    so collect garbage first; a live one (or a direct lookup whose backward has not run) must
-    be flushed or closed. Two pipelines planning on one cache would evict each other's
-    protected rows or wait on each other's write-backs.
+    so collect garbage first; a live one must be flushed or closed. (A direct lookup whose
+    backward has not run is released, as by the collection's next plan.) Two pipelines
+    planning on one cache would evict each other's protected rows or wait on each other's
+    write-backs.
     """
     if not (collection.in_flight() or collection.pending_writes()):
         return
@@ -319,8 +321,8 @@ def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
     if collection.in_flight() or collection.pending_writes():
         raise RuntimeError(
             f"the collection has batches in flight ({collection.in_flight()} protected slots, "
-            f"{collection.pending_writes()} pending write-backs) from another pipeline or a direct lookup "
-            "whose backward has not run; flush() or close() that pipeline first")
+            f"{collection.pending_writes()} pending write-backs) from another pipeline; flush() or close() "
+            "that pipeline first")
 
 
 def find_collection(model: nn.Module) -> CachedEmbeddingBagCollection:
