@@ -31,3 +31,24 @@ def forward(): layer(x)
 def forward_backward(): y = layer(x); y.backward(torch.ones_like(y))
 print({f.__name__: round(min(timeit.repeat(f, number=2000, repeat=5)) / 2000 * 1e6) for f in (forward, forward_backward)}, 'us with t = 0')
 "
+# Thread round trip with the vCPUs kept awake by SCHED_IDLE busy loops (a VM's halted vCPU is
+# slow to wake): the round trip, then the same with two idle-priority spinners running.
+.venv/bin/python -c "
+import os, queue, subprocess, sys, threading, time
+def round_trip(n=2000):
+    a, b = queue.SimpleQueue(), queue.SimpleQueue()
+    echo = threading.Thread(target=lambda: [b.put(a.get()) for _ in range(n)]); echo.start()
+    start = time.perf_counter()
+    for i in range(n):
+        a.put(i); b.get()
+    echo.join()
+    return (time.perf_counter() - start) / n * 1e6
+spin = 'import os\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True: pass'
+print('round trip: %.0f us' % min(round_trip() for _ in range(3)))
+spinners = [subprocess.Popen([sys.executable, '-c', spin]) for _ in range(os.cpu_count())]
+try:
+    time.sleep(0.3)
+    print('round trip with idle spinners: %.0f us' % min(round_trip() for _ in range(3)))
+finally:
+    for p in spinners: p.kill()
+"
