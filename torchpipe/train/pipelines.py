@@ -239,6 +239,19 @@ def _call_if_alive(pipeline: "weakref.ref[Any]", method: str, *args: Any) -> Any
     return None if alive is None else getattr(alive, method)(*args)
 
 
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of a pipeline, holding the pipeline weakly (see `EmbCacheTrainPipeline.__init__`)."""
+    reference = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = reference()
+        if bound is None:  # only a stage still running while its pipeline is collected
+            raise RuntimeError("the EmbCacheTrainPipeline this stage belongs to is gone")
+        return bound(*args)
+
+    return call
+
+
 class _InFlight:
     """The batches planned on the collection and not yet released, in plan order.
 
@@ -421,17 +434,22 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         # Closed or collected with batches in flight: the workers stop first, then this runs.
         self._finalizer = weakref.finalize(self, _drop_pipeline, list(self._hooks), self._in_flight,
                                            self._backend, self.device)
+        # The stages reach this object weakly too: without a cycle, a pipeline dropped without
+        # close() goes (and hands its batches back) at once, not when the cycle collector runs.
         self.pipeline = StagedPipeline(
-            [PipelineStage("h2d", lambda b: self._h2d(_Item(b)), "copy"),
-             PipelineStage("input_dist", self._dist, "host"),
-             PipelineStage("plan", self._plan, "host"),
-             PipelineStage("swap", self._swap, "host"),
-             PipelineStage("train", self._train_cached, "device")],
+            [PipelineStage("h2d", _weakly(self._h2d_batch), "copy"),
+             PipelineStage("input_dist", _weakly(self._dist), "host"),
+             PipelineStage("plan", _weakly(self._plan), "host"),
+             PipelineStage("swap", _weakly(self._swap), "host"),
+             PipelineStage("train", _weakly(self._train_cached), "device")],
             device=self.device, host_threads=host_threads, device_threads=device_threads, overlap=overlap,
-            admit=self._admit, on_abort=self.collection.abort, on_failure=self._recover,
-            after_clock=self._after_clock, keep_records=keep_records)
+            admit=_weakly(self._admit), on_abort=self.collection.abort, on_failure=_weakly(self._recover),
+            after_clock=_weakly(self._after_clock), keep_records=keep_records)
 
     # -- stages ----------------------------------------------------------------------
+    def _h2d_batch(self, batch: Any) -> _Item:
+        return self._h2d(_Item(batch))
+
     def _admit(self, batch: Any) -> None:
         if not hasattr(batch, "sparse_features"):
             raise TypeError(f"EmbCacheTrainPipeline batches need .sparse_features, got {type(batch).__name__}")

@@ -70,6 +70,19 @@ class PipelineFailure:
         self.dropped = dropped
 
 
+class _FirstFailure:
+    """The stage that failed first in the current clock (None: the caller was interrupted)."""
+
+    __slots__ = ("stage",)
+
+    def __init__(self) -> None:
+        self.stage: Optional[str] = None
+
+    def note(self, stage: str) -> None:
+        if self.stage is None:
+            self.stage = stage
+
+
 class _ClockRun:
     """The context of one clock's runtime step: inputs per stage, outputs as they finish."""
 
@@ -137,7 +150,7 @@ class StagedPipeline:
         self._programs: Dict[Tuple[int, ...], Program] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._failed_stage: Optional[str] = None
+        self._failure = _FirstFailure()
         self.stage_seconds = [0.0] * len(stages)
         self.clock_seconds = 0.0
         self.clocks_run = 0
@@ -205,6 +218,7 @@ class StagedPipeline:
     def _job(self, s: int) -> Callable[[Any, Tuple[Any, ...]], Any]:
         stage = self.stages[s]
         runnable = stage.runnable
+        failure = self._failure  # not self: the cached programs hold these jobs (no cycle)
 
         def function(run: _ClockRun, _inputs: Tuple[Any, ...]) -> Any:
             try:
@@ -212,19 +226,15 @@ class StagedPipeline:
             except StopIteration as exc:  # would end the caller's loop silently
                 error = RuntimeError(f"stage {stage.name!r} raised StopIteration")
                 error.__cause__ = exc
-                self._abort(error, stage.name)
+                failure.note(stage.name)
                 raise error from exc
-            except BaseException as exc:  # noqa: B902
-                self._abort(exc, stage.name)
+            except BaseException:  # noqa: B902
+                failure.note(stage.name)
                 raise
             run.outputs[s] = out
             return out
 
         return function
-
-    def _abort(self, exc: BaseException, stage: str) -> None:
-        if self._failed_stage is None:
-            self._failed_stage = stage
 
     def _wake(self, exc: Optional[BaseException]) -> None:
         """Runtime abort hook: a stage failed or the caller was interrupted; wake outside waits."""
@@ -233,7 +243,7 @@ class StagedPipeline:
 
     def _run_clock(self, clock: Clock) -> Dict[int, Any]:
         run = _ClockRun(list(self._values))
-        self._failed_stage: Optional[str] = None
+        self._failure.stage = None
         program = self._program(clock.stages)
         try:
             self._runtime.run(program, run, device_types=(self.device.type,), on_abort=self._wake)
@@ -245,7 +255,7 @@ class StagedPipeline:
             failure = PipelineFailure(exc, clock, dict(run.outputs), dropped)
             if self._on_failure is not None:
                 self._on_failure(failure)
-            stage = self._failed_stage or "caller (interrupted)"
+            stage = self._failure.stage or "caller (interrupted)"
             if hasattr(exc, "add_note"):
                 finished = [b for s, b in clock.active if s == self.depth - 1 and s in run.outputs]
                 done = f"; batch {finished[0]} did finish (its output is not returned)" if finished else ""
