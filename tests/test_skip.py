@@ -333,3 +333,25 @@ def test_a_pipe_with_skippable_layers_pickles_and_saves():
         with copied:
             assert torch.equal(copied(x), expected)
     assert torch.equal(pickle.loads(pickle.dumps(model))(x), model(x))
+
+
+class _PlainStash(nn.Module):
+    def forward(self, x):
+        yield stash("plain", x)
+        return x
+
+
+_WrappedStash = skippable(stash=["plain"])(_PlainStash)  # the functional form keeps the class usable
+
+
+def test_decorating_leaves_the_users_class_alone():
+    """A first fix renamed the decorated class (its __qualname__), which broke pickling and
+    inspect.getsource of the class used on its own."""
+    import inspect
+    import pickle
+
+    assert _PlainStash.__qualname__ == "_PlainStash"
+    assert type(pickle.loads(pickle.dumps(_PlainStash()))) is _PlainStash
+    assert "yield stash" in inspect.getsource(_WrappedStash.module_cls)
+    copied = copy.deepcopy(_WrappedStash())
+    assert type(copied.module) is _PlainStash

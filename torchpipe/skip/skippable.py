@@ -7,7 +7,7 @@ it runs (:func:`verify_skippables`) and the pipeline knows which partitions talk
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Type
+from typing import Any, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Tuple, Type
 
 from torch import Tensor, nn
 
@@ -50,6 +50,16 @@ class Skippable(nn.Module):
 
     def __repr__(self) -> str:
         return f"@skippable({self.module!r})"
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The wrapper took the class's name in its module, so pickle (torch.save of a model)
+        # would look the inner layer's class up by that name and find the wrapper: the inner
+        # layer travels as its state plus the wrapper, which knows the class (module_cls).
+        state = self.__dict__.copy()
+        modules = dict(state["_modules"])
+        modules["module"] = _InnerLayer(type(self), modules["module"])
+        state["_modules"] = modules
+        return state
 
     def isolate(self, namespace: Namespace, *, only: Optional[Iterable[str]] = None) -> "Skippable":
         """Put this layer's skip names (or ``only`` those) into ``namespace``; returns self."""
@@ -109,6 +119,25 @@ class Skippable(nn.Module):
             return stop.value
 
 
+class _InnerLayer:
+    """A Skippable's inner layer while pickled or deep-copied (see ``Skippable.__getstate__``)."""
+
+    def __init__(self, wrapper: Type[Skippable], layer: nn.Module) -> None:
+        self.wrapper = wrapper
+        self.layer = layer
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        layer = self.layer
+        state = layer.__getstate__() if hasattr(layer, "__getstate__") else layer.__dict__
+        return _rebuild_inner_layer, (self.wrapper, state)
+
+
+def _rebuild_inner_layer(wrapper: Type[Skippable], state: Any) -> nn.Module:
+    layer = wrapper.module_cls.__new__(wrapper.module_cls)
+    layer.__setstate__(state)
+    return layer
+
+
 def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Any:
     """Class decorator: the layer stashes the names ``stash`` and pops the names ``pop``."""
     stash_names, pop_names = frozenset(stash), frozenset(pop)
@@ -124,12 +153,7 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Any:
             "__module__": cls.__module__,
             "__doc__": cls.__doc__,
         }
-        wrapper = type(cls.__name__, (Skippable,), attrs)
-        # The wrapper takes the class's name in its module, so pickle (torch.save of a model)
-        # would look the inner layer's class up by that name and find the wrapper instead.
-        # Named as the wrapper's attribute, the class is found.
-        cls.__qualname__ = f"{cls.__qualname__}.module_cls"
-        return wrapper
+        return type(cls.__name__, (Skippable,), attrs)
 
     return decorate
 
