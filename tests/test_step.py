@@ -508,14 +508,18 @@ def test_zero_bubble_runs_a_compiled_layer_whose_backward_donates_buffers(schedu
     backward) raised."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(6, 16), nn.Sequential(nn.Linear(16, 16), nn.GELU()), nn.Linear(16, 3),
-                          nn.Identity()).double()
+                          nn.Identity(), nn.Identity()).double()
     model = copy.deepcopy(plain)
     model[1] = torch.compile(model[1], backend="aot_eager")
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
-    with Pipe(model, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=2, checkpoint="never") as pipe:
+    hook_calls = []
+    model[2].register_full_backward_hook(lambda *args: hook_calls.append(1))  # after the region, same stage
+    with Pipe(model, [1, 2, 1, 1], devices=["cpu"] * 4, chunks=2, checkpoint="never") as pipe:
         pipe.step(x, y, nn.CrossEntropyLoss(), schedule="1f1b")  # compiles the backward, donating
         pipe.zero_grad()
+        hook_calls.clear()
         loss = pipe.step(x, y, nn.CrossEntropyLoss(), schedule=schedule)
+    assert len(hook_calls) == 2  # once per micro-batch: the region is found before anything runs
     expected = nn.CrossEntropyLoss()(plain(x), y)
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())

@@ -81,6 +81,19 @@ class _Reach:
         return self.memo[root]
 
 
+def _donates_buffers(node: Node) -> bool:
+    """Whether ``node`` is a backward compiled by ``torch.compile`` that donates its buffers.
+
+    Such a backward refuses ``retain_graph=True`` (torch compiles a region's backward that way
+    once it has run one backward). Read from torch's private metadata; where it is missing,
+    ``WeightSplit.input_grads`` still catches the refusal.
+    """
+    if type(node).__name__ != "CompiledFunctionBackward":
+        return False
+    metadata = getattr(getattr(node, "_forward_cls", None), "metadata", None)
+    return bool(getattr(metadata, "bw_donated_idxs", None))
+
+
 def _below(roots: Sequence[Node]) -> Set[Node]:
     """Every node reachable from ``roots``, the roots included."""
     seen: Set[Node] = set()
@@ -113,8 +126,10 @@ class WeightSplit:
             elif output.grad_fn not in seen:
                 seen.add(output.grad_fn)
                 stack.append(output.grad_fn)
+        donating = False
         while stack:
             node = stack.pop()
+            donating = donating or _donates_buffers(node)
             side: List[Edge] = []
             for child, slot in node.next_functions:
                 if child is None:
@@ -131,7 +146,11 @@ class WeightSplit:
         if self.whole:
             self.frontier = {}
         self.kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
-        self.done_in_input = False  # see input_grads
+        # See input_grads: a region on the input path that cannot keep its graph.
+        self.whole_in_input = donating
+        self.done_in_input = False
+        if donating:
+            self.frontier = {}
         self._hooks = [node.register_prehook(self._keeper(node)) for node in self.frontier]
 
     def _branches_meet(self) -> bool:
@@ -155,20 +174,24 @@ class WeightSplit:
     def input_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> List[Optional[Tensor]]:
         """``I``: gradients for ``leaves``; the graph is kept and the frontier's gradients too.
 
-        A region compiled with ``torch.compile`` whose backward donates its buffers refuses to keep its
-        graph (once it has run a backward anywhere, torch compiles it that way). Then the
-        whole backward runs here, into ``.grad`` too, and ``W`` has nothing left to do:
-        correct, without the split's overlap for this micro-batch.
+        A region compiled with ``torch.compile`` whose backward donates its buffers refuses to
+        keep its graph (once it has run a backward anywhere, torch compiles it that way). Then
+        the whole backward runs here, into ``.grad`` too, and ``W`` has nothing left to do:
+        correct, without the split's overlap for this micro-batch. Such a region is found
+        before anything runs (``_donates_buffers``); if torch's metadata did not tell, the
+        refusal is caught, and the nodes after the region, which ran once already, run again
+        (their backward hooks too).
         """
-        try:
-            return list(engine.grad(outputs, leaves, grad_outputs, retain_graph=True))
-        except RuntimeError as exc:
-            if "donated buffers" not in str(exc):
-                raise
-        finally:
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
+        if not self.whole_in_input:
+            try:
+                return list(engine.grad(outputs, leaves, grad_outputs, retain_graph=True))
+            except RuntimeError as exc:
+                if "donated buffers" not in str(exc):
+                    raise
+            finally:
+                for hook in self._hooks:
+                    hook.remove()
+                self._hooks = []
         self.done_in_input = True
         self.kept.clear()
         engine.backward(outputs, grad_outputs)  # the stage's own input leaves get .grad as well
