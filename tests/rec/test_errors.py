@@ -85,3 +85,19 @@ def test_sync_forward_without_backward_does_not_leak_protection() -> None:
         model(kjt)  # grads on, backward never called
     model.flush()
     assert model.in_flight() == 0
+
+
+def test_a_batch_too_big_for_the_cache_leaves_a_pending_lookup_usable() -> None:
+    """The fallback for two lookups released the first one before knowing whether the second
+    could fit at all: the refused lookup still made the first one's backward stale."""
+    tables = make_tables()
+    cached = CachedEmbeddingBagCollection(tables, 6, weights=integer_weights(tables))
+    small = make_kjt(tables, {"f0a": [[1, 2]], "f0b": [[3]], "f1a": [[1]], "f1b": [[2]]})
+    huge = make_kjt(tables, {"f0a": [[10, 11, 12, 13]], "f0b": [[14, 15, 16]], "f1a": [[1]], "f1b": [[2]]})
+    pending = cached(small)
+    protected = cached.in_flight()
+    with pytest.raises(CacheTooSmallError):
+        cached(huge)  # 7 keys of t0 in 6 rows, whatever is released
+    assert cached.in_flight() == protected
+    pending.values().sum().backward()  # StaleBatchError before the fix
+    assert cached.in_flight() == 0

@@ -291,7 +291,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         try:
             plan = self._plan(keys)
         except CacheTooSmallError:
-            if not self._sync_plans:
+            too_many = any(batch.unique_keys.numel() > self.caches[name].cache_rows
+                           for name, batch in keys.tables.items())
+            if not self._sync_plans or too_many:  # (releasing them would not make room)
                 raise
             # Earlier lookups whose graphs are alive keep their keys, for a backward through
             # both (two towers on one collection). No room for both: they go stale instead.
