@@ -101,3 +101,67 @@ def test_a_batch_too_big_for_the_cache_leaves_a_pending_lookup_usable() -> None:
     assert cached.in_flight() == protected
     pending.values().sum().backward()  # StaleBatchError before the fix
     assert cached.in_flight() == 0
+
+
+def test_a_ctrl_c_inside_a_release_leaves_it_to_be_finished() -> None:
+    """A Ctrl-C between marking a table's plan released and lowering its protection counts kept
+    its keys protected for good (the retry skipped it). Simulated at each line of
+    ``EmbeddingCache.release`` up to the flag; after it no call runs, so CPython cannot raise
+    a KeyboardInterrupt there."""
+    import dis
+    import inspect
+    import sys
+
+    from torchpipe.rec.cache import EmbeddingCache
+
+    source, first = inspect.getsourcelines(EmbeddingCache.release)
+    flag = first + next(i for i, line in enumerate(source) if "plan.released = True" in line)
+    body = first + next(i for i, line in enumerate(source) if "with self._lock" in line)
+    tables = make_tables()
+    kjt = make_kjt(tables, {"f0a": [[1, 2]], "f0b": [[3]], "f1a": [[1]], "f1b": [[2]]})
+    executed: set = set()
+
+    def record(frame, event, arg):
+        if event == "line":
+            executed.add(frame.f_lineno)
+        return record
+
+    probe = CachedEmbeddingBagCollection(tables, 6, weights=integer_weights(tables))
+    probe_plan = probe.plan(probe.prepare(kjt))
+    probe.swap(probe_plan)
+    sys.settrace(lambda frame, event, arg: record if frame.f_code is EmbeddingCache.release.__code__ else None)
+    try:
+        probe.release(probe_plan)
+    finally:
+        sys.settrace(None)
+    for line in sorted(executed & set(range(body, flag + 1))):
+        cached = CachedEmbeddingBagCollection(tables, 6, weights=integer_weights(tables))
+        plan = cached.plan(cached.prepare(kjt))
+        cached.swap(plan)
+
+        def interrupt(frame, event, arg, line=line):
+            if event == "line" and frame.f_code is EmbeddingCache.release.__code__ and frame.f_lineno == line \
+                    and frame.f_locals["self"].name == "t1":
+                raise KeyboardInterrupt
+            return interrupt
+
+        sys.settrace(lambda frame, event, arg: interrupt if frame.f_code is EmbeddingCache.release.__code__ else None)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                cached.release(plan)
+        finally:
+            sys.settrace(None)
+        cached.release(plan)  # the retry finishes what was cut short
+        for cache in cached.caches.values():
+            assert cache.protected_slots() == 0 and cache._protected == 0, line
+        cached.flush()
+    # After the flag, the first call must be the one that lowers the counts (CPython checks for
+    # a pending KeyboardInterrupt only at calls and backward jumps); before the fix, torch calls
+    # ran in between.
+    instructions = list(dis.get_instructions(EmbeddingCache.release))
+    start = next(i for i, ins in enumerate(instructions) if ins.opname == "STORE_ATTR" and ins.argval == "released")
+    after = instructions[start + 1:]
+    first_call = next(i for i, ins in enumerate(after) if ins.opname.startswith("CALL"))
+    loads = [ins.argval for ins in after[:first_call] if ins.opname in ("LOAD_METHOD", "LOAD_ATTR", "LOAD_GLOBAL")]
+    assert loads and loads[-1] == "index_add_", loads  # nothing called between: no torch.full_like(...) argument
+    assert not any(ins.opname.startswith("JUMP_BACKWARD") for ins in after[:first_call])

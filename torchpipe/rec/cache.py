@@ -202,12 +202,17 @@ class EmbeddingCache:
         with self._lock:
             if plan.released:
                 raise RuntimeError(f"swap plan {plan.seq} of table {self.name!r} released twice")
-            plan.released = True
+            slots = plan.slots_of_keys  # unique slots: a batch's keys are deduplicated
+            minus_one = torch.full_like(slots, -1, dtype=torch.int32)
+            freed = int(self._protect_count.index_select(0, slots).eq(1).sum())
             self._state_version += 1
             self._memo = None
-            slots = plan.slots_of_keys
-            self._protect_count.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
-            self._protected -= int(self._protect_count.index_select(0, slots).eq(0).sum())
+            # Everything is computed above; below, no call runs before the last line, so a
+            # Ctrl-C (raised by CPython only at calls and loops) cannot stop the bookkeeping
+            # halfway: the plan is released either wholly or not at all.
+            plan.released = True
+            self._protected -= freed
+            self._protect_count.index_add_(0, slots, minus_one)
 
     # -- inspection -------------------------------------------------------------------
     def protected_slots(self) -> int:
