@@ -332,6 +332,51 @@ class CopyCounter(nn.Linear):
         return twin
 
 
+@skippable(stash=["projected"])
+class StashProjection(nn.Module):
+    """Stashes a tensor computed from its own parameters (its graph reaches the layer's copy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor):
+        y = self.linear(x)
+        yield stash("projected", y)
+        return y
+
+
+@skippable(pop=["projected"])
+class AddProjection(nn.Module):
+    def forward(self, x: torch.Tensor):
+        projected = yield pop("projected")
+        return x + projected
+
+
+@pytest.mark.parametrize("balance", [balance_by_time, balance_by_size])
+def test_a_stash_does_not_keep_its_layers_copy_alive(balance, monkeypatch) -> None:
+    """The profiler kept the stashed tensor with its graph until the next layer had been copied."""
+    import torchpipe.balance.sandbox as sandbox
+
+    model = nn.Sequential(StashProjection(), nn.Linear(4, 4), AddProjection(), nn.Linear(4, 4))
+    copies: List[weakref.ref] = []
+    alive_at_copy: List[int] = []
+    real_deepcopy = copy.deepcopy
+
+    def spying_deepcopy(layer, memo=None):
+        if memo is not None:  # deepcopy's own recursion (it looks itself up in the module)
+            return real_deepcopy(layer, memo)
+        gc.collect()
+        alive_at_copy.append(sum(1 for ref in copies if ref() is not None))
+        twin = real_deepcopy(layer)
+        copies.extend(weakref.ref(p) for p in list(twin.parameters())[:1])
+        return twin
+
+    monkeypatch.setattr(sandbox.copy, "deepcopy", spying_deepcopy)
+    balance(2, model, torch.randn(3, 4))
+    assert alive_at_copy == [0, 0, 0, 0]
+
+
 @pytest.mark.parametrize("balance", [balance_by_time, balance_by_size])
 def test_only_one_layer_copy_is_alive_while_profiling(balance) -> None:
     """The whole model may not fit on the profiling device: one layer's copy at a time.

@@ -108,9 +108,11 @@ class ProfilingSkipTracker:
         return [t for t in self.ready.values() if t is not None]
 
     def save(self, key: SkipKey, tensor: Optional[Tensor]) -> None:
-        self.tensors[key] = None if tensor is None else tensor.detach()
-        if tensor is not None:
-            self.stashed.append(tensor)
+        # Detached: the graph would keep this layer's copy alive while the next one is profiled.
+        detached = None if tensor is None else tensor.detach()
+        self.tensors[key] = detached
+        if detached is not None:
+            self.stashed.append(detached)
 
     def load(self, key: SkipKey) -> Optional[Tensor]:
         if key in self.ready:
