@@ -309,30 +309,24 @@ def _leaf_grads(stage: StageRunner, saved: _Saved, grads: List[Optional[Tensor]]
     return _Handoff(Batch(tuple(grads)), None if on_cpu else mark_ready(stage.backend, stage.stream), None)
 
 
-def _outside_autocast(stage: StageRunner) -> Any:
-    """Leave the caller's autocast for a backward action, as torch's AMP recipe does.
+def _runs_outside_autocast(stage: StageRunner) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a backward action's body: it leaves the caller's autocast, as torch's AMP recipe does.
 
     Jobs run under the caller's thread state, autocast included (see ``ThreadState``); the
     recipe runs ``loss.backward()`` after the autocast block, and a backward under autocast
     casts differently (``scaled_dot_product_attention``'s, a custom Function's). A
     checkpoint's recompute restores the forward's autocast state by itself.
     """
-    active = [t for t in dict.fromkeys(("cpu", stage.backend.type))
-              if torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)]
-    if not active:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for device_type in active:
-        stack.enter_context(torch.autocast(device_type, enabled=False))
-    return stack
-
-
-def _runs_outside_autocast(stage: StageRunner) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a backward action's body with :func:`_outside_autocast`."""
+    device_types = [t for t in dict.fromkeys(("cpu", stage.backend.type)) if torch.amp.is_autocast_available(t)]
 
     def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
         def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> Any:
-            with _outside_autocast(stage):
+            active = [t for t in device_types if torch.is_autocast_enabled(t)]
+            if not active:
+                return body(ctx, inputs)
+            with contextlib.ExitStack() as stack:
+                for device_type in active:
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
                 return body(ctx, inputs)
 
         return run
