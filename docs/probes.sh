@@ -60,3 +60,26 @@ from torchpipe.step import _runs_outside_autocast
 wrapped = _runs_outside_autocast(SimpleNamespace(backend=SimpleNamespace(type='cpu')))(lambda ctx, inputs: None)
 print('autocast exit per backward action: %.2f us' % (min(timeit.repeat(lambda: wrapped(None, ()), number=20000, repeat=5)) / 20000 * 1e6))
 "
+# Where a Pipe.step goes (1F1B, 4 stages, m = 32, t = 2 ms): median action per kind from
+# pipe.last_report(), and the sleeps as measured inside the jobs.
+.venv/bin/python -c "
+import statistics, time, torch
+from torch import nn
+import torchpipe.bench.schedules as layers
+from torchpipe import Pipe
+torch.set_num_threads(1)
+slept, sleep = [], time.sleep
+class Timed:
+    @staticmethod
+    def sleep(seconds):
+        start = time.perf_counter(); sleep(seconds); slept.append(time.perf_counter() - start)
+layers.time = Timed
+pipe = Pipe(nn.Sequential(*[layers.SplitSleepLayer(0.002) for _ in range(4)]), [1, 1, 1, 1], devices=['cpu'] * 4, chunks=32, checkpoint='never')
+x, y = torch.randn(64, 256), torch.randn(64, 256)
+for _ in range(3): pipe.step(x, y, layers._loss)
+slept.clear(); pipe.step(x, y, layers._loss)
+q = statistics.quantiles(slept, n=10)
+print(pipe.last_report())
+print('sleeps inside the jobs: median %.3f ms, mean %.3f ms, p90 %.3f ms' % (statistics.median(slept) * 1e3, statistics.mean(slept) * 1e3, q[8] * 1e3))
+pipe.close()
+"

@@ -394,8 +394,8 @@ def test_a_second_pipeline_on_a_collection_with_batches_in_flight_is_refused_unt
 
 
 def test_a_new_pipeline_takes_over_from_one_dropped_without_close() -> None:
-    """The dropped pipeline is garbage (in a reference cycle) but not yet collected: the new
-    one collects it, so its in-flight batches are handed back first."""
+    """The dropped pipeline is garbage in a reference cycle of the user's (so not freed at once)
+    and not yet collected: the new one collects it, so its in-flight batches are handed back first."""
     import gc
 
     tables = make_tables()
@@ -408,6 +408,7 @@ def test_a_new_pipeline_takes_over_from_one_dropped_without_close() -> None:
         first.progress(it)
         first.progress(it)
         done = first.steps_done
+        first.itself = first  # a cycle: only the cycle collector can free it
         del first
         assert model.ebc.in_flight() > 0
         with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as second:
