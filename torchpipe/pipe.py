@@ -263,8 +263,10 @@ class Pipe(nn.Module):
     def plan(self, num_microbatches: Optional[int] = None, schedule: str = "1f1b", **options: Any) -> Plan:
         """The plan ``step(..., schedule=schedule, **options)`` runs on ``num_microbatches``.
 
-        The defaults are ``step``'s: ``chunks`` micro-batches and ``'1f1b'``. The plan of a
-        forward call ``pipe(x)`` is ``plan(m, "gpipe", backward=False)``.
+        The defaults are ``step``'s: ``chunks`` micro-batches and ``'1f1b'``. A batch may
+        give fewer micro-batches than ``chunks`` (``Tensor.chunk`` rules: 6 samples in 4
+        chunks give 3); its step runs ``plan(3, ...)``. The plan of a forward call ``pipe(x)``
+        is ``plan(m, "gpipe", backward=False)``.
         """
         m = self.chunks if num_microbatches is None else num_microbatches
         return build(schedule, len(self.partitions), m, **options)
@@ -278,7 +280,11 @@ class Pipe(nn.Module):
         return cached
 
     def _step_program(self, schedule: str, num_microbatches: int, options: Dict[str, Any]) -> Tuple[Plan, Program]:
-        key: Optional[Tuple[Any, ...]] = ("step", schedule, num_microbatches, tuple(sorted(options.items())))
+        # Each value's type is part of the key: 2.0 == 2 and hash alike, but only build() may
+        # say whether 2.0 is a valid virtual_stages, and a cached 2 must not answer for it.
+        key: Optional[Tuple[Any, ...]] = (
+            "step", schedule, num_microbatches, tuple(sorted((k, type(v), v) for k, v in options.items()))
+        )
         try:
             cached = self._programs.get(key)  # type: ignore[arg-type]
         except TypeError:  # an unhashable option value: let build() name what it expected
@@ -361,6 +367,8 @@ class Pipe(nn.Module):
         """
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
+        if not isinstance(schedule, str):
+            raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}; got {schedule!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
         if reduction is None:

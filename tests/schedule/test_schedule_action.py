@@ -35,9 +35,17 @@ def test_parse_rejects_bad_text_naming_it(text: str) -> None:
         Action.parse(text)
 
 
+@pytest.mark.parametrize("value", [20, None, b"2F0", ["2F0"]])
+def test_parse_rejects_what_is_not_text_with_a_type_error(value: object) -> None:
+    with pytest.raises(TypeError, match="Action.parse takes the text form"):
+        Action.parse(value)  # type: ignore[arg-type]
+
+
 def test_constructor_rejects_bad_fields() -> None:
     with pytest.raises(ValueError, match="kind"):
         Action(0, "X", 0)
+    with pytest.raises(TypeError, match="kind must be a str"):
+        Action(0, ["F"], 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stage"):
         Action(-1, "F", 0)
     with pytest.raises(TypeError, match="microbatch"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from fractions import Fraction
 from math import isclose
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,10 +12,6 @@ from torchpipe.schedule import SCHEDULES, Action, Plan, build
 
 PS = range(1, 7)
 MS = range(1, 13)
-
-
-def _interleaved_ok(p: int, m: int, v: int) -> bool:
-    return v == 1 or m <= p or m % p == 0
 
 
 def _grid() -> list[tuple[str, int, dict]]:
@@ -36,8 +33,6 @@ def test_grid_validates_and_simulates(name: str, stages: int, options: dict) -> 
     v = options.get("virtual_stages", 2 if name == "zb-v" else 1)
     p = stages // v
     for m in MS:
-        if name == "interleaved-1f1b" and not _interleaved_ok(p, m, v):
-            continue
         plan = build(name, stages, m, **options)
         plan.validate()
         assert plan.num_workers == p and plan.num_stages == stages and plan.num_microbatches == m
@@ -81,24 +76,52 @@ def test_bubble_closed_form_interleaved() -> None:
                 assert isclose(got, (p - 1) / (v * m + p - 1), abs_tol=1e-12), (p, v, m, got)
 
 
-def test_interleaved_beats_1f1b_and_rejects_ragged_microbatches() -> None:
+def test_interleaved_beats_1f1b_and_checks_its_options() -> None:
     assert _bubble("interleaved-1f1b", 8, 8, virtual_stages=2) < _bubble("1f1b", 4, 8)
     build("interleaved-1f1b", 8, 3, virtual_stages=2)  # m < p: one short group
-    with pytest.raises(ValueError, match="multiple of the number of workers"):
-        build("interleaved-1f1b", 8, 6, virtual_stages=2)
     with pytest.raises(ValueError, match="virtual_stages"):
         build("interleaved-1f1b", 7, 4, virtual_stages=2)
     with pytest.raises(ValueError, match="virtual_stages"):
         build("interleaved-1f1b", 4, 4, virtual_stages=0)
 
 
-def test_interleaved_peak_activations_megatron_warmup() -> None:
-    # Worker r warms up with (v-1)*p + 2*(p-1-r) forwards, then holds one more.
-    for p in PS:
+def test_interleaved_takes_any_microbatch_count() -> None:
+    # m that p does not divide: ragged groups (sizes differ by one, each >= p), never a
+    # deadlock, and per layer never a larger bubble than 1F1B's.
+    for p in range(1, 7):
+        for v in (2, 3, 4):
+            for m in range(1, 41):
+                plan = build("interleaved-1f1b", p * v, m, virtual_stages=v)
+                sim = plan.simulate()
+                assert sim.bubble_ratio <= _bubble("1f1b", p, m) + 1e-12, (p, v, m)
+                first_group = m // max(1, m // p) + (1 if m % max(1, m // p) else 0)
+                assert sim.peak_activations == tuple(
+                    min((v - 1) * first_group + 2 * (p - 1 - r) + 1, m * v) for r in range(p)
+                ), (p, v, m)
+
+
+def test_interleaved_order_equals_torch_distributed_pipelining() -> None:
+    # Where torch 2.13's ScheduleInterleaved1F1B accepts m (its round count divides m,
+    # ragged m = 6 or 10 on 4 workers included), every worker runs torch's order.
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    ranks_ops = getattr(schedules.ScheduleInterleaved1F1B, "_calculate_single_rank_operations", None)
+    if ranks_ops is None:
+        pytest.skip("this torch computes interleaved orders elsewhere")
+    compared = 0
+    for p in range(1, 6):
         for v in (2, 3):
-            for m in range(p, 13, p):
-                peaks = build("interleaved-1f1b", p * v, m, virtual_stages=v).simulate().peak_activations
-                assert peaks == tuple(min((v - 1) * p + 2 * (p - 1 - r) + 1, m * v) for r in range(p)), (p, v, m)
+            for m in range(1, 21):
+                rounds = max(1, m // p)
+                if m % rounds:
+                    continue  # torch refuses these m
+                fake = SimpleNamespace(n_local_stages=v, microbatches_per_round=m // rounds, pp_group_size=p,
+                                       _n_microbatches=m)
+                plan = build("interleaved-1f1b", p * v, m, virtual_stages=v)
+                for rank in range(p):
+                    theirs = [str(op) for op in ranks_ops(fake, rank) if op is not None]
+                    assert [str(a) for a in plan.worker_actions[rank]] == theirs, (p, v, m, rank)
+                    compared += 1
+    assert compared > 300
 
 
 def test_interleaved_uses_megatron_placement() -> None:

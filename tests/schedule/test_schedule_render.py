@@ -184,6 +184,19 @@ def test_chrome_trace() -> None:
     assert scaled[-1]["ts"] + scaled[-1]["dur"] == pytest.approx(sim.makespan * 1000)
 
 
+@pytest.mark.parametrize("scale,error", [(-1.0, ValueError), (0, ValueError), (float("nan"), ValueError),
+                                         (float("inf"), ValueError), ("1", TypeError), (True, TypeError)])
+def test_chrome_trace_refuses_a_bad_unit(scale: object, error: type) -> None:
+    # Negative or non-finite timestamps would make a trace Perfetto rejects (json writes NaN).
+    with pytest.raises(error, match="us_per_unit"):
+        build("1f1b", 2, 2).chrome_trace(us_per_unit=scale)  # type: ignore[arg-type]
+
+
+def test_costs_that_overflow_when_added_are_refused() -> None:
+    with pytest.raises(ValueError, match="past the largest float"):
+        build("1f1b", 2, 2).simulate({"F": 1e308, "B": 1e308})
+
+
 def test_save_png_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match="matplotlib"):

@@ -101,13 +101,24 @@ def test_mixed_forward_only_and_backward_rejected() -> None:
         Plan.from_lists("half", [["0F0"], ["1F0", "1B0"]])
 
 
+def test_from_lists_names_a_size_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="num_stages must be an int, got 1.0"):
+        Plan.from_lists("x", [["0F0", "0B0"]], num_stages=1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="num_microbatches must be an int, got '1'"):
+        Plan.from_lists("x", [["0F0", "0B0"]], num_microbatches="1")  # type: ignore[arg-type]
+
+
 def test_bad_stage_to_worker() -> None:
     with pytest.raises(InvalidPlanError, match="stage_to_worker has 1 entries for 2 stages"):
         Plan.from_lists("map", GPIPE_2x2, num_stages=2, stage_to_worker=[0])
     with pytest.raises(InvalidPlanError, match="stage 1 is mapped to worker 5"):
         Plan.from_lists("map", GPIPE_2x2, stage_to_worker=[0, 5])
-    with pytest.raises(InvalidPlanError, match="stage 0 is mapped to worker False"):
+    with pytest.raises(InvalidPlanError, match="stage 0 is mapped to False of type bool"):
         Plan.from_lists("map", GPIPE_2x2, stage_to_worker=[False, True])
+    np = pytest.importorskip("numpy")
+    # In range but not an int: the message names the type, not a range it is inside.
+    with pytest.raises(InvalidPlanError, match="stage 0 is mapped to .* of type int64; stage_to_worker must hold Python ints"):
+        Plan.from_lists("map", GPIPE_2x2, stage_to_worker=[np.int64(0), 1])
 
 
 def test_dependencies_rules() -> None:

@@ -42,6 +42,8 @@ class Action:
                 raise TypeError(f"Action {field} must be an int, got {value!r}")
             if value < 0:
                 raise ValueError(f"Action {field} must be >= 0, got {value}")
+        if not isinstance(self.kind, str):
+            raise TypeError(f"Action kind must be a str, one of {KINDS}, got {self.kind!r}")
         if self.kind not in KINDS:
             raise ValueError(f"Action kind must be one of {KINDS}, got {self.kind!r}")
 
@@ -51,7 +53,9 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> "Action":
         """Parse the text form ("12B103"), so plans can be written and read by hand."""
-        match = _TEXT.fullmatch(text.strip()) if isinstance(text, str) else None
+        if not isinstance(text, str):
+            raise TypeError(f"Action.parse takes the text form of an action, a str such as '2F0'; got {text!r}")
+        match = _TEXT.fullmatch(text.strip())
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected <stage><kind><microbatch> "

@@ -53,14 +53,30 @@ def _one_f_one_b(p: int, m: int) -> Plan:
     return Plan("1f1b", p, m, tuple(range(p)), tuple(lists))
 
 
+def _microbatch_groups(p: int, m: int) -> list[range]:
+    """Consecutive micro-batch groups of at least ``min(p, m)``, sizes differing by at most one.
+
+    ``max(1, m // p)`` groups, the larger ones first. When ``p`` divides ``m`` these are
+    Megatron's groups of ``p``; otherwise they are torch.distributed.pipelining's rounds
+    (which need the group count to divide ``m``), made ragged so that every ``m`` works.
+    """
+    rounds = max(1, m // p)
+    size, larger = divmod(m, rounds)
+    groups, first = [], 0
+    for g in range(rounds):
+        n = size + (1 if g < larger else 0)
+        groups.append(range(first, first + n))
+        first += n
+    return groups
+
+
 def _interleaved(num_stages: int, m: int, *, virtual_stages: int = 2) -> Plan:
     """Megatron interleaved 1F1B: ``v`` model chunks per worker, stage ``s`` on worker ``s % p``.
 
-    Micro-batches go in groups of ``p`` (``m < p`` is one group; with ``v > 1`` any other
-    ``m`` that is not a multiple of ``p`` raises ValueError, as Megatron's order can
-    deadlock there); within a group a worker runs chunk 0 for all of them, then chunk 1.
-    Backwards go chunk ``v - 1`` first. The bubble shrinks by ``v`` against 1F1B when
-    ``m`` is a multiple of ``p``.
+    Micro-batches go in consecutive groups (see ``_microbatch_groups``: groups of ``p`` when
+    ``p`` divides ``m``); within a group a worker runs chunk 0 for all of them, then chunk 1,
+    and backwards go chunk ``v - 1`` first. The warm-up is Megatron's, sized by the first
+    (largest) group. The bubble shrinks by ``v`` against 1F1B when ``m`` is a multiple of ``p``.
     """
     v = _positive_int("virtual_stages", virtual_stages)
     if num_stages % v:
@@ -69,25 +85,14 @@ def _interleaved(num_stages: int, m: int, *, virtual_stages: int = 2) -> Plan:
             f"(num_stages = workers * virtual_stages), got num_stages={num_stages}, virtual_stages={v}"
         )
     p = num_stages // v
-    if v > 1 and m > p and m % p:
-        raise ValueError(
-            f"interleaved-1f1b with virtual_stages={v} needs num_microbatches to be a multiple of "
-            f"the number of workers ({p}) or at most {p}, got num_microbatches={m}"
-        )
-    group = min(p, m)
-    order: list[tuple[int, int]] = []  # (chunk, micro-batch) in forward order
-    for first in range(0, m, group):
-        mbs = range(first, min(first + group, m))
-        order += [(c, i) for c in range(v) for i in mbs]
-    back: list[tuple[int, int]] = []
-    for first in range(0, m, group):
-        mbs = range(first, min(first + group, m))
-        back += [(c, i) for c in reversed(range(v)) for i in mbs]
+    groups = _microbatch_groups(p, m)
+    order = [(c, i) for mbs in groups for c in range(v) for i in mbs]  # (chunk, micro-batch), forward order
+    back = [(c, i) for mbs in groups for c in reversed(range(v)) for i in mbs]
     total = m * v
     lists = []
     for r in range(p):
         # Megatron's warm-up; with v == 1 it is exactly 1F1B's ``p - 1 - r``.
-        warmup = min((v - 1) * group + 2 * (p - 1 - r) if v > 1 else p - 1 - r, total)
+        warmup = min((v - 1) * len(groups[0]) + 2 * (p - 1 - r) if v > 1 else p - 1 - r, total)
         fwd = [Action(c * p + r, FORWARD, i) for c, i in order]
         bwd = [Action(c * p + r, BACKWARD, i) for c, i in back]
         acts = fwd[:warmup]

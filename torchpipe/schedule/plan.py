@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 __all__ = ["Plan"]
 
 
+def _require_int(name: str, value: object) -> None:
+    """TypeError naming ``name`` unless ``value`` is a Python int (bools refused)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"Plan {name} must be an int, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A schedule as data: which worker runs which action, in which order.
@@ -40,9 +46,7 @@ class Plan:
         object.__setattr__(self, "stage_to_worker", tuple(self.stage_to_worker))
         object.__setattr__(self, "worker_actions", tuple(tuple(acts) for acts in self.worker_actions))
         for name in ("num_stages", "num_microbatches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"Plan {name} must be an int, got {value!r}")
+            _require_int(name, getattr(self, name))
         for acts in self.worker_actions:
             for act in acts:
                 if not isinstance(act, Action):
@@ -123,6 +127,9 @@ class Plan:
         Sizes default to what the lists mention; stages default to Megatron placement,
         stage ``s`` on worker ``s % len(lists)``.
         """
+        for size_name, size in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+            if size is not None:
+                _require_int(size_name, size)
         worker_actions = tuple(
             tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts) for acts in lists
         )

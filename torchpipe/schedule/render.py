@@ -10,7 +10,7 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from .simulate import Costs, Simulation, simulate
+from .simulate import Costs, Simulation, _cost_value, simulate
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -118,6 +118,9 @@ def chrome_trace(plan: "Plan", costs: Costs = None, *, comm: float = 0.0, us_per
     Cost units are taken as microseconds unless ``us_per_unit`` says otherwise
     (e.g. 1e6 for costs measured in seconds).
     """
+    scale = _cost_value("us_per_unit", us_per_unit)
+    if scale == 0.0:
+        raise ValueError(f"us_per_unit must be a finite number > 0, got {us_per_unit!r}")
     sim = simulate(plan, costs, comm=comm)
     events = [
         {
@@ -126,8 +129,8 @@ def chrome_trace(plan: "Plan", costs: Costs = None, *, comm: float = 0.0, us_per
             "ph": "X",
             "pid": 0,
             "tid": w,
-            "ts": start * us_per_unit,
-            "dur": (end - start) * us_per_unit,
+            "ts": start * scale,
+            "dur": (end - start) * scale,
             "args": {"stage": act.stage, "microbatch": act.microbatch},
         }
         for w, act, start, end in sim.timeline

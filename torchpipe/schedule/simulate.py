@@ -146,6 +146,8 @@ def simulate(plan: "Plan", costs: Costs = None, *, comm: float = 0.0) -> Simulat
         if not progressed:
             raise ScheduleDeadlockError(_deadlock_message(plan, nxt, deps, end))
     makespan = max(free)
+    if not math.isfinite(makespan):
+        raise ValueError(f"plan {plan.name!r}: the costs add up past the largest float (makespan {makespan}); scale them down")
     bubble = 1.0 - sum(busy) / (plan.num_workers * makespan) if makespan > 0 else 0.0
     timeline.sort(key=lambda e: (e[2], e[0], e[3]))
     return Simulation(

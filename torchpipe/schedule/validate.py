@@ -48,7 +48,12 @@ def _check_shape(plan: "Plan") -> None:
             f"for {plan.num_stages} stages"
         )
     for s, w in enumerate(plan.stage_to_worker):
-        if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w < plan.num_workers:
+        if not isinstance(w, int) or isinstance(w, bool):
+            raise InvalidPlanError(
+                f"plan {plan.name!r}: stage {s} is mapped to {w!r} of type {type(w).__name__}; "
+                f"stage_to_worker must hold Python ints"
+            )
+        if not 0 <= w < plan.num_workers:
             raise InvalidPlanError(
                 f"plan {plan.name!r}: stage {s} is mapped to worker {w!r}, "
                 f"but the plan has {plan.num_workers} workers"
