@@ -260,6 +260,15 @@ def test_a_layer_called_partitions_keeps_its_own_state_dict_keys():
         pipe.load_state_dict(state)
 
 
+@pytest.mark.parametrize("name", ["step", "chunks", "checkpoint", "close", "plan", "balance", "last_memory"])
+def test_a_child_named_like_a_pipe_attribute_is_refused_by_name(name):
+    model = nn.Sequential(collections.OrderedDict([("embed", nn.Linear(2, 2)), (name, nn.Linear(2, 2))]))
+    before = {t for t in threading.enumerate() if t.name.startswith("torchpipe")}
+    with pytest.raises(ValueError, match=rf"children named \['{name}'\], which are also attributes of Pipe"):
+        Pipe(model, [1, 1])
+    assert {t for t in threading.enumerate() if t.name.startswith("torchpipe")} == before
+
+
 def test_no_grad_and_eval_mode():
     model = make_model(dropout=0.5)
     reference = copy.deepcopy(model).eval()
@@ -292,6 +301,37 @@ def test_checkpoint_flags_and_recompute_only_for_checkpointed_microbatches():
     assert sorted(seen[len(forward_calls):]) == [(2, False, True), (2, False, True)]
 
 
+@pytest.mark.parametrize("step", [False, True])
+def test_every_checkpointed_forward_is_recomputed_to_the_partition_end(step):
+    # torchgpipe's pattern: a layer hands a value from each checkpointed forward to its own
+    # recompute through the flags. The layer saves nothing for backward, so a recompute that
+    # stops once the last saved tensor is rebuilt would never reach it.
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pending = []
+
+        def forward(self, x):
+            if is_recomputing():
+                factor = self.pending.pop(0)
+            else:
+                factor = float(torch.randint(1, 4, ()).item())
+                if is_checkpointing():
+                    self.pending.append(factor)
+            return x * factor
+
+    scale = Scale()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), scale)
+    with Pipe(model, [2, 2], chunks=4, checkpoint="always") as pipe:
+        for _ in range(3):
+            x, y = torch.randn(8, 4), torch.randn(8, 4)
+            if step:
+                pipe.step(x, y, nn.MSELoss())
+            else:
+                pipe(x).sum().backward()
+            assert scale.pending == []
+
+
 class RecordDropout(nn.Dropout):
     """Dropout that records each output with the phase it ran in."""
 
@@ -312,9 +352,7 @@ def test_dropout_is_replayed_identically_on_recompute(checkpoint):
     logs = [[] for _ in range(4)]
     layers = []
     for log in logs:
-        # Dropout first: recompute stops early after the last saved tensor, so a trailing
-        # dropout's hook would not run again.
-        layers += [RecordDropout(0.5, log), nn.Linear(64, 64)]
+        layers += [nn.Linear(64, 64), RecordDropout(0.5, log)]  # a trailing dropout is recomputed too
     model = nn.Sequential(*layers)
     x = torch.randn(64, 64)
     with Pipe(model, [2, 2, 2, 2], chunks=8, checkpoint=checkpoint) as pipe:
@@ -480,6 +518,26 @@ def test_state_dicts_of_torchgpipe_and_fairscale_load():
         wrapper.load_state_dict({"pipe." + key: value for key, value in saved.items()})
         with pytest.raises(RuntimeError, match="Unexpected key"):
             pipe.load_state_dict({**source.state_dict(), "partitions.x.y": torch.zeros(1)})
+
+
+def test_state_dicts_of_torchgpipe_with_deferred_batch_norm_load():
+    # torchgpipe saves its DeferredBatchNorm's accumulators ('sum', 'sum_squares') as buffers.
+    from torchgpipe import GPipe
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 3, 1))
+
+    old = GPipe(model(), [2, 2], devices=["cpu"] * 2, chunks=2, deferred_batch_norm=True)
+    old(torch.rand(4, 3, 4, 4)).sum().backward()
+    saved = old.state_dict()
+    assert "partitions.0.1.sum_squares" in saved
+    with Pipe(model(), [2, 2], chunks=2, deferred_batch_norm=True) as pipe:
+        pipe.load_state_dict(saved)
+        assert torch.equal(pipe[1].running_mean, saved["partitions.0.1.running_mean"])
+        assert "1.sum" not in pipe.state_dict()
+        with pytest.raises(RuntimeError, match="Unexpected key.*1.other"):  # strict otherwise
+            pipe.load_state_dict({**pipe.state_dict(), "1.other": torch.zeros(1)})
 
 
 class _Noise(nn.Module):

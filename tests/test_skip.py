@@ -355,3 +355,15 @@ def test_decorating_leaves_the_users_class_alone():
     assert "yield stash" in inspect.getsource(_WrappedStash.module_cls)
     copied = copy.deepcopy(_WrappedStash())
     assert type(copied.module) is _PlainStash
+
+
+@pytest.mark.parametrize("declared", [dict(stash=["foo"]), dict(pop=["foo"])])
+def test_declaring_names_without_a_generator_forward_is_the_missing_stash_runtime_error(declared):
+    # As torchgpipe: code that catches RuntimeError for a skip that never happened keeps working.
+    @skippable(**declared)
+    class Plain(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    with pytest.raises(RuntimeError, match=r"Plain declared but did not stash/pop \['foo'\]"):
+        Plain()(torch.tensor(42.0))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,13 @@ class DeferredBatchNorm(_BatchNorm):
         return output
 
     # -- statistics ---------------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+        # torchgpipe's and fairscale's DeferredBatchNorm save their per-step accumulators as
+        # buffers; ours are transient. Their state dicts must still load with strict=True.
+        for transient in ("sum", "sum_squares"):
+            state_dict.pop(prefix + transient, None)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _reset_pending(self) -> None:
         self._pending_microbatches = 0

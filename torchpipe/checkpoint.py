@@ -46,6 +46,7 @@ def _set_flag(name: str) -> Iterator[None]:
 # Checkpointing with RNG replay
 # --------------------------------------------------------------------------------------------
 import contextlib  # noqa: E402
+import inspect  # noqa: E402
 from typing import Any, Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
@@ -309,6 +310,17 @@ class _Contexts:
         self.stack.__exit__(*exc)
 
 
+# Recompute the whole partition, as torchgpipe does. Non-reentrant checkpoint stops a
+# recompute once the last tensor saved for backward is rebuilt, so layers after it would never
+# run with ``is_recomputing()`` True, and a layer that pairs each checkpointed forward with its
+# recompute (state handed over through the flags, a counter, a hook) would fall out of step.
+# Per call, not ``set_checkpoint_early_stop``: that one is a process-wide global, which other
+# workers (and the user's own checkpoints) would see.
+_WHOLE_RECOMPUTE: Dict[str, Any] = (
+    {"early_stop": False} if "early_stop" in inspect.signature(_torch_checkpoint.checkpoint).parameters else {}
+)
+
+
 def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageReplay") -> Batch:
     """Run ``function`` on ``batch`` without keeping its activations; recompute them in backward.
 
@@ -338,6 +350,7 @@ def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageRepl
         use_reentrant=False,
         preserve_rng_state=False,
         context_fn=lambda: (replay.forward_context(), replay.recompute_context()),
+        **_WHOLE_RECOMPUTE,
     )
     if failures:
         raise failures.pop()  # no local name: the traceback must not keep the exception alive

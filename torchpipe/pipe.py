@@ -58,6 +58,27 @@ def _accept_partitioned_keys(module: nn.Module, state_dict: Dict[str, Any], pref
             state_dict[prefix + key[match.end():]] = state_dict.pop(key)
 
 
+_OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "deferred_batch_norm", "last_memory", "_device_types",
+                   "_intra_op_threads")
+
+
+def _check_child_names(module: nn.Sequential) -> None:
+    """ValueError for a child whose name is one of ``Pipe``'s own attributes.
+
+    A ``Pipe`` keeps the model's child names (``pipe.<name>``, state dict keys), so a child
+    called ``step`` or ``chunks`` would collide with the method or the setting; torchgpipe
+    nests the layers under ``partitions.<i>`` and has no such clash. ``partitions`` itself
+    is allowed (see ``_accept_partitioned_keys``).
+    """
+    taken = (set(dir(Pipe)) | set(_OWN_ATTRIBUTES) | set(Pipe._RUNTIME_STATE)) - {"partitions"}
+    clashes = sorted(name for name in module._modules if name in taken)
+    if clashes:
+        raise ValueError(
+            f"the module has children named {clashes}, which are also attributes of Pipe; a Pipe keeps "
+            f"the children's names, so rename them (nn.Sequential(OrderedDict(...)) with other names)"
+        )
+
+
 class MovingDenied(TypeError):
     """Raised when a ``Pipe`` is moved with ``.to()``, ``.cuda()`` or ``.cpu()``: it owns placement."""
 
@@ -141,6 +162,7 @@ class Pipe(nn.Module):
         chunks = _check_chunks(chunks)
         checkpoint = _check_checkpoint(checkpoint)
         verify_module(module)
+        _check_child_names(module)
         budget = ThreadBudget(intra_op_threads)
         if balance is None:
             if devices is not None:

@@ -85,9 +85,11 @@ class Skippable(nn.Module):
         result = self.module(input)
         if not isinstance(result, Generator):
             if self.stashable_names or self.poppable_names:
-                raise TypeError(
-                    f"{self.module_cls.__name__}.forward must be a generator that yields stash()/pop() "
-                    f"for the declared names {sorted(self.stashable_names | self.poppable_names)}"
+                # RuntimeError, as for a generator that skips a declared name (and as torchgpipe).
+                raise RuntimeError(
+                    f"{self.module_cls.__name__} declared but did not stash/pop "
+                    f"{sorted(self.stashable_names | self.poppable_names)}: its forward must be a generator "
+                    f"that yields stash()/pop() for them"
                 )
             return result
         return self._drive(result)
