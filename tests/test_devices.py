@@ -409,6 +409,14 @@ def test_unknown_device_strings_are_a_value_error():
         as_device("banana:0")
 
 
+def test_integer_devices_are_checked_by_name():
+    with pytest.raises(ValueError, match="invalid device -1: a CUDA index must be >= 0"):
+        as_device(-1)
+    with pytest.raises(TypeError, match="invalid device True"):
+        as_device(True)
+    assert as_device(1) == torch.device("cuda", 1)
+
+
 # -------------------------------------------------------------- missing accelerators
 needs_no_torch_npu = pytest.mark.skipif(
     importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed"

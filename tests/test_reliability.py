@@ -895,3 +895,133 @@ def test_an_interrupt_while_queueing_a_step_leaves_the_pipe_usable(fail_at, call
             worker.in_queue = real
         assert pipe._runtime._step is None
         _assert_next_call_finishes(pipe, x, reference, "the next call hung behind the half-queued step")
+
+
+# ------------------------------------------------- calls from work a step waits on
+def _run_script(script, timeout=60):
+    """Run ``script`` in a fresh interpreter (a hang must not strand threads in this one)."""
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    try:
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung; output: {exc.stdout!r}")
+    assert "HANG" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+_WATCHDOG = """
+import os, threading, time
+def _watchdog(seconds):
+    time.sleep(seconds)
+    print("HANG", flush=True)
+    os._exit(3)
+threading.Thread(target=_watchdog, args=(30,), daemon=True).start()
+"""
+
+
+def test_a_pipe_nested_in_a_checkpointed_stage_runs_and_matches_the_plain_model():
+    """The outer stage holds the CPU generator's lock for its checkpointed forward; the
+    nested Pipe's stages take a lock one level down instead of waiting for it forever."""
+    out = _run_script(_WATCHDOG + """
+import copy, torch
+from torch import nn
+from torchpipe import Pipe
+torch.manual_seed(0)
+inner_model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0), nn.Linear(4, 4))
+outer_model = nn.Sequential(copy.deepcopy(inner_model), nn.Tanh(), nn.Linear(4, 4))
+reference = copy.deepcopy(outer_model)
+inner = Pipe(outer_model[0], [2, 1], chunks=2)
+outer = Pipe(nn.Sequential(inner, outer_model[1], outer_model[2]), [1, 2], chunks=2)
+for _ in range(3):
+    x = torch.randn(8, 4)
+    y = outer(x)
+    y.sum().backward()
+    reference(x).sum().backward()
+    torch.testing.assert_close(y, reference(x))
+for (name, a), b in zip(reference.named_parameters(), outer.parameters()):
+    torch.testing.assert_close(b.grad, a.grad, msg=name)
+print("nested ok", flush=True)
+""")
+    assert "nested ok" in out
+
+
+def test_a_call_back_into_the_pipe_through_another_thread_is_refused_not_a_deadlock():
+    """A stage that calls its own Pipe through a host task, or through a second Pipe."""
+    out = _run_script(_WATCHDOG + """
+import torch
+from torch import nn
+from torchpipe import HostPool, Pipe
+pool = HostPool(1)
+
+class ViaPool(nn.Module):
+    def forward(self, x):
+        return pool.submit(lambda: pipe(x + 1)).result()
+
+pipe = Pipe(nn.Sequential(ViaPool(), nn.Identity()), [1, 1], chunks=1)
+try:
+    pipe(torch.zeros(1, 1))
+except RuntimeError as exc:
+    assert "re-entrant" in str(exc), exc
+    print("via pool refused", flush=True)
+
+targets = {}
+
+class Call(nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+    def forward(self, x):
+        return targets[self.name](x)
+
+a = Pipe(nn.Sequential(Call("b"), nn.Identity()), [1, 1], chunks=1)
+b = Pipe(nn.Sequential(Call("a"), nn.Identity()), [1, 1], chunks=1)
+targets.update(a=a, b=b)
+try:
+    a(torch.zeros(1, 1))
+except RuntimeError as exc:
+    assert "re-entrant" in str(exc), exc
+    print("a -> b -> a refused", flush=True)
+targets["b"] = lambda x: x + 1  # both still work
+print("after", a(torch.zeros(1, 1)).item(), b(torch.zeros(1, 1)).item(), flush=True)
+""")
+    assert "via pool refused" in out and "a -> b -> a refused" in out and "after 1.0 1.0" in out
+
+
+def test_a_second_interrupt_stops_waiting_for_a_stage_that_never_returns():
+    """Ctrl-C once aborts the step; a stage stuck in user code cannot see that, so a second
+    Ctrl-C gives up waiting. The Pipe refuses calls (no hang) until the stage returns."""
+    out = _run_script(_WATCHDOG + """
+import signal, torch
+from torch import nn
+from torchpipe import Pipe
+release = threading.Event()
+
+class Stuck(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            release.wait()
+        return x
+
+def interrupt_twice():  # a real Ctrl-C: interrupt_main() cannot wake a blocked wait
+    time.sleep(0.5); os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5); os.kill(os.getpid(), signal.SIGINT)
+
+pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=1)
+threading.Thread(target=interrupt_twice, daemon=True).start()
+try:
+    pipe(torch.ones(1, 1))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+try:
+    pipe(torch.zeros(1, 1))
+except RuntimeError as exc:
+    assert "has not returned" in str(exc), exc
+    print("refused while stuck", flush=True)
+release.set()
+time.sleep(0.2)
+print("after", pipe(-torch.ones(1, 1)).item(), flush=True)
+pipe.close()
+""")
+    assert "interrupted" in out and "refused while stuck" in out and "after -1.0" in out

@@ -18,6 +18,7 @@ import torch
 from thread_helpers import wait_until_gone
 from torch import nn
 
+import torchpipe.profiling
 import torchpipe.workers as workers_module
 from torchpipe import HostPool, Pipe, Task, ThreadBudget
 from torchpipe.runtime import Program, Runtime
@@ -267,6 +268,52 @@ def test_hostpool_context_manager_and_garbage_collection_join_threads():
 def test_hostpool_bad_num_threads(bad):
     with pytest.raises(ValueError, match="num_threads"):
         HostPool(bad)
+
+
+def test_hostpool_stops_the_started_threads_when_one_fails_to_start(monkeypatch):
+    before = {t for t in threading.enumerate() if t.name.startswith("torchpipe-failhost")}
+    real_start = threading.Thread.start
+    count = {"n": 0}
+
+    def flaky_start(self):
+        if self.name.startswith("torchpipe-failhost"):
+            count["n"] += 1
+            if count["n"] == 3:
+                raise RuntimeError("can't start new thread")  # CPython at its thread limit
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", flaky_start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        HostPool(4, name="torchpipe-failhost")
+    new = {t for t in threading.enumerate() if t.name.startswith("torchpipe-failhost")} - before
+    assert not wait_until_gone(new)
+
+
+def test_hostpool_refuses_bad_keys_and_budgets_by_name():
+    with HostPool(2) as pool:
+        for key in ("a", 1.5, True):
+            with pytest.raises(TypeError, match="key must be an int or None"):
+                pool.submit(int, key=key)
+        assert pool.submit(int, key=-3).result(5) == 0  # any int picks a thread
+    with pytest.raises(TypeError, match="budget must be a ThreadBudget, got 4"):
+        HostPool(2, budget=4)
+
+
+def test_hostpool_tasks_run_under_the_submitters_thread_state():
+    def state():
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+                (torch.ones(2, 2) @ torch.ones(2, 2)).dtype)
+
+    with HostPool(1) as pool:
+        assert pool.submit(state).result(5) == (True, False, False, torch.float32)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert pool.submit(state).result(5) == (False, False, True, torch.bfloat16)
+        with torch.inference_mode():
+            assert pool.submit(state).result(5)[1] is True
+        assert pool.submit(state).result(5) == (True, False, False, torch.float32)  # nothing stays behind
+        with torchpipe.profiling.profile() as prof:
+            pool.submit(lambda: torch.ones(3).sum(), label="lookup table 0").result(5)
+        assert any(event.name == "lookup table 0" for event in prof.events())
 
 
 # ----------------------------------------------------------------------------- ThreadBudget

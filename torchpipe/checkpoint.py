@@ -52,6 +52,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple  # noqa: E402
 import torch  # noqa: E402
 import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
 
+from .call_chain import RNGSection, enter_rng_section, leave_rng_section  # noqa: E402
 from .devices import get_backend  # noqa: E402
 from .microbatch import Batch, rebuild  # noqa: E402
 
@@ -127,20 +128,19 @@ class RNGGuard:
 
 
 class _ForwardSection:
-    __slots__ = ("guard", "training", "before", "locked")
+    __slots__ = ("guard", "training", "before", "section")
 
     def __init__(self, guard: RNGGuard, training: bool) -> None:
         self.guard = guard
         self.training = training
         self.before: Optional[torch.Tensor] = None
-        self.locked = False
+        self.section: Optional[RNGSection] = None
 
     def __enter__(self) -> None:
         guard = self.guard
         if guard.lock is None or guard._uses_rng[self.training] is False:
             return
-        guard.lock.acquire()
-        self.locked = True
+        self.section = enter_rng_section(guard.generator, guard.lock)
         if guard._uses_rng[self.training] is None:
             self.before = _get_state(guard.generator)
 
@@ -150,8 +150,8 @@ class _ForwardSection:
             if self.before is not None and exc_type is None:
                 guard._uses_rng[self.training] = not torch.equal(self.before, _get_state(guard.generator))
         finally:
-            if self.locked:
-                guard.lock.release()  # type: ignore[union-attr]
+            leave_rng_section(self.section)
+            self.section = None
 
 
 class _Replay:
@@ -199,7 +199,7 @@ class _CheckpointContext:
 
 
 class _RecomputeContext:
-    __slots__ = ("replay", "previous", "saved", "locked")
+    __slots__ = ("replay", "previous", "saved", "section")
 
     def __init__(self, replay: _Replay) -> None:
         self.replay = replay
@@ -207,12 +207,11 @@ class _RecomputeContext:
     def __enter__(self) -> None:
         replay = self.replay
         self.saved = None
-        self.locked = False
+        self.section: Optional[RNGSection] = None
         if replay.state is not None:
             lock = replay.guard.lock
             if lock is not None:
-                lock.acquire()
-                self.locked = True
+                self.section = enter_rng_section(replay.guard.generator, lock)
             generator = replay.guard.generator
             self.saved = _get_state(generator)
             _set_state(generator, replay.state)
@@ -225,8 +224,8 @@ class _RecomputeContext:
             if self.saved is not None:
                 _set_state(self.replay.guard.generator, self.saved)
         finally:
-            if self.locked:
-                self.replay.guard.lock.release()  # type: ignore[union-attr]
+            leave_rng_section(self.section)
+            self.section = None
 
 
 class StageRNG:
@@ -266,7 +265,7 @@ class StageRNG:
         with contextlib.ExitStack() as stack:
             for guard in self.guards:
                 if guard.lock is not None:
-                    stack.enter_context(guard.lock)
+                    stack.callback(leave_rng_section, enter_rng_section(guard.generator, guard.lock))
             yield
 
 

@@ -239,7 +239,11 @@ def as_device(device: DeviceLike) -> torch.device:
     """Normalise ``device`` and reject unknown device strings with a clear ValueError."""
     if isinstance(device, torch.device):
         return device
+    if isinstance(device, bool):
+        raise TypeError(f"invalid device {device!r}: expected a str such as 'cpu' or 'cuda:0', a torch.device, or a CUDA index")
     if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"invalid device {device!r}: a CUDA index must be >= 0")
         return torch.device("cuda", device)
     try:
         return torch.device(device)

@@ -15,7 +15,6 @@ in the caller's thread while it waits aborts the step the same way.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -24,6 +23,9 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 
 import torch
 
+from . import call_chain
+from .call_chain import adopt
+from .thread_state import ThreadState
 from .workers import Task, Worker
 
 __all__ = ["Program", "Runtime", "StepRecord", "ThreadState", "StepAborted"]
@@ -130,58 +132,6 @@ class Program:
                 raise ValueError(f"program would deadlock: every worker waits ({', '.join(stuck)})")
 
 
-_TOP_SAVED_TENSORS_HOOKS: Optional[Callable[[bool], Any]] = getattr(
-    torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def current_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
-    """The innermost ``saved_tensors_hooks`` (pack, unpack) active on this thread, if any.
-
-    Thread-local in autograd, like grad mode: ``save_on_cpu`` around a call must reach the
-    workers too. Read through a private binding (looked up once: ``Pipe.step`` asks on every
-    forward job); without it, no hooks are carried.
-    """
-    top = _TOP_SAVED_TENSORS_HOOKS
-    return None if top is None else top(False)
-
-
-class ThreadState:
-    """The caller's thread-local state that each job must run under.
-
-    Grad mode, inference mode, autocast, saved-tensor hooks (``save_on_cpu``) and whether a
-    profiler records: all thread-local in PyTorch, so a worker thread would otherwise
-    silently run with its own defaults.
-    """
-
-    __slots__ = ("grad_enabled", "inference", "autocast", "saved_hooks", "profiling", "plain")
-
-    def __init__(self, device_types: Sequence[str]) -> None:
-        self.grad_enabled = torch.is_grad_enabled()
-        self.inference = torch.is_inference_mode_enabled()
-        self.autocast: List[Tuple[str, torch.dtype, bool]] = []
-        for device_type in device_types:
-            if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-                self.autocast.append(
-                    (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
-                )
-        self.saved_hooks = current_saved_tensors_hooks()
-        self.profiling = bool(torch.autograd.profiler._is_profiler_enabled)
-        # Nothing to enter around a job: the per-job fast path.
-        self.plain = not (self.inference or self.autocast or self.saved_hooks or self.profiling)
-
-    def contexts(self, label: str) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        if self.inference:
-            stack.enter_context(torch.inference_mode())
-        for device_type, dtype, cache in self.autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
-        if self.saved_hooks is not None:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks))
-        if self.profiling:
-            stack.enter_context(torch.profiler.record_function(label))
-        return stack
-
-
 @dataclass
 class StepRecord:
     """Start and end time of every job of one step, for the bubble and a Chrome trace."""
@@ -252,6 +202,7 @@ class _Step:
         # Each worker with jobs counts down once, after its last job of the step.
         self.remaining_workers = sum(1 for jobs in program.worker_jobs if jobs)
         self.finished = threading.Event()
+        self.abandoned = False  # the caller stopped waiting (a second interrupt): jobs may still run
         if not self.remaining_workers:
             self.finished.set()
         self.state = state
@@ -355,6 +306,7 @@ class Runtime:
         self._tasks: Dict[int, Tuple[List[Task], List[Task]]] = {}
         self.last_step: Optional[StepRecord] = None
         self._worker_threads = {w.thread.ident for w in self.workers}
+        self._owner = call_chain.new_owner()
 
     def _drain_workers(self) -> None:
         """Wait until every worker has run all it was given, after a step half queued.
@@ -386,8 +338,13 @@ class Runtime:
     def refuse_worker_caller(
         self, message: str = "a pipeline stage called its own pipeline: re-entrant calls would deadlock"
     ) -> None:
-        """RuntimeError(``message``) when called from one of this runtime's workers (it would deadlock)."""
-        if threading.get_ident() in self._worker_threads:
+        """RuntimeError(``message``) when called from work this runtime's step waits on.
+
+        That is one of its workers, or any thread doing work for one of its steps (a host
+        task a stage submitted, a stage of a pipeline a stage called): the call would wait
+        for this runtime's lock, which the waiting step holds.
+        """
+        if threading.get_ident() in self._worker_threads or self._owner in call_chain.current().owners:
             raise RuntimeError(message)
 
     def _tasks_for(self, program: Program) -> List[List[Task]]:
@@ -424,6 +381,7 @@ class Runtime:
                 else:
                     inputs = tuple([step.take(d) for d in deps])
                 state = step.state
+                adopt(state.chain)
                 torch._C._set_grad_enabled(state.grad_enabled)
                 start = time.perf_counter()
                 if state.plain:
@@ -465,13 +423,19 @@ class Runtime:
             )
         program.freeze()
         with self._lock:
-            return self._run_locked(program, context, ThreadState(device_types), on_abort)
+            return self._run_locked(program, context, ThreadState(device_types, self._owner), on_abort)
 
     def _run_locked(
         self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]]
     ) -> Dict[Hashable, Any]:
         previous = self._step
         if previous is not None:  # a step an interrupt left behind: end it, let the workers drain
+            if previous.abandoned and not previous.finished.is_set():
+                raise RuntimeError(
+                    "a job of an earlier step, left behind by a second interrupt, has not returned: a stage "
+                    "that never returns (or waits for something that waits for this pipeline) holds its "
+                    "worker. Nothing can run here until it returns; close() this pipeline and build a new one"
+                )
             previous.abort(None)
             self._drain_workers()
             self._step = None
@@ -496,10 +460,16 @@ class Runtime:
                 step.finished.wait()
                 break
             except BaseException as exc:  # noqa: B902 - KeyboardInterrupt while waiting: abort, drain
-                interrupt = interrupt or exc
+                if interrupt is not None:
+                    # A second interrupt: the abort did not end the step, so a job does not
+                    # return (it waits for something that will never come). Stop waiting and
+                    # leave the step behind; the next run refuses until the job returns.
+                    step.abandoned = True
+                    raise interrupt
+                interrupt = exc
                 try:
                     step.abort(exc)
-                except BaseException:  # noqa: B902 - yet another interrupt: keep waiting, raise the first
+                except BaseException:  # noqa: B902 - an interrupt inside the abort: it is aborted anyway
                     pass
         wall_end = time.perf_counter()
         self._step = None

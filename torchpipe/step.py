@@ -24,9 +24,10 @@ from . import engine
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
 from .microbatch import Batch, rebuild
-from .runtime import Program, current_saved_tensors_hooks
+from .runtime import Program
 from .skip.portal import SkipStore, StageSkips
 from .split_backward import WeightSplit
+from .thread_state import current_saved_tensors_hooks
 
 __all__ = ["StepContext", "lower_step", "MemoryRecord"]
 

@@ -25,7 +25,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .call_chain import adopt
 from .devices import Backend, get_backend
+from .thread_state import ThreadState
 
 __all__ = [
     "Task",
@@ -264,9 +266,10 @@ class HostPool:
     ) -> None:
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+        if not isinstance(budget, ThreadBudget):
+            raise TypeError(f"budget must be a ThreadBudget, got {budget!r}")
         self._out: "queue.SimpleQueue[Report]" = queue.SimpleQueue()
-        threads = budget.threads_per_worker(num_threads)
-        self.workers = [Worker(f"{name}-{i}", self._out, None, intra_op_threads=threads) for i in range(num_threads)]
+        self.workers = spawn_workers([None] * num_threads, self._out, name=name, budget=budget)
         self._next = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -282,6 +285,8 @@ class HostPool:
             return self._pick(key)
 
     def _pick(self, key: Optional[int]) -> Worker:
+        if key is not None and (not isinstance(key, int) or isinstance(key, bool)):
+            raise TypeError(f"key must be an int or None, got {key!r}")
         if self._closed:
             raise RuntimeError("HostPool is closed")
         if key is None:
@@ -290,20 +295,30 @@ class HostPool:
         return self.workers[key % len(self.workers)]
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: Optional[int] = None, label: str = "") -> "Future[Any]":
-        """Run ``fn(*args)`` on a host thread; exceptions (any BaseException) land in the future."""
+        """Run ``fn(*args)`` on a host thread; exceptions (any BaseException) land in the future.
+
+        The task runs under the submitting thread's state, as a pipeline's jobs do: grad
+        mode, inference mode, CPU autocast, saved-tensor hooks, and under a profiler a
+        ``record_function`` named ``label`` (default: ``fn``'s name).
+        """
         from concurrent.futures import Future
 
         future: "Future[Any]" = Future()
+        state = ThreadState(("cpu",))
+        name = label or getattr(fn, "__name__", "host task")
 
         def compute() -> None:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                future.set_result(fn(*args))
+                adopt(state.chain)
+                with torch.set_grad_enabled(state.grad_enabled), state.contexts(name):
+                    result = fn(*args)
+                future.set_result(result)
             except BaseException as exc:  # noqa: B902
                 future.set_exception(exc)
 
-        task = Task(compute, label=label or getattr(fn, "__name__", "host task"))
+        task = Task(compute, label=name)
         with self._lock:  # queued before close() can queue the stop marker, or refused
             self._pick(key).put(task)
         return future

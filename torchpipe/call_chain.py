@@ -1,0 +1,88 @@
+"""Whom a thread works for: the pipelines whose step waits on it, and the RNG locks held for it.
+
+A stage runs on a worker thread and may call another ``Pipe`` (one nested in a layer), or
+hand work to a host thread that does. The thread's identity cannot tell that such a call
+comes from inside a step, so the chain of callers travels with the work instead (each job
+of a step adopts its caller's chain; so does each ``HostPool`` task). That lets a pipeline
+
+* refuse a call from anything its own step waits on (its stage, a host task of its stage,
+  a pipeline its stage called), which would otherwise deadlock on its step lock, and
+* pass a generator lock down: a checkpointed forward holds its device generator's lock, and
+  a pipeline it calls must not wait for that lock. Its stages take a lock of their own,
+  one level down, which still keeps them from drawing at the same time as each other.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from types import MappingProxyType
+from typing import FrozenSet, Mapping, Optional, Tuple
+
+import torch
+
+__all__ = ["Chain", "current", "adopt", "new_owner", "enter_rng_section", "leave_rng_section"]
+
+
+class Chain:
+    """The owners (pipelines) a piece of work serves, and the generator locks to use under them."""
+
+    __slots__ = ("owners", "rng_locks")
+
+    def __init__(self, owners: FrozenSet[int] = frozenset(),
+                 rng_locks: Mapping[int, threading.Lock] = MappingProxyType({})) -> None:
+        self.owners = owners
+        self.rng_locks = rng_locks
+
+    def serving(self, owner: int) -> "Chain":
+        """This chain, one level down: work done for ``owner`` on behalf of this chain's caller."""
+        return Chain(self.owners | {owner}, self.rng_locks)
+
+
+ROOT = Chain()
+
+
+class _Current(threading.local):
+    chain: Chain = ROOT
+
+
+_current = _Current()
+_owner_tokens = itertools.count(1)
+
+
+def current() -> Chain:
+    """The chain of the work this thread is doing now."""
+    return _current.chain
+
+
+def adopt(chain: Chain) -> None:
+    """Make ``chain`` this thread's: a worker does so before each job or host task."""
+    _current.chain = chain
+
+
+def new_owner() -> int:
+    """A token naming one pipeline in chains (never reused, unlike ``id``)."""
+    return next(_owner_tokens)
+
+
+RNGSection = Tuple[threading.Lock, Chain]
+
+
+def enter_rng_section(generator: torch.Generator, lock: threading.Lock) -> RNGSection:
+    """Take ``generator``'s lock for this chain: ``lock`` at the top, the caller's sub-lock below.
+
+    While it is held, work this thread starts (a nested pipeline's stages) gets a fresh lock
+    for the generator, one level down. Give the result to :func:`leave_rng_section`.
+    """
+    chain = _current.chain
+    held = chain.rng_locks.get(id(generator), lock)
+    held.acquire()
+    _current.chain = Chain(chain.owners, MappingProxyType({**chain.rng_locks, id(generator): threading.Lock()}))
+    return held, chain
+
+
+def leave_rng_section(section: Optional[RNGSection]) -> None:
+    """Release what :func:`enter_rng_section` took and restore the chain."""
+    if section is not None:
+        held, chain = section
+        _current.chain = chain
+        held.release()

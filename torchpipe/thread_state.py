@@ -1,0 +1,86 @@
+"""The caller's thread-local state, captured once and re-entered by the threads that work for it.
+
+Grad mode, inference mode, autocast, saved-tensor hooks and the profiler are all
+thread-local in PyTorch, so a worker thread would otherwise run with its own defaults; the
+call chain (:mod:`torchpipe.call_chain`) travels the same way.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .call_chain import Chain
+from .call_chain import current as current_chain
+
+__all__ = ["ThreadState", "current_saved_tensors_hooks"]
+
+
+_TOP_SAVED_TENSORS_HOOKS: Optional[Callable[[bool], Any]] = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def current_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
+    """The innermost ``saved_tensors_hooks`` (pack, unpack) active on this thread, if any.
+
+    Thread-local in autograd, like grad mode: ``save_on_cpu`` around a call must reach the
+    workers too. Read through a private binding (looked up once: ``Pipe.step`` asks on every
+    forward job); without it, no hooks are carried.
+    """
+    top = _TOP_SAVED_TENSORS_HOOKS
+    return None if top is None else top(False)
+
+
+def _carried_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
+    """The caller's saved-tensor hooks that other threads may use: not a checkpoint's.
+
+    ``torch.utils.checkpoint`` (non-reentrant) matches the tensors a recompute saves to those
+    of the forward by their order on the checkpointing thread. Tensors saved by several
+    workers at once come in no fixed order, so a pipeline called inside a checkpointed region
+    (a ``Pipe`` nested in another ``Pipe``'s stage) keeps its own saved tensors instead; its
+    graph then backpropagates as it is, and the recompute's second call is only extra work.
+    """
+    hooks = current_saved_tensors_hooks()
+    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+        return None
+    return hooks
+
+
+class ThreadState:
+    """The caller's thread-local state that each job must run under.
+
+    Grad mode, inference mode, autocast, saved-tensor hooks (``save_on_cpu``) and whether a
+    profiler records: all thread-local in PyTorch, so a worker thread would otherwise
+    silently run with its own defaults.
+    """
+
+    __slots__ = ("grad_enabled", "inference", "autocast", "saved_hooks", "profiling", "plain", "chain")
+
+    def __init__(self, device_types: Sequence[str], owner: Optional[int] = None) -> None:
+        # Whom the jobs work for: the caller's chain, one level down for ``owner``.
+        self.chain: Chain = current_chain() if owner is None else current_chain().serving(owner)
+        self.grad_enabled = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.autocast: List[Tuple[str, torch.dtype, bool]] = []
+        for device_type in device_types:
+            if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+                self.autocast.append(
+                    (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
+                )
+        self.saved_hooks = _carried_saved_tensors_hooks()
+        self.profiling = bool(torch.autograd.profiler._is_profiler_enabled)
+        # Nothing to enter around a job: the per-job fast path.
+        self.plain = not (self.inference or self.autocast or self.saved_hooks or self.profiling)
+
+    def contexts(self, label: str) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.inference:
+            stack.enter_context(torch.inference_mode())
+        for device_type, dtype, cache in self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        if self.saved_hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks))
+        if self.profiling:
+            stack.enter_context(torch.profiler.record_function(label))
+        return stack
