@@ -202,7 +202,8 @@ class TrainPipelineSparseDist(_ReadyPipeline):
     """Three stages, as TorchRec's ``TrainPipelineSparseDist``: H2D; input dist; fwd/bwd/opt.
 
     ``input_dist(device_batch) -> device_batch`` runs on a host thread (TorchRec starts the
-    sparse-feature all-to-all there). Single process, the default is the identity; for a
+    sparse-feature all-to-all there); on an accelerator, on that thread's current stream,
+    after the batch's copy (the stages hand over through events, see ``StagedPipeline``). Single process, the default is the identity; for a
     key all-to-all across processes see `torchpipe.train.dist.TableWiseSharding`.
     """
 

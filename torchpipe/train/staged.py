@@ -10,10 +10,17 @@ on batch ``t - s`` (see `schedule.py`). Jobs of a clock are independent, so they
 on their workers; a batch's next stage runs in the next clock, after this one drained.
 That gives both orders a stage pipeline needs without extra locks: stage ``i`` of batch
 ``b`` after stage ``i - 1`` of ``b``, and after stage ``i`` of ``b - 1``.
+
+On an accelerator the threads finishing in order is not enough: each stage queues work on
+its thread's stream. So each stage records an event after it, the next stage's stream
+waits on that event before it runs (the first stage's waits on the caller's stream), the
+input's device memory is recorded on the consumer's stream, and the caller's stream waits
+for the last stage before ``progress`` returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import deque
@@ -22,6 +29,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 
 import torch
 
+from ..devices import Backend, get_backend
 from ..runtime import Program, Runtime, StepRecord
 from ..workers import ThreadBudget, Worker, stop_workers
 from .schedule import Clock, ClockSchedule, schedule_table
@@ -84,13 +92,45 @@ class _FirstFailure:
 
 
 class _ClockRun:
-    """The context of one clock's runtime step: inputs per stage, outputs as they finish."""
+    """The context of one clock's runtime step: inputs per stage, outputs as they finish.
 
-    __slots__ = ("inputs", "outputs")
+    On an accelerator, ``ready[s]`` is the event after which stage ``s``'s input may be
+    read (recorded where it was made), and ``done[s]`` the event after stage ``s``'s work.
+    """
 
-    def __init__(self, inputs: List[Any]) -> None:
+    __slots__ = ("inputs", "outputs", "ready", "done")
+
+    def __init__(self, inputs: List[Any], ready: List[Any]) -> None:
         self.inputs = inputs
         self.outputs: Dict[int, Any] = {}
+        self.ready = ready
+        self.done: Dict[int, Any] = {}
+
+
+def _record_streams(value: Any, stream: Any, backend: Backend, device_type: str, depth: int = 0) -> None:
+    """Tell the allocator that the device tensors in ``value`` are used on ``stream``.
+
+    A stage's output was allocated on its producer's stream; once the consumer's stream is
+    done with it, the allocator must not hand its memory back to the producer's stream
+    early. Walks tensors, objects with their own ``record_stream`` (a KeyedJaggedTensor),
+    sequences, mappings and dataclasses, a few levels deep.
+    """
+    if depth > 4 or value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.device.type == device_type:
+            backend.record_stream(value, stream)
+    elif hasattr(value, "record_stream") and callable(value.record_stream):
+        value.record_stream(stream)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _record_streams(item, stream, backend, device_type, depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _record_streams(item, stream, backend, device_type, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _record_streams(getattr(value, f.name), stream, backend, device_type, depth + 1)
 
 
 class StagedPipeline:
@@ -147,6 +187,9 @@ class StagedPipeline:
         self._finalizer = weakref.finalize(self, stop_workers, list(workers))
         self._schedule = ClockSchedule(len(stages))
         self._values: List[Any] = [None] * len(stages)
+        self._backend = get_backend(self.device)
+        self._streamed = self._backend.type != "cpu"  # stages hand over through events
+        self._ready: List[Any] = [None] * len(stages)
         self._programs: Dict[Tuple[int, ...], Program] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -220,7 +263,14 @@ class StagedPipeline:
         runnable = stage.runnable
         failure = self._failure  # not self: the cached programs hold these jobs (no cycle)
 
+        backend, device, streamed = self._backend, self.device, self._streamed
+
         def function(run: _ClockRun, _inputs: Tuple[Any, ...]) -> Any:
+            if streamed:  # this thread's stream: a worker's own, or a host thread's default one
+                stream = backend.current_stream(device)
+                if run.ready[s] is not None:
+                    backend.wait_event(stream, run.ready[s])
+                _record_streams(run.inputs[s], stream, backend, device.type)
             try:
                 out = runnable(run.inputs[s])
             except StopIteration as exc:  # would end the caller's loop silently
@@ -231,6 +281,10 @@ class StagedPipeline:
             except BaseException:  # noqa: B902
                 failure.note(stage.name)
                 raise
+            if streamed:
+                event = backend.new_event()
+                backend.record_event(event, stream)
+                run.done[s] = event
             run.outputs[s] = out
             return out
 
@@ -242,7 +296,7 @@ class StagedPipeline:
             self._on_abort(exc)
 
     def _run_clock(self, clock: Clock) -> Dict[int, Any]:
-        run = _ClockRun(list(self._values))
+        run = _ClockRun(list(self._values), list(self._ready))
         self._failure.stage = None
         program = self._program(clock.stages)
         try:
@@ -252,6 +306,7 @@ class StagedPipeline:
             dropped = [b for s, b in clock.active if not (s == self.depth - 1 and s in run.outputs)]
             self._schedule.reset()
             self._values = [None] * self.depth
+            self._ready = [None] * self.depth
             failure = PipelineFailure(exc, clock, dict(run.outputs), dropped)
             if self._on_failure is not None:
                 self._on_failure(failure)
@@ -265,6 +320,12 @@ class StagedPipeline:
         self._record()
         outputs = run.outputs
         self._values = [None] + [outputs.get(s) for s in range(self.depth - 1)]
+        self._ready = [None] + [run.done.get(s) for s in range(self.depth - 1)]
+        if self._streamed and self.depth - 1 in outputs:
+            # The caller reads the last output on its own stream: after the last stage's work.
+            caller = self._backend.current_stream(self.device)
+            self._backend.wait_event(caller, run.done[self.depth - 1])
+            _record_streams(outputs[self.depth - 1], caller, self._backend, self.device.type)
         if self._after_clock is not None:
             self._after_clock(clock, outputs)
         return outputs
@@ -305,6 +366,10 @@ class StagedPipeline:
                 if self._admit is not None:
                     self._admit(batch)
                 self._values[0] = batch
+                if self._streamed:  # the batch may still be in the making on the caller's stream
+                    ready = self._backend.new_event()
+                    self._backend.record_event(ready, self._backend.current_stream(self.device))
+                    self._ready[0] = ready
                 return True
 
             for clock in self._schedule.progress_clocks(pull):

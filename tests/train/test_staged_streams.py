@@ -1,0 +1,76 @@
+"""StagedPipeline on an accelerator: each stage's stream waits for the one that made its input.
+
+A fake backend (tests/test_devices.py) records every stream call; the stages themselves do
+plain Python work, so what is checked is the protocol: the consumer's stream waits on the
+producer's event before the stage runs, the input's memory is recorded on the consumer's
+stream, and the caller's stream waits for the last stage before ``progress`` returns.
+"""
+import threading
+
+import pytest
+import torch
+from test_devices import FakeBackend
+
+from torchpipe.devices import use_backend
+from torchpipe.train import PipelineStage, StagedPipeline
+
+
+@pytest.fixture
+def fake():
+    backend = FakeBackend()
+    with use_backend("meta", backend):
+        yield backend
+
+
+def _stage(fake, name, log):
+    def run(value):
+        log.append((name, value[0], fake.current_stream(torch.device("meta"))))
+        return (value[0], torch.empty(2, device="meta"))
+    return run
+
+
+def test_each_stage_waits_for_its_inputs_producer_and_the_caller_for_the_last(fake):
+    log = []
+    stages = [PipelineStage("h2d", _stage(fake, "h2d", log), "copy"),
+              PipelineStage("dist", _stage(fake, "dist", log), "host"),
+              PipelineStage("train", _stage(fake, "train", log), "device")]
+    batches = iter([(b, torch.empty(2, device="meta")) for b in range(4)])
+    with StagedPipeline(stages, device="meta", host_threads=1) as pipeline:
+        outputs = []
+        while True:
+            before = len(fake.calls)
+            try:
+                outputs.append(pipeline.progress(batches))
+            except StopIteration:
+                break
+            # The caller's stream (this thread's: the default one) waits for the last stage.
+            mine = [c for c in fake.calls[before:] if c[0] == threading.current_thread().name]
+            waited = [c[3] for c in mine if c[1] == "wait_event"]
+            train_events = [c[2] for c in fake.calls[before:] if c[1] == "record_event" and c[0].endswith("compute")]
+            assert train_events and train_events[-1] in waited
+    assert [o[0] for o in outputs] == [0, 1, 2, 3]
+    by_thread = {}
+    for thread, kind, *rest in fake.calls:
+        by_thread.setdefault(thread, []).append((kind, *rest))
+    recorded = {c[2]: (c[0], c[3]) for c in fake.calls if c[1] == "record_event"}  # event -> (thread, stream)
+    for consumer, producer in (("host0", "copy"), ("compute", "host0")):
+        thread = next(t for t in by_thread if t.endswith(consumer))
+        waits = [rest for kind, *rest in by_thread[thread] if kind == "wait_event"]
+        # One wait per batch, each on an event the producer recorded on its own stream.
+        producer_waits = [e for stream, e in waits if recorded[e][0].endswith(producer)]
+        assert len(producer_waits) == 4, (consumer, waits)
+        # On the consumer's own stream: the compute worker's, a host thread's default one.
+        assert {stream.name for stream, _ in waits} == ({"default"} if consumer == "host0" else {"s0"})
+        # The input's memory is recorded on the consumer's stream.
+        assert sum(1 for kind, *rest in by_thread[thread] if kind == "record_stream") >= 4
+    # The first stage waits for what the caller queued before admitting the batch.
+    copy_thread = next(t for t in by_thread if t.endswith("copy"))
+    copy_waits = [rest[1] for kind, *rest in by_thread[copy_thread] if kind == "wait_event"]
+    assert len(copy_waits) == 4 and all(recorded[e][0] == threading.current_thread().name for e in copy_waits)
+
+
+def test_a_cpu_pipeline_asks_for_no_events():
+    stages = [PipelineStage("a", lambda b: b + 1, "copy"), PipelineStage("b", lambda b: b * 2, "device")]
+    with StagedPipeline(stages, host_threads=0) as pipeline:
+        assert pipeline._streamed is False
+        assert pipeline.flush() == [] and pipeline.progress(iter([1])) == 4
