@@ -63,8 +63,11 @@ def receive(
             return tensor
         source_backend = get_backend(tensor.device)
         if source_backend.type == "cpu":
+            # Asynchronous only from pageable memory, where the copy returns once the data is
+            # staged. From pinned memory it would still be reading when the call returns, and a
+            # caller refilling a pinned staging buffer would change the input under it.
             with backend.use_stream(target_copy):
-                return tensor.to(device, non_blocking=backend.type != "cpu")
+                return tensor.to(device, non_blocking=backend.type != "cpu" and not tensor.is_pinned())
         source_copy = copy_stream_for(tensor.device)
         if ready_event is not None and not waited:
             source_backend.wait_event(source_copy, ready_event)

@@ -403,6 +403,12 @@ class Pipe(nn.Module):
         batch_size = sum(next(b.tensors()).size(0) for b in batches)
         if batch_size == 0:
             raise ValueError("the input batch is empty (0 samples along dim 0): there is no loss to back-propagate")
+        last_device = self.devices[-1]
+        if isinstance(target, torch.Tensor) and target.device != last_device and target.device.type != "cpu":
+            # An accelerator target goes to the loss's device here, on the caller's streams,
+            # which the workers' streams wait for: a worker thread copying it would use its own
+            # current stream of the target's device, unordered with the caller's.
+            target = target.to(last_device)
         targets = split_targets(target, batch_size, len(batches), self.chunks)
         scales = microbatch_weights(loss_fn, reduction, batches, targets)
         m = len(batches)
@@ -469,6 +475,14 @@ class Pipe(nn.Module):
         """Per micro-batch, the event its first stage waits for (None for host tensors)."""
         if all(t.is_cpu for t in batches[0].tensors()):  # micro-batches are chunks of one input
             return [None] * len(batches)
+        # The first stage's copy streams for these inputs exist before the step fences the
+        # workers' streams against the caller's: an input on a second accelerator is copied
+        # on one of them, after the caller's work on that device.
+        first = self._stages[0]
+        for tensor in batches[0].tensors():
+            if not tensor.is_cpu and tensor.device != first.device:
+                first.copy_stream_for(tensor.device)
+                first.copy_stream_for(first.device)
         return [self._input_event(b) for b in batches]
 
     def _input_event(self, batch: Batch) -> Any:
