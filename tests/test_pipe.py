@@ -48,6 +48,22 @@ def test_bitwise_for_one_chunk_without_checkpointing():
         assert torch.equal(got[name], want[name]), name
 
 
+def test_bitwise_convolutions_with_the_callers_intra_op_thread_count():
+    # Convolution results depend on the thread count; with the caller's count they are bitwise.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 1), nn.AdaptiveAvgPool2d(2))
+    reference = copy.deepcopy(model)
+    x = torch.rand(6, 3, 8, 8)
+    with Pipe(model, [2, 2], chunks=1, checkpoint="never", intra_op_threads=torch.get_num_threads()) as pipe:
+        out = pipe(x)
+        expected = reference(x)
+        assert torch.equal(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(got.grad, want.grad), name
+
+
 @pytest.mark.parametrize("balance", [[9], [1, 8], [3, 3, 3], [1, 1, 1, 6], [2, 2, 2, 2, 1]])
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
