@@ -289,6 +289,12 @@ def test_hostpool_stops_the_started_threads_when_one_fails_to_start(monkeypatch)
     assert not wait_until_gone(new)
 
 
+def test_hostpool_passes_keyword_arguments_through():
+    with HostPool(1) as pool:
+        assert pool.submit(int, "ff", base=16).result(5) == 255
+        assert pool.submit(sorted, [3, 1, 2], key=0).result(5) == [1, 2, 3]  # key= is the pool's
+
+
 def test_hostpool_refuses_bad_keys_and_budgets_by_name():
     with HostPool(2) as pool:
         for key in ("a", 1.5, True):

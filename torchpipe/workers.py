@@ -294,8 +294,9 @@ class HostPool:
             self._next += 1
         return self.workers[key % len(self.workers)]
 
-    def submit(self, fn: Callable[..., Any], *args: Any, key: Optional[int] = None, label: str = "") -> "Future[Any]":
-        """Run ``fn(*args)`` on a host thread; exceptions (any BaseException) land in the future.
+    def submit(self, fn: Callable[..., Any], *args: Any, key: Optional[int] = None, label: str = "",
+               **kwargs: Any) -> "Future[Any]":
+        """Run ``fn(*args, **kwargs)`` on a host thread; exceptions (any BaseException) land in the future.
 
         The task runs under the submitting thread's state, as a pipeline's jobs do: grad
         mode, inference mode, CPU autocast, saved-tensor hooks, and under a profiler a
@@ -313,7 +314,7 @@ class HostPool:
             try:
                 adopt(state.chain)
                 with torch.set_grad_enabled(state.grad_enabled), state.contexts(name):
-                    result = fn(*args)
+                    result = fn(*args, **kwargs)
                 future.set_result(result)
             except BaseException as exc:  # noqa: B902
                 future.set_exception(exc)
