@@ -1025,3 +1025,79 @@ print("after", pipe(-torch.ones(1, 1)).item(), flush=True)
 pipe.close()
 """)
     assert "interrupted" in out and "refused while stuck" in out and "after -1.0" in out
+
+
+def test_a_nested_pipe_that_draws_inside_a_checkpointed_forward_is_refused():
+    """Its partitions draw in thread order, so the outer recompute would redraw differently
+    and give wrong gradients silently: refused with a clear error instead."""
+    out = _run_script(_WATCHDOG + """
+import torch
+from torch import nn
+from torchpipe import Pipe
+inner = Pipe(nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), [1, 1], chunks=4, checkpoint="always")
+outer = Pipe(nn.Sequential(inner, nn.Linear(16, 16), nn.Identity()), [2, 1], chunks=1, checkpoint="always")
+try:
+    outer(torch.ones(8, 16))
+except RuntimeError as exc:
+    assert "drew random numbers inside a checkpointed forward" in str(exc), exc
+    print("refused", flush=True)
+outer.checkpoint = "never"  # no recompute: the draws need no replay
+outer(torch.ones(8, 16)).sum().backward()
+print("never ok", flush=True)
+""")
+    assert "refused" in out and "never ok" in out
+
+
+def test_work_that_outlives_the_step_keeps_no_claim_on_it():
+    """A host task a stage started, and which runs after the step ended, may call the Pipe;
+    the RNG sub-lock it inherited no longer applies, so replays elsewhere stay exact."""
+    out = _run_script(_WATCHDOG + """
+import torch
+from torch import nn
+from torchpipe import HostPool, Pipe
+from torchpipe.checkpoint import is_recomputing
+pool, go, futures = HostPool(1), threading.Event(), []
+
+class Prefetch(nn.Module):
+    def forward(self, x):
+        if not futures:
+            futures.append(pool.submit(lambda: (go.wait(), pipe(torch.ones(2, 2)))[1]))
+        return x
+
+pipe = Pipe(nn.Sequential(Prefetch(), nn.Identity()), [1, 1], chunks=1)
+pipe(torch.zeros(2, 2))
+go.set()
+print("task result", futures[0].result(timeout=10).sum().item(), flush=True)
+
+class Record(nn.Module):
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+    def forward(self, x):
+        a = torch.rand_like(x); time.sleep(0.002); b = torch.rand_like(x)
+        self.log.append((is_recomputing(), torch.cat([a, b])))
+        return x * (a > 0.5) * (b > 0.5)
+
+def replays_exactly(log, model, generator=torch.Generator().manual_seed(1)):
+    log.clear()
+    model(torch.randn(8, 8, generator=generator)).sum().backward()
+    forward = [d for again, d in log if not again]
+    return all(any(torch.equal(d, f) for f in forward) for again, d in log if again)
+
+plog, qlog, stop, loops = [], [], threading.Event(), []
+q = Pipe(nn.Sequential(nn.Linear(8, 8), Record(qlog), nn.Linear(8, 8), Record(qlog)), [2, 2], chunks=4,
+         checkpoint="always")
+
+class Submit(nn.Module):
+    def forward(self, x):
+        if not loops:  # started inside p's checkpointed forward, runs long after it
+            loops.append(pool.submit(lambda: sum(not replays_exactly(qlog, q) for _ in iter(stop.is_set, True))))
+        return x
+
+p = Pipe(nn.Sequential(Submit(), nn.Linear(8, 8), Record(plog), nn.Linear(8, 8), Record(plog)), [3, 2],
+         chunks=4, checkpoint="always")
+wrong_p = sum(not replays_exactly(plog, p) for _ in range(20))
+stop.set()
+print("wrong replays", wrong_p, loops[0].result(timeout=20), flush=True)
+""")
+    assert "task result 4.0" in out and "wrong replays 0 0" in out

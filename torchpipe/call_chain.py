@@ -23,18 +23,33 @@ import torch
 __all__ = ["Chain", "current", "adopt", "new_owner", "enter_rng_section", "leave_rng_section"]
 
 
+class HeldSection:
+    """A generator lock held by an RNG section, as seen by the work that section starts.
+
+    ``sub_lock`` is what that work takes instead of the generator's lock; ``held`` turns
+    False when the section ends, after which work that kept the chain (a host task that
+    outlived the step) takes the generator's own lock again.
+    """
+
+    __slots__ = ("sub_lock", "held")
+
+    def __init__(self) -> None:
+        self.sub_lock = threading.Lock()
+        self.held = True
+
+
 class Chain:
-    """The owners (pipelines) a piece of work serves, and the generator locks to use under them."""
+    """The steps a piece of work serves, and the RNG sections it runs inside."""
 
     __slots__ = ("owners", "rng_locks")
 
     def __init__(self, owners: FrozenSet[int] = frozenset(),
-                 rng_locks: Mapping[int, threading.Lock] = MappingProxyType({})) -> None:
+                 rng_locks: Mapping[int, HeldSection] = MappingProxyType({})) -> None:
         self.owners = owners
         self.rng_locks = rng_locks
 
     def serving(self, owner: int) -> "Chain":
-        """This chain, one level down: work done for ``owner`` on behalf of this chain's caller."""
+        """This chain, one level down: work done for step ``owner`` on behalf of this chain's caller."""
         return Chain(self.owners | {owner}, self.rng_locks)
 
 
@@ -60,29 +75,46 @@ def adopt(chain: Chain) -> None:
 
 
 def new_owner() -> int:
-    """A token naming one pipeline in chains (never reused, unlike ``id``)."""
+    """A token naming one step in chains (never reused, unlike ``id``)."""
     return next(_owner_tokens)
 
 
-RNGSection = Tuple[threading.Lock, Chain]
+RNGSection = Tuple[threading.Lock, Chain, HeldSection]
 
 
 def enter_rng_section(generator: torch.Generator, lock: threading.Lock) -> RNGSection:
     """Take ``generator``'s lock for this chain: ``lock`` at the top, the caller's sub-lock below.
 
-    While it is held, work this thread starts (a nested pipeline's stages) gets a fresh lock
-    for the generator, one level down. Give the result to :func:`leave_rng_section`.
+    The sub-lock applies only while the section that made it still holds the generator;
+    otherwise (work that outlived it) this takes ``lock`` itself. While the new section is
+    held, work this thread starts (a nested pipeline's stages) gets a sub-lock of its own.
+    Give the result to :func:`leave_rng_section`.
     """
     chain = _current.chain
-    held = chain.rng_locks.get(id(generator), lock)
-    held.acquire()
-    _current.chain = Chain(chain.owners, MappingProxyType({**chain.rng_locks, id(generator): threading.Lock()}))
-    return held, chain
+    outer = chain.rng_locks.get(id(generator))
+    held = lock
+    if outer is not None:
+        outer.sub_lock.acquire()
+        if outer.held:
+            held = outer.sub_lock
+        else:
+            outer.sub_lock.release()
+    if held is lock:
+        lock.acquire()
+    section = HeldSection()
+    _current.chain = Chain(chain.owners, MappingProxyType({**chain.rng_locks, id(generator): section}))
+    return held, chain, section
 
 
-def leave_rng_section(section: Optional[RNGSection]) -> None:
-    """Release what :func:`enter_rng_section` took and restore the chain."""
-    if section is not None:
-        held, chain = section
+def leave_rng_section(entered: Optional[RNGSection]) -> None:
+    """Release what :func:`enter_rng_section` took and restore the chain.
+
+    Waits for work under this section's sub-lock to leave it first, so that nothing it
+    started draws after the generator's lock went to someone else.
+    """
+    if entered is not None:
+        held, chain, section = entered
         _current.chain = chain
+        with section.sub_lock:
+            section.held = False
         held.release()

@@ -56,7 +56,7 @@ from .call_chain import RNGSection, enter_rng_section, leave_rng_section  # noqa
 from .devices import get_backend  # noqa: E402
 from .microbatch import Batch, rebuild  # noqa: E402
 
-__all__ += ["checkpoint", "RNGGuard", "StageRNG"]
+__all__ += ["checkpoint", "RNGGuard", "StageRNG", "generator_state"]
 
 # One lock per generator, keyed by id: some torch versions (2.11) cannot weak-reference a
 # Generator. The entry keeps its generator alive so that an id is never reused; the
@@ -82,6 +82,11 @@ def _lock_for(generator: torch.Generator) -> threading.Lock:
 def _get_state(generator: torch.Generator) -> torch.Tensor:
     with _state_lock:
         return generator.get_state()
+
+
+def generator_state(generator: torch.Generator) -> torch.Tensor:
+    """``generator.get_state()``, taken safely next to the replays running on other threads."""
+    return _get_state(generator)
 
 
 def _set_state(generator: torch.Generator, state: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
+from .checkpoint import generator_state, is_checkpointing
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend
 from .lowering import ForwardContext, StageRunner, lower_forward
@@ -56,6 +57,15 @@ def _accept_partitioned_keys(module: nn.Module, state_dict: Dict[str, Any], pref
         match = _PARTITIONED_KEY.match(key, len(prefix))
         if match is not None:
             state_dict[prefix + key[match.end():]] = state_dict.pop(key)
+
+
+def _generator_states(stages: Sequence[StageRunner], before: Optional[Dict[int, Tensor]] = None) -> Any:
+    """The states of the generators ``stages`` draw from; with ``before``: whether any moved."""
+    generators = {id(g.generator): g.generator for stage in stages for g in stage.rng.guards}
+    states = {key: generator_state(generator) for key, generator in generators.items()}
+    if before is None:
+        return states
+    return any(not torch.equal(states[key], before[key]) for key in states)
 
 
 _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "deferred_batch_norm", "last_memory", "_device_types",
@@ -443,15 +453,29 @@ class Pipe(nn.Module):
             if context.rng_sections:
                 for stage in self._stages:
                     stage.rng.begin_step()
+            # Called by a checkpointed forward (this Pipe is a layer of another Pipe's
+            # checkpointed stage): that forward's recompute will call this Pipe again, and
+            # must draw the same random numbers. Several partitions draw in an order that
+            # depends on thread timing, so draws here cannot be replayed: refuse them.
+            replayed = _generator_states(self._stages) if is_checkpointing() and len(self._stages) > 1 else None
             try:
                 device_types = self._device_types
                 if device_types == ["cpu"]:  # no streams, nothing to fence
-                    return self._runtime.run(program, context, device_types)
-                streams_wait_for_caller(self._worker_streams())
-                try:
-                    return self._runtime.run(program, context, device_types)
-                finally:
-                    caller_waits_for_streams(self._worker_streams())
+                    results = self._runtime.run(program, context, device_types)
+                else:
+                    streams_wait_for_caller(self._worker_streams())
+                    try:
+                        results = self._runtime.run(program, context, device_types)
+                    finally:
+                        caller_waits_for_streams(self._worker_streams())
+                if replayed is not None and _generator_states(self._stages, replayed):
+                    raise RuntimeError(
+                        f"this Pipe of {len(self._stages)} partitions drew random numbers inside a checkpointed "
+                        "forward of another pipeline's stage; its partitions draw in no fixed order, so the "
+                        "outer recompute would redraw differently and give wrong gradients. Use checkpoint='never' "
+                        "in the outer Pipe, one partition here, or no randomness (dropout) in this Pipe"
+                    )
+                return results
             finally:
                 record = self._runtime.last_step
                 if record is not None:

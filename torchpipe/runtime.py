@@ -203,6 +203,7 @@ class _Step:
         self.remaining_workers = sum(1 for jobs in program.worker_jobs if jobs)
         self.finished = threading.Event()
         self.abandoned = False  # the caller stopped waiting (a second interrupt): jobs may still run
+        self.owner = state.owner  # this step's token in the chains of the work it waits on
         if not self.remaining_workers:
             self.finished.set()
         self.state = state
@@ -306,7 +307,6 @@ class Runtime:
         self._tasks: Dict[int, Tuple[List[Task], List[Task]]] = {}
         self.last_step: Optional[StepRecord] = None
         self._worker_threads = {w.thread.ident for w in self.workers}
-        self._owner = call_chain.new_owner()
 
     def _drain_workers(self) -> None:
         """Wait until every worker has run all it was given, after a step half queued.
@@ -344,7 +344,10 @@ class Runtime:
         task a stage submitted, a stage of a pipeline a stage called): the call would wait
         for this runtime's lock, which the waiting step holds.
         """
-        if threading.get_ident() in self._worker_threads or self._owner in call_chain.current().owners:
+        if threading.get_ident() in self._worker_threads:
+            raise RuntimeError(message)
+        step = self._step  # work that kept the chain of an ended step is free to call
+        if step is not None and step.owner in call_chain.current().owners:
             raise RuntimeError(message)
 
     def _tasks_for(self, program: Program) -> List[List[Task]]:
@@ -423,7 +426,7 @@ class Runtime:
             )
         program.freeze()
         with self._lock:
-            return self._run_locked(program, context, ThreadState(device_types, self._owner), on_abort)
+            return self._run_locked(program, context, ThreadState(device_types, call_chain.new_owner()), on_abort)
 
     def _run_locked(
         self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]]

@@ -55,10 +55,11 @@ class ThreadState:
     silently run with its own defaults.
     """
 
-    __slots__ = ("grad_enabled", "inference", "autocast", "saved_hooks", "profiling", "plain", "chain")
+    __slots__ = ("grad_enabled", "inference", "autocast", "saved_hooks", "profiling", "plain", "chain", "owner")
 
     def __init__(self, device_types: Sequence[str], owner: Optional[int] = None) -> None:
-        # Whom the jobs work for: the caller's chain, one level down for ``owner``.
+        # Whom the jobs work for: the caller's chain, one level down for step ``owner``.
+        self.owner = owner
         self.chain: Chain = current_chain() if owner is None else current_chain().serving(owner)
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()

@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .call_chain import adopt
+from .call_chain import Chain, adopt
 from .devices import Backend, get_backend
 from .thread_state import ThreadState
 
@@ -306,13 +306,18 @@ class HostPool:
 
         future: "Future[Any]" = Future()
         state = ThreadState(("cpu",))
+        # The steps it serves, but no RNG sub-lock: a nested pipeline's stages may use the
+        # caller's sub-lock because the caller waits for them; a host task may outlive the
+        # section (its draws would then interleave with the caller's), so it takes the
+        # generator's own lock.
+        chain = Chain(state.chain.owners)
         name = label or getattr(fn, "__name__", "host task")
 
         def compute() -> None:
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                adopt(state.chain)
+                adopt(chain)
                 with torch.set_grad_enabled(state.grad_enabled), state.contexts(name):
                     result = fn(*args, **kwargs)
                 future.set_result(result)

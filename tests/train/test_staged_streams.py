@@ -74,3 +74,40 @@ def test_a_cpu_pipeline_asks_for_no_events():
     with StagedPipeline(stages, host_threads=0) as pipeline:
         assert pipeline._streamed is False
         assert pipeline.flush() == [] and pipeline.progress(iter([1])) == 4
+
+
+def test_host_side_jagged_tensors_are_not_recorded_on_a_device_stream(fake):
+    # The first stage's input is the dataloader's host batch: a KJT on the CPU has
+    # record_stream too, which the CPU backend cannot run.
+    kjt_module = pytest.importorskip("torchrec.sparse.jagged_tensor")
+    kjt = kjt_module.KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2, 3]), torch.tensor([1, 2]))
+    stages = [PipelineStage("h2d", lambda b: (b["id"], torch.empty(2, device="meta")), "copy"),
+              PipelineStage("train", lambda v: v, "device")]
+    with StagedPipeline(stages, device="meta", host_threads=0) as pipeline:
+        outputs = [pipeline.progress(iter([{"id": 0, "sparse": kjt}]))]
+    assert outputs[0][0] == 0
+
+
+def test_a_stage_calling_its_own_pipeline_is_refused_not_a_deadlock():
+    from torchpipe import HostPool
+
+    pool = HostPool(1)
+    refused = []
+
+    def stage_b(value):
+        for call in (lambda: pipeline.progress(iter([100])), pipeline.flush, pipeline.close,
+                     lambda: pool.submit(pipeline.progress, iter([100])).result(10)):
+            try:
+                call()
+            except RuntimeError as exc:
+                refused.append("own pipeline" in str(exc))
+        return value
+
+    pipeline = StagedPipeline([PipelineStage("a", lambda v: v, "copy"), PipelineStage("b", stage_b, "device")])
+    try:
+        assert pipeline.progress(iter([1, 2])) == 1
+        assert refused == [True] * 4
+        assert pipeline.flush() == [2]
+    finally:
+        pipeline.close()
+        pool.close()

@@ -121,7 +121,10 @@ def _record_streams(value: Any, stream: Any, backend: Backend, device_type: str,
         if value.device.type == device_type:
             backend.record_stream(value, stream)
     elif hasattr(value, "record_stream") and callable(value.record_stream):
-        value.record_stream(stream)
+        where = getattr(value, "device", None)  # a KeyedJaggedTensor's is a method
+        where = where() if callable(where) else where
+        if isinstance(where, torch.device) and where.type == device_type:
+            value.record_stream(stream)
     elif isinstance(value, (list, tuple)):
         for item in value:
             _record_streams(item, stream, backend, device_type, depth + 1)
@@ -266,12 +269,12 @@ class StagedPipeline:
         backend, device, streamed = self._backend, self.device, self._streamed
 
         def function(run: _ClockRun, _inputs: Tuple[Any, ...]) -> Any:
-            if streamed:  # this thread's stream: a worker's own, or a host thread's default one
-                stream = backend.current_stream(device)
-                if run.ready[s] is not None:
-                    backend.wait_event(stream, run.ready[s])
-                _record_streams(run.inputs[s], stream, backend, device.type)
             try:
+                if streamed:  # this thread's stream: a worker's own, or a host thread's default one
+                    stream = backend.current_stream(device)
+                    if run.ready[s] is not None:
+                        backend.wait_event(stream, run.ready[s])
+                    _record_streams(run.inputs[s], stream, backend, device.type)
                 out = runnable(run.inputs[s])
             except StopIteration as exc:  # would end the caller's loop silently
                 error = RuntimeError(f"stage {stage.name!r} raised StopIteration")
@@ -354,6 +357,7 @@ class StagedPipeline:
         Fills the pipeline on the first call. Raises StopIteration only when the iterator
         is exhausted *and* every in-flight batch was returned.
         """
+        self._runtime.refuse_worker_caller("a stage called progress() of its own pipeline: it would deadlock")
         with self._lock:
             if self._closed:
                 raise RuntimeError("this pipeline is closed")
@@ -393,6 +397,7 @@ class StagedPipeline:
 
     def close(self) -> None:
         """Stop the worker threads (idempotent). In-flight batches are dropped; flush first."""
+        self._runtime.refuse_worker_caller("a stage called close() of its own pipeline: it would deadlock")
         with self._lock:
             self._closed = True
         self._finalizer()
