@@ -83,3 +83,23 @@ print(pipe.last_report())
 print('sleeps inside the jobs: median %.3f ms, mean %.3f ms, p90 %.3f ms' % (statistics.median(slept) * 1e3, statistics.mean(slept) * 1e3, q[8] * 1e3))
 pipe.close()
 "
+# Python calls per job of one Pipe.step (1F1B, 4 x Linear(16,16), m = 8): the runtime's own
+# per-job work, counted rather than timed. Prefix PYTHONPATH=<other tree> to compare trees.
+.venv/bin/python -c "
+import collections, sys, threading, torch
+from torch import nn
+from torchpipe import Pipe
+torch.set_num_threads(1); torch.manual_seed(0)
+counts = collections.Counter(); on = [False]
+def prof(frame, event, arg):
+    if on[0] and event in ('call', 'c_call'): counts[event] += 1
+threading.setprofile(prof)
+pipe = Pipe(nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]), [1, 1, 1, 1], devices=['cpu'] * 4, chunks=8, checkpoint='never')
+x, y = torch.randn(64, 16), torch.randn(64, 16)
+step = lambda: pipe.step(x, y, nn.MSELoss(), schedule='1f1b')
+step(); step()
+sys.setprofile(prof); on[0] = True; step(); on[0] = False; sys.setprofile(None)
+jobs = len(pipe.last_step.labels)
+print(f'calls per job: Python {counts[\"call\"] / jobs:.1f}, C {counts[\"c_call\"] / jobs:.1f} ({jobs} jobs)')
+pipe.close()
+"

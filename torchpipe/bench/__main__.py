@@ -41,8 +41,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "environment": environment()}
     print(f"# {command}")
     env = meta["environment"]
-    print(f"# torch {env['torch']}, python {env['python']}, {env['cpu_count']} CPUs, "
-          f"load average {env.get('load_average', '?')}\n")
+    print(f"# torchpipe {env.get('torchpipe_commit', '?')} from {env['torchpipe_path']}, torch {env['torch']}, "
+          f"python {env['python']}, {env['cpu_count']} CPUs, load average {env.get('load_average', '?')}\n")
     results: List[SuiteResult] = []
     started = time.perf_counter()
     for name in names:

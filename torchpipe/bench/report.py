@@ -178,11 +178,37 @@ def environment() -> Dict[str, Any]:
         "torch_num_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
     }
+    env.update(_measured_code())
     try:
         env["load_average"] = list(os.getloadavg())
     except OSError:  # pragma: no cover - not on every platform
         pass
     return env
+
+
+def _measured_code() -> Dict[str, Any]:
+    """Which torchpipe ran: its directory and, in a git checkout, the commit (dirty or not).
+
+    Comparing two trees means putting one first on ``sys.path``; ``python -m`` puts the
+    current directory before ``PYTHONPATH``, so a run from the wrong directory measures the
+    other tree. The JSON says which one it was.
+    """
+    import subprocess
+
+    import torchpipe
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(torchpipe.__file__)))
+    code: Dict[str, Any] = {"torchpipe_path": root}
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return code
+    if commit.returncode == 0:
+        code["torchpipe_commit"] = commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return code
 
 
 def _finite(value: Any) -> Any:
