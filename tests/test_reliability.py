@@ -1101,3 +1101,45 @@ stop.set()
 print("wrong replays", wrong_p, loops[0].result(timeout=20), flush=True)
 """)
     assert "task result 4.0" in out and "wrong replays 0 0" in out
+
+
+def test_the_nested_draw_check_blames_only_the_nested_pipes_own_draws():
+    """The inner Pipe draws nothing; another partition of the outer Pipe draws meanwhile."""
+    out = _run_script(_WATCHDOG + """
+import torch
+from torch import nn
+from torchpipe import Pipe
+
+class Draw(nn.Module):
+    def forward(self, x):
+        for _ in range(20):
+            torch.rand(1); time.sleep(0.001)
+        return x
+
+class Slow(nn.Module):
+    def forward(self, x):
+        time.sleep(0.01); return x
+
+inner = Pipe(nn.Sequential(nn.Linear(16, 16), Slow()), [1, 1], chunks=2)
+outer = Pipe(nn.Sequential(inner, nn.Linear(16, 16), Draw()), [1, 2], chunks=4, checkpoint="always")
+for _ in range(5):
+    outer(torch.ones(8, 16)).sum().backward()
+print("no false refusal", flush=True)
+""")
+    assert "no false refusal" in out
+
+
+def test_a_drawing_pipe_inside_torch_checkpoint_is_refused():
+    """torch's own (non-reentrant) checkpoint replays the generator, not the thread order."""
+    from torch.utils.checkpoint import checkpoint
+
+    pipe = Pipe(nn.Sequential(nn.Dropout(0.5), nn.Identity(), nn.Dropout(0.5)), [2, 1], chunks=4)
+    try:
+        with pytest.raises(RuntimeError, match="drew random numbers inside a checkpointed forward"):
+            checkpoint(pipe, torch.ones(8, 16), use_reentrant=False)
+        one = Pipe(nn.Sequential(nn.Dropout(0.5), nn.Identity()), [2], chunks=4)  # one thread: a fixed order
+        x = torch.ones(8, 16, requires_grad=True)
+        checkpoint(one, x, use_reentrant=False).sum().backward()
+        one.close()
+    finally:
+        pipe.close()

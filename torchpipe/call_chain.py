@@ -20,7 +20,7 @@ from typing import FrozenSet, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["Chain", "current", "adopt", "new_owner", "enter_rng_section", "leave_rng_section"]
+__all__ = ["Chain", "current", "adopt", "new_owner", "enter_rng_section", "leave_rng_section", "holds_rng_section"]
 
 
 class HeldSection:
@@ -77,6 +77,12 @@ def adopt(chain: Chain) -> None:
 def new_owner() -> int:
     """A token naming one step in chains (never reused, unlike ``id``)."""
     return next(_owner_tokens)
+
+
+def holds_rng_section(generator: torch.Generator) -> bool:
+    """Whether this thread's work runs inside an RNG section of ``generator`` still held."""
+    section = _current.chain.rng_locks.get(id(generator))
+    return section is not None and section.held
 
 
 RNGSection = Tuple[threading.Lock, Chain, HeldSection]

@@ -16,6 +16,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
+from .call_chain import current as current_chain
+from .call_chain import holds_rng_section
 from .checkpoint import generator_state, is_checkpointing
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend
@@ -28,6 +30,7 @@ from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import microbatch_weights, split_targets
 from .step_report import StepReport, report
+from .thread_state import in_torch_checkpoint
 from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, spawn_workers, stop_workers
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
@@ -59,13 +62,29 @@ def _accept_partitioned_keys(module: nn.Module, state_dict: Dict[str, Any], pref
             state_dict[prefix + key[match.end():]] = state_dict.pop(key)
 
 
-def _generator_states(stages: Sequence[StageRunner], before: Optional[Dict[int, Tensor]] = None) -> Any:
-    """The states of the generators ``stages`` draw from; with ``before``: whether any moved."""
+def _watched_generators(stages: Sequence[StageRunner]) -> List[Tuple[torch.Generator, Tensor]]:
+    """The generators whose draws this call must not make, with their states now.
+
+    Only when the call runs inside a checkpointed forward and the pipeline has several
+    partitions, and only generators that no one else can draw from meanwhile, so that a
+    moved generator means this call drew: inside another Pipe's checkpointed stage, the
+    generators whose lock the caller holds; inside ``torch.utils.checkpoint`` at the top
+    (no pipeline step around it), every generator of the stages.
+    """
+    if len(stages) < 2:
+        return []
     generators = {id(g.generator): g.generator for stage in stages for g in stage.rng.guards}
-    states = {key: generator_state(generator) for key, generator in generators.items()}
-    if before is None:
-        return states
-    return any(not torch.equal(states[key], before[key]) for key in states)
+    if is_checkpointing():
+        chosen = [g for g in generators.values() if holds_rng_section(g)]
+    elif in_torch_checkpoint() and not current_chain().owners:
+        chosen = list(generators.values())
+    else:
+        return []
+    return [(g, generator_state(g)) for g in chosen]
+
+
+def _moved(watched: List[Tuple[torch.Generator, Tensor]]) -> bool:
+    return any(not torch.equal(generator_state(g), before) for g, before in watched)
 
 
 _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "deferred_batch_norm", "last_memory", "_device_types",
@@ -453,11 +472,11 @@ class Pipe(nn.Module):
             if context.rng_sections:
                 for stage in self._stages:
                     stage.rng.begin_step()
-            # Called by a checkpointed forward (this Pipe is a layer of another Pipe's
-            # checkpointed stage): that forward's recompute will call this Pipe again, and
+            # Called by a checkpointed forward (a layer of another Pipe's checkpointed stage,
+            # or inside torch.utils.checkpoint): its recompute will call this Pipe again and
             # must draw the same random numbers. Several partitions draw in an order that
             # depends on thread timing, so draws here cannot be replayed: refuse them.
-            replayed = _generator_states(self._stages) if is_checkpointing() and len(self._stages) > 1 else None
+            replayed = _watched_generators(self._stages)
             try:
                 device_types = self._device_types
                 if device_types == ["cpu"]:  # no streams, nothing to fence
@@ -468,7 +487,7 @@ class Pipe(nn.Module):
                         results = self._runtime.run(program, context, device_types)
                     finally:
                         caller_waits_for_streams(self._worker_streams())
-                if replayed is not None and _generator_states(self._stages, replayed):
+                if replayed and _moved(replayed):
                     raise RuntimeError(
                         f"this Pipe of {len(self._stages)} partitions drew random numbers inside a checkpointed "
                         "forward of another pipeline's stage; its partitions draw in no fixed order, so the "

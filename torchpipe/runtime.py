@@ -411,8 +411,12 @@ class Runtime:
         context: Any,
         device_types: Sequence[str] = ("cpu",),
         on_abort: Optional[Callable[[Optional[BaseException]], None]] = None,
+        owner: Optional[int] = None,
     ) -> Dict[Hashable, Any]:
         """Run one step of ``program``; returns the results of its ``keep`` jobs by key.
+
+        ``owner`` names the step in the chains of the work it waits on (a fresh token by
+        default); a caller whose one call spans several steps passes one token to all.
 
         ``on_abort(error)`` is called once if the step aborts (a job failed, or the caller
         was interrupted), so that waits outside the runtime can be woken too.
@@ -426,7 +430,8 @@ class Runtime:
             )
         program.freeze()
         with self._lock:
-            return self._run_locked(program, context, ThreadState(device_types, call_chain.new_owner()), on_abort)
+            token = call_chain.new_owner() if owner is None else owner
+            return self._run_locked(program, context, ThreadState(device_types, token), on_abort)
 
     def _run_locked(
         self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]]

@@ -14,7 +14,7 @@ import torch
 from .call_chain import Chain
 from .call_chain import current as current_chain
 
-__all__ = ["ThreadState", "current_saved_tensors_hooks"]
+__all__ = ["ThreadState", "current_saved_tensors_hooks", "in_torch_checkpoint"]
 
 
 _TOP_SAVED_TENSORS_HOOKS: Optional[Callable[[bool], Any]] = getattr(
@@ -32,6 +32,12 @@ def current_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Callab
     return None if top is None else top(False)
 
 
+def in_torch_checkpoint() -> bool:
+    """Whether this thread runs inside ``torch.utils.checkpoint`` (its forward or recompute)."""
+    hooks = current_saved_tensors_hooks()
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
 def _carried_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
     """The caller's saved-tensor hooks that other threads may use: not a checkpoint's.
 
@@ -41,10 +47,7 @@ def _carried_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Calla
     (a ``Pipe`` nested in another ``Pipe``'s stage) keeps its own saved tensors instead; its
     graph then backpropagates as it is, and the recompute's second call is only extra work.
     """
-    hooks = current_saved_tensors_hooks()
-    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
-        return None
-    return hooks
+    return None if in_torch_checkpoint() else current_saved_tensors_hooks()
 
 
 class ThreadState:

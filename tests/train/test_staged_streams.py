@@ -6,6 +6,7 @@ producer's event before the stage runs, the input's memory is recorded on the co
 stream, and the caller's stream waits for the last stage before ``progress`` returns.
 """
 import threading
+import time
 
 import pytest
 import torch
@@ -108,6 +109,39 @@ def test_a_stage_calling_its_own_pipeline_is_refused_not_a_deadlock():
         assert pipeline.progress(iter([1, 2])) == 1
         assert refused == [True] * 4
         assert pipeline.flush() == [2]
+    finally:
+        pipeline.close()
+        pool.close()
+
+
+def test_work_a_later_clock_of_the_same_call_waits_on_is_refused():
+    """One progress() call runs several clocks: a host task a stage started in one of them
+    may be waited on by the next, so it may not call progress() either."""
+    from torchpipe import HostPool
+
+    pool = HostPool(1)
+    seen = []
+
+    def task():
+        time.sleep(0.2)  # the clock that started it has ended
+        try:
+            pipeline.progress(iter([100]))
+            seen.append("not refused")
+        except RuntimeError as exc:
+            seen.append("refused" if "own pipeline" in str(exc) else repr(exc))
+
+    def stage_a(value):
+        return pool.submit(task) if value == 1 else None
+
+    def stage_b(future):
+        if future is not None:
+            future.result(timeout=10)
+        return future
+
+    pipeline = StagedPipeline([PipelineStage("a", stage_a, "copy"), PipelineStage("b", stage_b, "device")])
+    try:
+        pipeline.progress(iter([1, 2]))
+        assert seen == ["refused"]
     finally:
         pipeline.close()
         pool.close()

@@ -29,6 +29,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 
 import torch
 
+from .. import call_chain
 from ..devices import Backend, get_backend
 from ..runtime import Program, Runtime, StepRecord
 from ..workers import ThreadBudget, Worker, stop_workers
@@ -197,6 +198,7 @@ class StagedPipeline:
         self._lock = threading.Lock()
         self._closed = False
         self._failure = _FirstFailure()
+        self._call_owner: Optional[int] = None  # the token of the progress() call in flight
         self.stage_seconds = [0.0] * len(stages)
         self.clock_seconds = 0.0
         self.clocks_run = 0
@@ -303,7 +305,8 @@ class StagedPipeline:
         self._failure.stage = None
         program = self._program(clock.stages)
         try:
-            self._runtime.run(program, run, device_types=(self.device.type,), on_abort=self._wake)
+            self._runtime.run(program, run, device_types=(self.device.type,), on_abort=self._wake,
+                              owner=self._call_owner)
         except BaseException as exc:  # noqa: B902
             self._record()
             dropped = [b for s, b in clock.active if not (s == self.depth - 1 and s in run.outputs)]
@@ -357,7 +360,7 @@ class StagedPipeline:
         Fills the pipeline on the first call. Raises StopIteration only when the iterator
         is exhausted *and* every in-flight batch was returned.
         """
-        self._runtime.refuse_worker_caller("a stage called progress() of its own pipeline: it would deadlock")
+        self._refuse_own_work("progress()")
         with self._lock:
             if self._closed:
                 raise RuntimeError("this pipeline is closed")
@@ -376,11 +379,27 @@ class StagedPipeline:
                     self._ready[0] = ready
                 return True
 
-            for clock in self._schedule.progress_clocks(pull):
-                outputs = self._run_clock(clock)
-                if clock.finished is not None:
-                    return outputs[self.depth - 1]
-            raise StopIteration
+            self._call_owner = call_chain.new_owner()  # one token for every clock of this call
+            try:
+                for clock in self._schedule.progress_clocks(pull):
+                    outputs = self._run_clock(clock)
+                    if clock.finished is not None:
+                        return outputs[self.depth - 1]
+                raise StopIteration
+            finally:
+                self._call_owner = None
+
+    def _refuse_own_work(self, what: str) -> None:
+        """RuntimeError for a call from work a ``progress()`` in flight waits on (it would deadlock).
+
+        That call spans several runtime steps, one per clock: work a stage started in one
+        clock may be waited on by a later one, so the whole call has one token.
+        """
+        message = f"a stage called {what} of its own pipeline (directly or through work it waits on): it would deadlock"
+        self._runtime.refuse_worker_caller(message)
+        owner = self._call_owner
+        if owner is not None and owner in call_chain.current().owners:
+            raise RuntimeError(message)
 
     def flush(self) -> List[Any]:
         """Run every in-flight batch to the end (admitting none); their outputs, in order."""
@@ -397,7 +416,7 @@ class StagedPipeline:
 
     def close(self) -> None:
         """Stop the worker threads (idempotent). In-flight batches are dropped; flush first."""
-        self._runtime.refuse_worker_caller("a stage called close() of its own pipeline: it would deadlock")
+        self._refuse_own_work("close()")
         with self._lock:
             self._closed = True
         self._finalizer()
