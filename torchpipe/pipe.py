@@ -73,13 +73,11 @@ def _watched_generators(stages: Sequence[StageRunner]) -> List[Tuple[torch.Gener
     """
     if len(stages) < 2:
         return []
+    nested = is_checkpointing()
+    if not nested and not (in_torch_checkpoint() and not current_chain().owners):
+        return []  # the common case, checked before anything is collected
     generators = {id(g.generator): g.generator for stage in stages for g in stage.rng.guards}
-    if is_checkpointing():
-        chosen = [g for g in generators.values() if holds_rng_section(g)]
-    elif in_torch_checkpoint() and not current_chain().owners:
-        chosen = list(generators.values())
-    else:
-        return []
+    chosen = [g for g in generators.values() if holds_rng_section(g)] if nested else list(generators.values())
     return [(g, generator_state(g)) for g in chosen]
 
 
