@@ -488,9 +488,9 @@ class Pipe(nn.Module):
                 if replayed and _moved(replayed):
                     raise RuntimeError(
                         f"this Pipe of {len(self._stages)} partitions drew random numbers inside a checkpointed "
-                        "forward of another pipeline's stage; its partitions draw in no fixed order, so the "
-                        "outer recompute would redraw differently and give wrong gradients. Use checkpoint='never' "
-                        "in the outer Pipe, one partition here, or no randomness (dropout) in this Pipe"
+                        "forward (another pipeline's checkpointed stage, or torch.utils.checkpoint); its partitions "
+                        "draw in no fixed order, so the recompute would redraw differently and give wrong gradients. "
+                        "Use checkpoint='never' around it, one partition here, or no randomness (dropout) in this Pipe"
                     )
                 return results
             finally:
