@@ -68,3 +68,25 @@ def test_no_dense_grads_and_optimizer_state_is_swapped_with_rows() -> None:
     assert state.shape == (40, 1) and bool((state > 0).any())
     model.load_optimizer_state("t0", torch.zeros(40, 1))
     assert torch.equal(model.optimizer_state("t0"), torch.zeros(40, 1))
+
+
+def test_a_checkpoint_between_forward_and_backward_keeps_the_lookup_valid() -> None:
+    """Like a plain module: state_dict reads the rows as they are, and the backward still updates them."""
+    from torchpipe.rec import FullTableEmbeddingBagCollection
+
+    tables = make_tables()
+    batches = zipf_batches(tables, 12, seed=7)
+    model = CachedEmbeddingBagCollection(tables, 16, optimizer=RowWiseAdagrad(lr=0.5), weights=integer_weights(tables))
+    reference = FullTableEmbeddingBagCollection(tables, optimizer=RowWiseAdagrad(lr=0.5), weights=integer_weights(tables))
+    for step, kjt in enumerate(batches):
+        out, want = model(kjt).values(), reference(kjt).values()
+        assert torch.equal(out, want)
+        state = model.state_dict()  # also full_weight and optimizer_state: each flushes
+        assert torch.equal(state["embedding_bags.t0.weight"], reference.full_weight("t0")), step
+        assert torch.equal(model.optimizer_state("t1"), reference.optimizer_state("t1")), step
+        out.sum().backward()  # used to raise StaleBatchError: the flush released the lookup
+        want.sum().backward()
+    for name in ("t0", "t1"):
+        assert torch.equal(model.full_weight(name), reference.full_weight(name))
+        assert torch.equal(model.optimizer_state(name), reference.optimizer_state(name))
+    assert model.in_flight() == 0

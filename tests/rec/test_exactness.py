@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rec_helpers import (assert_same_tables, build_pair, cached_masks, check_plan_invariants, loss_coefficients,
-                         make_tables, max_unique_per_table, zipf_batches)
+from rec_helpers import (assert_same_tables, build_pair, cached_masks, check_plan_invariants, integer_weights,
+                         loss_coefficients, make_tables, max_unique_per_table, zipf_batches)
 
-from torchpipe.rec import SGD, Adam, CacheTooSmallError, RowWiseAdagrad
+from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, CacheTooSmallError,
+                           FullTableEmbeddingBagCollection, RowWiseAdagrad)
 
 OPTIMIZERS = {"sgd": SGD(lr=1.0), "adagrad": RowWiseAdagrad(lr=0.5), "adam": Adam(lr=0.5)}
 STEPS = 200
@@ -104,6 +105,41 @@ def test_an_evaluation_loop_without_no_grad_still_runs_at_the_one_batch_minimum(
     for kjt in batches:
         out = cached(kjt)  # grad enabled, never backward
         assert torch.equal(out.values(), reference(kjt).values())
+    cached.flush()  # the last lookup's graph is alive: a backward may still come, it stays protected
+    assert cached.in_flight() > 0
+    del out
     cached.flush()
     assert cached.in_flight() == 0
     assert_same_tables(cached, reference)
+
+
+def test_inference_mode_and_a_float64_default_dtype_give_the_float32_tables_results() -> None:
+    """The tables are float32 (TorchRec's FP32) whatever the caller's mode or default dtype."""
+    tables = make_tables()
+    batches = zipf_batches(tables, 6, seed=11)
+    weights = {name: w.double() for name, w in integer_weights(tables).items()}  # cast, as load_state_dict
+    model = CachedEmbeddingBagCollection(tables, 12, optimizer=SGD(lr=0.5), weights=weights)
+    reference = FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=0.5), weights=weights)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for kjt in batches:
+            with torch.inference_mode():  # used to fail reading an inference tensor's version
+                assert torch.equal(model(kjt).values(), reference(kjt).values())
+            out, want = model(kjt).values(), reference(kjt).values()
+            assert out.dtype == want.dtype == torch.float32 and torch.equal(out, want)
+            out.sum().backward()
+            want.sum().backward()
+    finally:
+        torch.set_default_dtype(previous)
+    for name in ("t0", "t1"):
+        assert torch.equal(model.full_weight(name), reference.full_weight(name))
+
+
+def test_a_table_that_is_not_fp32_is_refused() -> None:
+    from torchrec.types import DataType
+
+    tables = make_tables()
+    tables[1].data_type = DataType.FP16
+    with pytest.raises(ValueError, match="table 't1': data_type .*FP16.* float32"):
+        CachedEmbeddingBagCollection(tables, 12)

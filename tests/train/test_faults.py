@@ -266,6 +266,53 @@ def test_using_the_collection_directly_while_batches_are_in_flight_is_refused() 
             model.ebc(batches[0].sparse_features)  # fine once drained
 
 
+def test_a_direct_lookup_of_a_planned_batch_is_refused_also_with_no_write_back_pending() -> None:
+    """Cache big enough to evict nothing: a planned batch's keys map to slots its swap has not
+    filled yet. The lookup read those slots (zeros), and its backward's update was then
+    overwritten by the pipeline's swap."""
+    tables = make_tables()
+    batches = make_batches(tables, 10, seed=3)
+    model, opt = build(tables, 40, Adam(lr=0.5))
+    with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
+        it = iter(batches)
+        pipe.progress(it)  # batch 0 trained, batch 1 swapped in, batch 2 planned only
+        assert model.ebc.pending_writes() == 0
+        with torch.no_grad(), pytest.raises(RuntimeError, match="1 batches planned and not swapped in.*flush"):
+            model.ebc(batches[2].sparse_features)
+        with pytest.raises(RuntimeError, match="not swapped in"):
+            train_step(model, opt, batches[2])
+        outputs = drain(pipe, it)
+        pipe.flush()
+    assert len(outputs) == 9
+    reference, _, _ = reference_run(tables, batches, Adam(lr=0.5))
+    assert_same_state(model, reference)
+
+
+def test_a_model_that_skips_the_collection_is_refused_before_the_dense_step() -> None:
+    """The refusal came after optimizer.step(): the dense parameters carried a step that
+    steps_done did not count, so resuming from steps_done applied it twice."""
+    tables = make_tables()
+    batches = make_batches(tables, 8, seed=4)
+    model, opt = build(tables, 40, Adam(lr=0.5))
+    forward, calls = model.forward, {"n": 0}
+
+    def sometimes_dense_only(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:  # this step computes no embeddings
+            loss = model.bottom(batch.dense_features).sum()
+            return loss, loss.detach()
+        return forward(batch)
+
+    model.forward = sometimes_dense_only
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
+        it = iter(batches)
+        with pytest.raises(RuntimeError, match="did not call the cached collection"):
+            drain(pipe, it)
+        assert pipe.steps_done == 2
+        reference, ref_opt, _ = reference_run(tables, batches, Adam(lr=0.5), steps=2)
+        assert_same_state(model, reference)
+
+
 @pytest.mark.parametrize("where", ["write_back", "fetch_in", "scatter_in"])
 def test_a_failed_direct_lookup_leaves_every_row_in_its_slot(where: str) -> None:
     """The swap is completed before the error surfaces: no key maps to an evicted row."""

@@ -12,10 +12,13 @@ from typing import Any, Optional
 
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.types import DataType
 
 from .errors import RecInputError
 
-__all__ = ["TableLayout", "TableBatch", "BatchKeys", "prepare_batch", "table_layouts"]
+__all__ = ["TableLayout", "TableBatch", "BatchKeys", "prepare_batch", "table_layouts", "TABLE_DTYPE"]
+
+TABLE_DTYPE = torch.float32  # TorchRec's default DataType.FP32, the only one supported
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ def table_layouts(tables: list[EmbeddingBagConfig]) -> list[TableLayout]:
             if feature in seen_features:
                 raise ValueError(f"feature {feature!r} is used by two tables; not supported")
             seen_features.add(feature)
+        if config.data_type != DataType.FP32:
+            raise ValueError(f"table {config.name!r}: data_type {config.data_type} not supported; the host "
+                             "tables and the device cache hold float32 rows (DataType.FP32)")
         if config.pooling == PoolingType.SUM:
             pooling = "sum"
         elif config.pooling == PoolingType.MEAN:
@@ -82,13 +88,16 @@ def initial_weight(config: EmbeddingBagConfig, layout: TableLayout,
     """The table's starting rows: the given weight, else the config's ``init_fn`` on empty rows.
 
     One rule for the cached collection and the full-table reference, so both start equal.
+    Rows are float32 (`TABLE_DTYPE`) whatever the default dtype: a given weight of another
+    type is cast, as ``load_state_dict`` would.
     """
     weight = weights.get(layout.name) if weights is not None else None
-    if weight is None:
-        weight = torch.empty(layout.num_rows, layout.dim)
-        if config.init_fn is not None:
-            with torch.no_grad():
-                config.init_fn(weight)
+    if weight is not None:
+        return weight.to(TABLE_DTYPE)
+    weight = torch.empty(layout.num_rows, layout.dim, dtype=TABLE_DTYPE)
+    if config.init_fn is not None:
+        with torch.no_grad():
+            config.init_fn(weight)
     return weight
 
 

@@ -13,6 +13,7 @@ made in batch order (the host-table ticket order follows it).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,11 @@ from .eviction import POLICIES, LruIndex, select_victims
 from .swap_plan import SwapPlan
 
 __all__ = ["EmbeddingCache", "CacheStats"]
+
+
+def _version_of(keys: torch.Tensor) -> int | None:
+    """The tensor's in-place version, or None for an inference tensor (which has none)."""
+    return None if keys.is_inference() else keys._version
 
 
 @dataclass
@@ -135,8 +141,8 @@ class EmbeddingCache:
     def _checked_and_located(self, unique_keys: torch.Tensor) -> tuple:
         """`_check_keys` then `_locate` (under ``_lock``), reusing the last `check_fits`'s result."""
         memo = self._memo
-        if (memo is not None and memo[0] is unique_keys and memo[1] == unique_keys._version
-                and memo[2] == self._state_version):
+        if (memo is not None and memo[0] is unique_keys and memo[1] is not None
+                and memo[1] == _version_of(unique_keys) and memo[2] == self._state_version):
             self._memo = None  # its `slots` tensor goes into a plan: use once
             return memo[3], memo[4]
         keys = self._check_keys(unique_keys)
@@ -150,7 +156,7 @@ class EmbeddingCache:
         keys = self._check_keys(unique_keys)
         with self._lock:
             located = self._locate(keys)
-            self._memo = (unique_keys, unique_keys._version, self._state_version, keys, located)
+            self._memo = (unique_keys, _version_of(unique_keys), self._state_version, keys, located)
         if located[-1] is not None:
             raise located[-1]
 
@@ -215,10 +221,21 @@ class EmbeddingCache:
             self._protect_count.index_add_(0, slots, minus_one)
 
     # -- inspection -------------------------------------------------------------------
-    def protected_slots(self) -> int:
-        """Slots still protected by unreleased plans (0 when the pipeline is drained)."""
+    def protected_slots(self, excluding: Sequence[SwapPlan] = ()) -> int:
+        """Slots still protected by unreleased plans (0 when the pipeline is drained).
+
+        ``excluding``: unreleased plans whose protection does not count (a direct lookup
+        waiting for its backward, which a flush may leave in place).
+        """
         with self._lock:
-            return int((self._protect_count > 0).sum())
+            count = self._protect_count
+            if excluding:
+                count = count.clone()
+                for plan in excluding:
+                    if not plan.released:
+                        count.index_add_(0, plan.slots_of_keys,
+                                         torch.full_like(plan.slots_of_keys, -1, dtype=torch.int32))
+            return int((count > 0).sum())
 
     def cached(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, slots)`` of every cached row."""

@@ -94,9 +94,13 @@ class CachedEmbeddingBagCollection(nn.Module):
             cache = EmbeddingCache(layout.num_rows, rows, policy, layout.name)
             self.hosts[layout.name] = host
             self.caches[layout.name] = cache
-            self.slots[layout.name] = torch.zeros(cache.cache_rows, layout.dim + width, device=self.device)
+            self.slots[layout.name] = torch.zeros(cache.cache_rows, layout.dim + width, dtype=host.dtype,
+                                                  device=self.device)
         self._plan_lock = threading.Lock()
         self._plan_seq = 0
+        # Batches planned and not swapped in yet: their keys map to slots that still hold
+        # other rows (or nothing), so a direct lookup must not read them.
+        self._unswapped: set[int] = set()
         # Swaps a failure stopped partway, oldest first: finished before anything else runs.
         self._unfinished: list[BatchPlan] = []
         # Those of a pipeline collected with batches in flight: its finalizer only queues them
@@ -127,6 +131,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             plans: dict[str, SwapPlan] = {}
             batch_plan = BatchPlan(self._plan_seq, keys, plans)
             self._plan_seq += 1
+            self._unswapped.add(batch_plan.seq)
             try:
                 for name, batch in keys.tables.items():
                     plan = self.caches[name].plan_swap(batch.unique_keys)
@@ -166,6 +171,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for name, p in plan.tables.items():
             self.slots[name].index_copy_(0, p.swap_in_slots.to(self.device), rows[name].to(self.device))
         plan.scattered = True
+        self._unswapped.discard(plan.seq)
 
     def finish_swaps(self, plans: Sequence[BatchPlan] = ()) -> None:
         """Complete the swaps a failure stopped partway, oldest first, and release their batches.
@@ -196,8 +202,8 @@ class CachedEmbeddingBagCollection(nn.Module):
                 self._unfinished.pop(0)
 
     def settle(self) -> None:
-        """What every plan, flush and direct lookup does first: release a direct lookup whose
-        backward never ran (its graph goes stale) and complete the swaps queued by failures."""
+        """What every plan does first: release a direct lookup whose backward never ran (its
+        graph goes stale) and complete the swaps queued by failures."""
         self._release_sync_plans(keep_live=False)
         self.finish_swaps()
 
@@ -281,12 +287,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         keys = self.prepare(features)
         self._release_sync_plans(keep_live=True)
         self.finish_swaps()
-        if self.pending_writes():
-            # Those belong to batches a pipeline planned and has not swapped yet: only its
-            # next progress() swaps them, so this lookup would wait for itself.
+        unswapped, pending = len(self._unswapped), self.pending_writes()
+        if unswapped or pending:
+            # Batches a pipeline planned and has not swapped yet: only its next progress()
+            # swaps them. Their keys already map to slots whose rows are not theirs yet (a
+            # lookup would read them), and their write-backs would make this lookup wait for
+            # itself.
             raise RuntimeError(
-                f"the collection has {self.pending_writes()} host write-backs pending from batches in "
-                "flight in a pipeline; call the pipeline's flush() before using the collection directly"
+                f"the collection has {unswapped} batches planned and not swapped in yet, with "
+                f"{pending} host write-backs pending from batches in flight in a pipeline; call the "
+                "pipeline's flush() before using the collection directly"
             )
         try:
             plan = self._plan(keys)
@@ -338,11 +348,17 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Write every cached row and its optimizer state back to the host tables.
 
         The cache keeps its rows (both copies are equal afterwards). Needs a drained
-        pipeline: raises if batches are still in flight.
+        pipeline: raises if batches are still in flight. A direct lookup whose backward has
+        not run yet stays valid (as a plain module's forward does across a `state_dict`): its
+        rows are written as they are now, and its backward updates them afterwards.
         """
-        self.settle()
-        if self.in_flight() or self.pending_writes():
-            raise RuntimeError(f"flush with batches in flight: {self.in_flight()} protected slots, "
+        self._release_sync_plans(keep_live=True)
+        self.finish_swaps()
+        live = [table_plan for plan, _ in self._sync_plans for table_plan in plan.tables.values()]
+        busy = sum(cache.protected_slots(excluding=[p for p in live if p.table == name])
+                   for name, cache in self.caches.items())
+        if busy or self.pending_writes():
+            raise RuntimeError(f"flush with batches in flight: {busy} protected slots, "
                                f"{self.pending_writes()} pending write-backs; drain the pipeline first")
         for name, cache in self.caches.items():
             keys, slots = cache.cached()

@@ -525,8 +525,15 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         armed = _Armed(item.device_batch.sparse_features, item.plan, threading.get_ident(), item)
         self._armed = armed
         before = self.collection.snapshot_rows(item.plan)
+
+        def before_step() -> None:  # before the dense optimizer: a refused step must change nothing
+            if not armed.used:
+                raise RuntimeError("the model did not call the cached collection with batch.sparse_features")
+            if self._dense_sync is not None:
+                self._dense_sync()
+
         try:
-            output = train_step(self.model, self.optimizer, item.device_batch, self._dense_sync)
+            output = train_step(self.model, self.optimizer, item.device_batch, before_step)
         except BaseException:
             # Rows may already carry this step's fused update: put them back (nothing lost,
             # nothing half-applied).
@@ -535,8 +542,6 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         finally:
             self._armed = None
             self._trained_event = mark_ready(self._backend, self._backend.current_stream(self.device))
-        if not armed.used:
-            raise RuntimeError("the model did not call the cached collection with batch.sparse_features")
         item.trained = True
         self.steps_done += 1
         return output
