@@ -471,3 +471,32 @@ def test_skip_tensors_are_charged_to_the_layer_that_stashes_them() -> None:
     assert profile_sizes(new_stash, x, 1, 2.0, cpu) == [x_bytes + 64 * x_bytes, 0, x_bytes]
     input_stash = nn.Sequential(StashItsInput(), nn.Identity(), MultiplyByPopped())
     assert profile_sizes(input_stash, x, 1, 2.0, cpu) == [x_bytes, 0, x_bytes]
+
+
+@pytest.mark.parametrize("device, error, words", [
+    ("npu:0", "BackendUnavailableError", "torch_npu"),
+    ("cuda:0", "BackendUnavailableError", "no cuda device"),
+    ("gpu", "ValueError", "invalid device 'gpu'"),
+    (None, None, None),
+])
+def test_profiling_device_errors_are_the_pipes(device, error, words) -> None:
+    """balance_by_* used torch.device directly: torch's raw errors, or an AssertionError for CUDA."""
+    if device == "cuda:0" and torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    for balance in (balance_by_time, balance_by_size):
+        if error is None:
+            assert balance(2, model, torch.randn(4, 2)) == [1, 1]
+            continue
+        with pytest.raises(Exception) as caught:
+            balance(2, model, torch.randn(4, 2), device=device)
+        assert type(caught.value).__name__ == error and words in str(caught.value)
+
+
+def test_huge_costs_and_bad_arguments() -> None:
+    assert blockpartition([10 ** 400, 1], 2) == [[0], [1]]  # an exact int of any size is a cost
+    with pytest.raises(TypeError, match="costs must be a sequence of real numbers, one per layer, got None"):
+        blockpartition(None, 1)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="param_scale=1e\\+308 .* overflows"):
+        balance_by_size(2, model, torch.randn(4, 2), param_scale=1e308)

@@ -244,3 +244,12 @@ def test_an_uninitialized_lazy_batch_norm_is_refused_before_anything_is_converte
         DeferredBatchNorm.convert_deferred_batch_norm(model, 2)
     assert [type(m).__name__ for m in model.modules()] == [
         "Sequential", "BatchNorm2d", "Conv2d", "Sequential", "LazyBatchNorm2d"]
+
+
+def test_bad_arguments_are_refused_before_any_state_changes():
+    """momentum='x' failed in forward after num_batches_tracked had been counted."""
+    with pytest.raises(TypeError, match="convert_deferred_batch_norm takes an nn.Module, got None"):
+        DeferredBatchNorm.convert_deferred_batch_norm(None)
+    with pytest.raises(TypeError, match="momentum must be a float or None.*'x'"):
+        DeferredBatchNorm(4, momentum="x")
+    assert DeferredBatchNorm(4, momentum=None).momentum is None

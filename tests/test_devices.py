@@ -8,6 +8,7 @@ streams and events that only record what was asked of them.
 """
 import contextlib
 import importlib.util
+import re
 import threading
 
 import pytest
@@ -414,6 +415,9 @@ def test_integer_devices_are_checked_by_name():
         as_device(-1)
     with pytest.raises(TypeError, match="invalid device True"):
         as_device(True)
+    for bad in (None, 1.5, ["cpu"]):  # were ValueErrors, unlike True
+        with pytest.raises(TypeError, match=re.escape(f"invalid device {bad!r}: expected a str")):
+            as_device(bad)
     assert as_device(1) == torch.device("cuda", 1)
 
 

@@ -108,3 +108,45 @@ def test_chunks_passed_as_balance_gets_a_hint():
 def test_devices_as_one_string_is_refused():
     with pytest.raises(TypeError, match=r"devices must be a sequence.*got 'cpu'.*devices=\['cpu'\] \* 2"):
         Pipe(model(), [2, 2], devices="cpu")
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"devices": 3}, TypeError, "devices must be a sequence of devices, one per partition, got 3"),
+    ({"deferred_batch_norm": "no"}, TypeError, "deferred_batch_norm must be a bool, got 'no'"),
+    ({"deferred_batch_norm": 1}, TypeError, "deferred_batch_norm must be a bool, got 1"),
+    ({"intra_op_threads": "2"}, TypeError, "intra_op_threads must be a positive int or None, got '2'"),
+])
+def test_bad_settings_name_the_argument_and_start_no_thread(kwargs, error, words):
+    """A truthy string turned deferred batch norm on; devices=3 failed inside a loop, unnamed."""
+    before = torchpipe_threads()
+    layers = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    with pytest.raises(error, match=words):
+        Pipe(layers, [1, 2], **kwargs)
+    assert type(layers[1]) is nn.BatchNorm1d
+    assert torchpipe_threads() == before
+
+
+def test_last_memory_is_none_until_a_step_completes():
+    """It was missing on a new Pipe (AttributeError), and kept the previous step's record after a failure."""
+    with Pipe(model(), [2, 2], devices=["cpu"] * 2, chunks=2) as pipe:
+        assert pipe.last_memory is None
+        x, y = torch.randn(4, 4), torch.randn(4, 4)
+        pipe(x)
+        assert pipe.last_memory is None
+        pipe.step(x, y, nn.MSELoss())
+        assert pipe.last_memory is not None
+
+        def failing_loss(output, target):
+            raise RuntimeError("loss failed")
+
+        with pytest.raises(RuntimeError, match="loss failed"):
+            pipe.step(x, y, failing_loss, reduction="mean")
+        assert pipe.last_memory is None
+
+
+@pytest.mark.parametrize("loss_fn", [None, "mse"])
+def test_a_loss_that_is_not_callable_is_refused_before_any_forward(loss_fn):
+    with Pipe(model(), [2, 2], devices=["cpu"] * 2, chunks=2) as pipe:
+        with pytest.raises(TypeError, match=f"loss_fn must be callable.*got {loss_fn!r}"):
+            pipe.step(torch.randn(4, 4), torch.randn(4, 4), loss_fn, reduction="sum")
+        assert pipe.last_step is None

@@ -367,3 +367,24 @@ def test_declaring_names_without_a_generator_forward_is_the_missing_stash_runtim
 
     with pytest.raises(RuntimeError, match=r"Plain declared but did not stash/pop \['foo'\]"):
         Plain()(torch.tensor(42.0))
+
+
+def test_names_given_as_one_str_are_refused_not_split_into_letters():
+    """@skippable(stash='skip') declared 's', 'k', 'i', 'p' and failed later with a misleading error."""
+    with pytest.raises(TypeError, match=r"stash must be a list of names \(e.g. stash=\['skip'\]\)"):
+        skippable(stash="skip")
+    with pytest.raises(TypeError, match="pop names must be str"):
+        skippable(pop=[1])
+
+    @skippable(stash=["skip"])
+    class Down(nn.Module):
+        def forward(self, x):
+            yield stash("skip", x)
+            return x
+
+    with pytest.raises(TypeError, match="only must be a list of names"):
+        Down().isolate(Namespace(), only="skip")
+    with pytest.raises(TypeError, match="namespace must be a torchpipe.skip.Namespace"):
+        Down().isolate("ns")
+    with pytest.raises(TypeError, match="verify_skippables takes an nn.Module"):
+        verify_skippables(None)

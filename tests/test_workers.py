@@ -264,10 +264,32 @@ def test_hostpool_context_manager_and_garbage_collection_join_threads():
     assert not wait_until_gone(threads), "del pool; gc.collect() left host threads behind"
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", None])
-def test_hostpool_bad_num_threads(bad):
-    with pytest.raises(ValueError, match="num_threads"):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
+                                        ("2", TypeError), (None, TypeError)])
+def test_hostpool_bad_num_threads(bad, error):
+    with pytest.raises(error, match="num_threads must be a positive int, got"):
         HostPool(bad)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"intra_op_threads": -1}, ValueError, "intra_op_threads"),
+    ({"intra_op_threads": "2"}, TypeError, "intra_op_threads"),
+    ({"intra_op_threads": 2.5}, TypeError, "intra_op_threads"),
+    ({"out_queue": []}, TypeError, "out_queue"),
+])
+def test_a_worker_refuses_bad_settings_before_its_thread_starts(kwargs, error, words):
+    """They used to kill the thread at its start, silently: every task put on it then waited forever."""
+    before = threading.active_count()
+    with pytest.raises(error, match=words):
+        Worker("bad-worker", **kwargs)
+    assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("make", [lambda: Task(None), lambda: Task(5), lambda: Task(lambda: 1, finalize=3),
+                                  lambda: HostPool(1).submit(None)])
+def test_tasks_need_callables(make):
+    with pytest.raises(TypeError, match="must be callable"):
+        make()
 
 
 def test_hostpool_stops_the_started_threads_when_one_fails_to_start(monkeypatch):
@@ -323,9 +345,10 @@ def test_hostpool_tasks_run_under_the_submitters_thread_state():
 
 
 # ----------------------------------------------------------------------------- ThreadBudget
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "3"])
-def test_thread_budget_rejects_bad_values(bad):
-    with pytest.raises(ValueError, match="intra_op_threads"):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError),
+                                        ("3", TypeError)])
+def test_thread_budget_rejects_bad_values(bad, error):
+    with pytest.raises(error, match="intra_op_threads must be a positive int or None, got"):
         ThreadBudget(bad)
 
 

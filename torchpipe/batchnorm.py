@@ -20,6 +20,7 @@ the accumulators need no lock.
 from __future__ import annotations
 
 import inspect
+from numbers import Real
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
 
@@ -73,6 +74,8 @@ class DeferredBatchNorm(_BatchNorm):
             raise ValueError(f"bias=False needs torch >= 2.13's batch norm; torch {torch.__version__} has no such option")
         else:
             extra = {}
+        if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, Real)):
+            raise TypeError(f"momentum must be a float or None (cumulative average), got {momentum!r}")
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True,
                          device=device, dtype=dtype, **extra)
         _check_microbatches(chunks)
@@ -185,6 +188,8 @@ class DeferredBatchNorm(_BatchNorm):
         ``DeferredBatchNorm`` is kept and its ``chunks`` updated.
         """
         _check_microbatches(chunks)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"convert_deferred_batch_norm takes an nn.Module, got {module!r}")
         # Refuse before replacing anything: a failure halfway would leave a half-converted model.
         for name, norm in module.named_modules():
             if isinstance(norm, LazyModuleMixin) and isinstance(norm, _BatchNorm) and norm.has_uninitialized_params():

@@ -245,6 +245,8 @@ def as_device(device: DeviceLike) -> torch.device:
         if device < 0:
             raise ValueError(f"invalid device {device!r}: a CUDA index must be >= 0")
         return torch.device("cuda", device)
+    if not isinstance(device, str):
+        raise TypeError(f"invalid device {device!r}: expected a str such as 'cpu' or 'cuda:0', a torch.device, or a CUDA index")
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:

@@ -133,6 +133,8 @@ def _resolve_devices(devices: Optional[Sequence[DeviceLike]], partitions: int) -
     if isinstance(devices, (str, torch.device)):
         raise TypeError(f"devices must be a sequence of devices, one per partition, got {devices!r} "
                         f"(for one device: devices=[{str(devices)!r}] * {partitions})")
+    if not isinstance(devices, Iterable):
+        raise TypeError(f"devices must be a sequence of devices, one per partition, got {devices!r}")
     resolved = [as_device(d) for d in devices]
     if len(resolved) < partitions:
         raise IndexError(
@@ -188,6 +190,8 @@ class Pipe(nn.Module):
         # Validate everything before touching the module: errors leave no state behind.
         chunks = _check_chunks(chunks)
         checkpoint = _check_checkpoint(checkpoint)
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
         verify_module(module)
         _check_child_names(module)
         budget = ThreadBudget(intra_op_threads)
@@ -224,6 +228,7 @@ class Pipe(nn.Module):
         object.__setattr__(self, "partitions", nn.ModuleList(partitions))
 
         self._intra_op_threads = budget.intra_op_threads
+        self.last_memory: Optional[MemoryRecord] = None  # what the last Pipe.step saved for backward
         self.register_load_state_dict_pre_hook(_accept_partitioned_keys)
         self._start_workers()
 
@@ -416,6 +421,8 @@ class Pipe(nn.Module):
         """
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
         if not isinstance(schedule, str):
             raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}; got {schedule!r}")
         if schedule not in SCHEDULES:
@@ -443,7 +450,7 @@ class Pipe(nn.Module):
         plan, program = self._step_program(schedule, m, options)
         context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages))
         self._run(plan, program, context)
-        self.last_memory: Optional[MemoryRecord] = context.memory
+        self.last_memory = context.memory
         losses = [loss for loss in context.losses]
         device = losses[-1].device  # type: ignore[union-attr]
         # A micro-batch of weight 0 (every target ignored) has a NaN loss that must not count.
@@ -466,6 +473,7 @@ class Pipe(nn.Module):
         with self._step_lock:
             if not self._finalizer.alive:  # closed by another thread since the caller's check
                 raise RuntimeError("this Pipe is closed")
+            self.last_memory = None  # set again by a step that completes
             self._prepare_batch_norm(plan.num_microbatches)
             if context.rng_sections:
                 for stage in self._stages:

@@ -36,6 +36,7 @@ __all__ = [
     "ThreadBudget",
     "spawn_workers",
     "Report",
+    "check_positive_int",
 ]
 
 # (ok, task, result-or-exception) as put on an out_queue.
@@ -62,6 +63,10 @@ class Task:
         label: str = "",
         stream: Any = None,
     ) -> None:
+        if not callable(compute):
+            raise TypeError(f"compute must be callable, got {compute!r}")
+        if finalize is not None and not callable(finalize):
+            raise TypeError(f"finalize must be callable or None, got {finalize!r}")
         self.compute = compute
         self.finalize = finalize
         self.label = label
@@ -69,6 +74,21 @@ class Task:
 
     def __repr__(self) -> str:
         return f"Task({self.label!r})"
+
+
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """TypeError unless ``value`` is an int (not a bool), ValueError unless it is >= 1.
+
+    One rule for every count a user gives (threads, workers): checked where it is given,
+    before any thread starts, so a bad value never surfaces as a worker dying later.
+    """
+    if value is None and allow_none:
+        return
+    expected = "a positive int or None" if allow_none else "a positive int"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -83,9 +103,7 @@ class ThreadBudget:
     intra_op_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
-        value = self.intra_op_threads
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"intra_op_threads must be a positive int or None, got {value!r}")
+        check_positive_int("intra_op_threads", self.intra_op_threads, allow_none=True)
 
     def threads_per_worker(self, workers_sharing_cores: int) -> int:
         if self.intra_op_threads is not None:
@@ -125,6 +143,9 @@ class Worker:
         stream: Any = None,
         intra_op_threads: Optional[int] = None,
     ) -> None:
+        check_positive_int("intra_op_threads", intra_op_threads, allow_none=True)
+        if out_queue is not None and not callable(getattr(out_queue, "put", None)):
+            raise TypeError(f"out_queue must be a queue (with put), got {out_queue!r}")
         self.name = name
         self.device = device
         self.backend: Optional[Backend] = get_backend(device) if device is not None else None
@@ -264,8 +285,7 @@ class HostPool:
         name: str = "torchpipe-host",
         budget: ThreadBudget = ThreadBudget(intra_op_threads=1),
     ) -> None:
-        if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
-            raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+        check_positive_int("num_threads", num_threads)
         if not isinstance(budget, ThreadBudget):
             raise TypeError(f"budget must be a ThreadBudget, got {budget!r}")
         self._out: "queue.SimpleQueue[Report]" = queue.SimpleQueue()
@@ -304,6 +324,8 @@ class HostPool:
         """
         from concurrent.futures import Future
 
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {fn!r}")
         future: "Future[Any]" = Future()
         state = ThreadState(("cpu",))
         # The steps it serves, but no RNG sub-lock: a nested pipeline's stages may use the

@@ -463,3 +463,12 @@ def test_save_png_closes_figure_when_savefig_fails(fake_mpl: _FakeMatplotlib, tm
     with pytest.raises(OSError):
         build("1f1b", 2, 2).save_png(str(tmp_path / "plan.png"))
     assert [c.args for c in fake_mpl.calls("plt", "close")] == [(fake_mpl.figure,)]
+
+
+def test_costs_too_far_apart_for_slots_and_times_that_overflow() -> None:
+    """table() raised OverflowError from its slot search; chrome_trace wrote inf timestamps."""
+    plan = build("1f1b", 2, 2)
+    text = plan.table({"F": 5e-324, "B": 1.0})
+    assert text.splitlines()[0].startswith("time")
+    with pytest.raises(ValueError, match="overflow.*us_per_unit=1e\\+300"):
+        plan.chrome_trace({"F": 1e300, "B": 1e300}, us_per_unit=1e300)

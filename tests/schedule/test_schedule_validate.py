@@ -140,3 +140,17 @@ def test_worker_of_and_actions() -> None:
     plan = build("interleaved-1f1b", 6, 4, virtual_stages=3)
     assert [plan.worker_of(Action(s, "F", 0)) for s in range(6)] == [0, 1, 0, 1, 0, 1]
     assert list(plan.actions()) == [a for acts in plan.worker_actions for a in acts]
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda: Plan("x", 1, 1, 5, ()), TypeError, "stage_to_worker must be a sequence, got 5"),
+    (lambda: Plan(3, 1, 1, (0,), ((),)), TypeError, "name must be a str, got 3"),
+    (lambda: Plan("x", 1, 1, (0,), ("0F0",)), TypeError, "worker_actions must be a sequence of per-worker"),
+    (lambda: Plan.from_lists("x", "0F0"), TypeError, "lists must hold one list of actions per worker"),
+    (lambda: Plan.from_lists("x", ["0F0", "0B0"]), TypeError, "lists must hold one list of actions per worker"),
+    (lambda: build("1f1b", 2, 2).worker_of(Action(5, "F", 0)), ValueError, "5F0 names stage 5.*stages 0..1"),
+])
+def test_plan_arguments_of_the_wrong_shape_are_named(make, error, words) -> None:
+    """A str passed for a list was read character by character ('cannot parse action 0')."""
+    with pytest.raises(error, match=words):
+        make()

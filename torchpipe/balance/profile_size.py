@@ -64,7 +64,11 @@ def _size_layer(layer: nn.Module, value: Activation, param_scale: float, device:
         output, activation = _forward_measured_by_autograd(layer, value, popped, skips)
     parameters = _storage_bytes(layer.parameters())
     buffers = _storage_bytes(layer.buffers())
-    sizes.append(int(activation + param_scale * parameters + buffers))
+    size = activation + param_scale * parameters + buffers
+    if not math.isfinite(size):
+        raise ValueError(f"param_scale={param_scale!r} times the {parameters} parameter bytes of layer {len(sizes)} "
+                         "overflows: give a param_scale of a sensible size (torchgpipe's default is 2.0)")
+    sizes.append(int(size))
     return output
 
 

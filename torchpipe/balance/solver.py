@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 import operator
 from fractions import Fraction
-from numbers import Rational, Real
-from typing import List, Sequence
+from numbers import Integral, Rational, Real
+from typing import Iterable, List, Sequence
 
 __all__ = ["blockpartition", "balance_by_cost"]
 
@@ -84,11 +84,13 @@ def check_partitions(partitions: int, length: int) -> int:
 
 def _exact_integers(costs: Sequence[float]) -> List[int]:
     """Scale the costs to integers over their common denominator, exactly."""
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Iterable):
+        raise TypeError(f"costs must be a sequence of real numbers, one per layer, got {costs!r}")
     fractions: List[Fraction] = []
     for index, cost in enumerate(costs):
         if isinstance(cost, bool) or not isinstance(cost, Real):
             raise TypeError(f"cost {index} is not a real number: {cost!r}")
-        if not math.isfinite(float(cost)):
+        if not isinstance(cost, Integral) and not math.isfinite(float(cost)):  # ints are exact, any size
             raise ValueError(f"cost {index} must be finite, got {cost!r}")
         # Fraction takes Python floats and exact rationals; a NumPy float32 goes through float.
         exact = Fraction(cost) if isinstance(cost, (Rational, float)) else Fraction(float(cost))

@@ -25,6 +25,11 @@ def _require_int(name: str, value: object) -> None:
         raise TypeError(f"Plan {name} must be an int, got {value!r}")
 
 
+def _is_sequence(value: Any) -> bool:
+    """A list-like of items: not a str (whose characters would pass for items)."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
 @dataclass(frozen=True)
 class Plan:
     """A schedule as data: which worker runs which action, in which order.
@@ -42,6 +47,14 @@ class Plan:
     worker_actions: tuple[tuple[Action, ...], ...]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"Plan name must be a str, got {self.name!r}")
+        for field_name in ("stage_to_worker", "worker_actions"):
+            if not _is_sequence(getattr(self, field_name)):
+                raise TypeError(f"Plan {field_name} must be a sequence, got {getattr(self, field_name)!r}")
+        if not all(_is_sequence(acts) for acts in self.worker_actions):
+            raise TypeError(f"Plan worker_actions must be a sequence of per-worker action sequences, "
+                            f"got {self.worker_actions!r}")
         # Accept lists for convenience but store tuples so the plan stays immutable/hashable.
         object.__setattr__(self, "stage_to_worker", tuple(self.stage_to_worker))
         object.__setattr__(self, "worker_actions", tuple(tuple(acts) for acts in self.worker_actions))
@@ -65,6 +78,9 @@ class Plan:
 
     def worker_of(self, action: Action) -> int:
         """The worker that owns ``action``'s stage (where the runtime must run it)."""
+        if not 0 <= action.stage < len(self.stage_to_worker):
+            raise ValueError(f"{action} names stage {action.stage}; plan {self.name!r} has stages "
+                             f"0..{len(self.stage_to_worker) - 1}")
         return self.stage_to_worker[action.stage]
 
     def stages_of(self, worker: int) -> tuple[int, ...]:
@@ -130,6 +146,8 @@ class Plan:
         for size_name, size in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
             if size is not None:
                 _require_int(size_name, size)
+        if not _is_sequence(lists) or not all(_is_sequence(acts) for acts in lists):
+            raise TypeError(f"lists must hold one list of actions per worker (e.g. [['0F0', '0B0']]), got {lists!r}")
         worker_actions = tuple(
             tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts) for acts in lists
         )

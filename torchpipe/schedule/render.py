@@ -40,6 +40,8 @@ def _equal_slot(sim: Simulation) -> float | None:
     slot = Fraction(0)
     for _, _, s, e in sim.timeline:
         for t in (s, e):
+            if not math.isfinite(t / unit):  # durations too far apart for one slot size
+                return None
             q = Fraction(t / unit).limit_denominator(1000)
             slot = Fraction(math.gcd(slot.numerator * q.denominator, q.numerator * slot.denominator),
                             slot.denominator * q.denominator)
@@ -135,6 +137,9 @@ def chrome_trace(plan: "Plan", costs: Costs = None, *, comm: float = 0.0, us_per
         }
         for w, act, start, end in sim.timeline
     ]
+    if not math.isfinite(sim.makespan * scale):
+        raise ValueError(f"the trace's times overflow: makespan {sim.makespan!r} cost units times "
+                         f"us_per_unit={us_per_unit!r} is not a finite number of microseconds")
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"plan": plan.name}}
 
 

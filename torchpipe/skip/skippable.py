@@ -64,7 +64,9 @@ class Skippable(nn.Module):
     def isolate(self, namespace: Namespace, *, only: Optional[Iterable[str]] = None) -> "Skippable":
         """Put this layer's skip names (or ``only`` those) into ``namespace``; returns self."""
         names = self.stashable_names | self.poppable_names
-        chosen = set(names if only is None else only)
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a torchpipe.skip.Namespace, got {namespace!r}")
+        chosen = set(names if only is None else _names("only", only))
         unknown = chosen - names
         if unknown:
             raise ValueError(f"cannot isolate names {sorted(unknown)}: {type(self).__name__} declares {sorted(names)}")
@@ -140,9 +142,18 @@ def _rebuild_inner_layer(wrapper: Type[Skippable], state: Any) -> nn.Module:
     return layer
 
 
+def _names(argument: str, names: Any) -> frozenset:
+    """``names`` as a set of skip names; a bare str would pass for its characters."""
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(f"{argument} must be a list of names (e.g. {argument}=[{names!r}]), got {names!r}")
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"{argument} names must be str, got {list(names)!r}")
+    return frozenset(names)
+
+
 def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Any:
     """Class decorator: the layer stashes the names ``stash`` and pops the names ``pop``."""
-    stash_names, pop_names = frozenset(stash), frozenset(pop)
+    stash_names, pop_names = _names("stash", stash), _names("pop", pop)
 
     def decorate(cls: Type[nn.Module]) -> Type[Skippable]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -168,6 +179,8 @@ def verify_skippables(module: nn.Sequential) -> None:
     in the order ``named_modules()`` lists them (the order a nested ``nn.Sequential`` runs
     them), under their qualified names ("0.1").
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"verify_skippables takes an nn.Module (an nn.Sequential), got {module!r}")
     stashed: Dict[SkipKey, str] = {}
     popped: Dict[SkipKey, str] = {}
     problems: List[str] = []
