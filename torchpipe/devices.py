@@ -25,6 +25,7 @@ __all__ = [
     "register_backend",
     "use_backend",
     "as_device",
+    "usable_device",
 ]
 
 DeviceLike = Union[torch.device, str, int]
@@ -270,6 +271,18 @@ def get_backend(device: DeviceLike) -> Backend:
         raise BackendUnavailableError(
             f"no backend for device type {device_type!r}; known types: {sorted(_backends)}"
         ) from None
+
+
+def usable_device(device: DeviceLike) -> torch.device:
+    """``device`` as a ``torch.device``, refused now if it cannot be used.
+
+    How every constructor resolves a device it is given: an unknown string is a ValueError, an ``'npu'`` device
+    without ``torch_npu`` or a ``'cuda'`` device without CUDA is a `BackendUnavailableError`
+    with the install hint (rather than torch's own error from deep inside a constructor).
+    """
+    resolved = as_device(device)
+    get_backend(resolved).check(resolved)
+    return resolved
 
 
 def register_backend(device_type: str, backend: Backend) -> Optional[Backend]:

@@ -20,7 +20,7 @@ from .call_chain import current as current_chain
 from .call_chain import holds_rng_section
 from .checkpoint import generator_state, is_checkpointing
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
-from .devices import DeviceLike, as_device, get_backend
+from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward
 from .microbatch import Batch, TensorOrTensors, gather, scatter
 from .partition import as_positive_int, infer_placement, split_module, verify_balance, verify_module
@@ -135,14 +135,12 @@ def _resolve_devices(devices: Optional[Sequence[DeviceLike]], partitions: int) -
                         f"(for one device: devices=[{str(devices)!r}] * {partitions})")
     if not isinstance(devices, Iterable):
         raise TypeError(f"devices must be a sequence of devices, one per partition, got {devices!r}")
-    resolved = [as_device(d) for d in devices]
+    resolved = [as_device(d) for d in devices]  # every one named, before the count is checked
     if len(resolved) < partitions:
         raise IndexError(
             f"too few devices to hold given partitions (devices: {len(resolved)}, partitions: {partitions})"
         )
-    resolved = resolved[:partitions]
-    for device in resolved:
-        get_backend(device).check(device)
+    resolved = [usable_device(device) for device in resolved[:partitions]]
     return [get_backend(device).canonical(device) for device in resolved]
 
 

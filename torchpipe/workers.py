@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .call_chain import Chain, adopt
+from .checks import check_positive_int
 from .devices import Backend, get_backend
 from .thread_state import ThreadState
 
@@ -36,7 +37,6 @@ __all__ = [
     "ThreadBudget",
     "spawn_workers",
     "Report",
-    "check_positive_int",
 ]
 
 # (ok, task, result-or-exception) as put on an out_queue.
@@ -76,19 +76,6 @@ class Task:
         return f"Task({self.label!r})"
 
 
-def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-    """TypeError unless ``value`` is an int (not a bool), ValueError unless it is >= 1.
-
-    One rule for every count a user gives (threads, workers): checked where it is given,
-    before any thread starts, so a bad value never surfaces as a worker dying later.
-    """
-    if value is None and allow_none:
-        return
-    expected = "a positive int or None" if allow_none else "a positive int"
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be {expected}, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,10 @@ import torch
 from rec_helpers import integer_weights, make_kjt, make_tables
 from torchrec import KeyedJaggedTensor
 
-from torchpipe.rec import CachedEmbeddingBagCollection, CacheTooSmallError, RecInputError, StaleBatchError
+from torchpipe.devices import BackendUnavailableError
+from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, CacheTooSmallError, EmbeddingCache,
+                           FullTableEmbeddingBagCollection, HostEmbeddingTable, RecInputError, RowWiseAdagrad,
+                           StaleBatchError)
 
 
 def model_and_state() -> tuple[CachedEmbeddingBagCollection, callable]:
@@ -165,3 +168,145 @@ def test_a_ctrl_c_inside_a_release_leaves_it_to_be_finished() -> None:
     loads = [ins.argval for ins in after[:first_call] if ins.opname in ("LOAD_METHOD", "LOAD_ATTR", "LOAD_GLOBAL")]
     assert loads and loads[-1] == "index_add_", loads  # nothing called between: no torch.full_like(...) argument
     assert not any(ins.opname.startswith("JUMP_BACKWARD") for ins in after[:first_call])
+
+
+# -- constructor arguments: the right exception type, naming the argument, before anything is built --
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+
+
+@pytest.mark.parametrize("collection", ["cached", "full"])
+@pytest.mark.parametrize("device, error, words", [
+    ("npu:0", BackendUnavailableError, "torch_npu"),
+    pytest.param("cuda:0", BackendUnavailableError, "'cuda:0' was requested but no cuda device", marks=NO_CUDA),
+    ("gpu", ValueError, "invalid device 'gpu'"),
+])
+def test_collection_device_is_resolved_like_pipes(collection: str, device: str, error: type, words: str) -> None:
+    tables = make_tables()
+    with pytest.raises(error, match=words):
+        if collection == "cached":
+            CachedEmbeddingBagCollection(tables, 4, device=device)
+        else:
+            FullTableEmbeddingBagCollection(tables, device=device)
+
+
+@pytest.mark.parametrize("cache_rows, error, words", [
+    ({"t1": 4}, ValueError, r"cache_rows has no entry for tables \['t0'\]; give one for each of"),
+    ({"t0": 4, "t1x": 4}, ValueError,
+     r"cache_rows has no entry for tables \['t1'\] \(it names unknown tables \['t1x'\]\)"),
+    ("10", TypeError, "cache_rows must be a positive int or a dict"),
+    (None, TypeError, "cache_rows must be a positive int or a dict"),
+    (10.5, TypeError, "cache_rows must be a positive int or a dict"),
+    ([4, 4], TypeError, "cache_rows must be a positive int or a dict"),
+    (0, ValueError, "cache_rows must be a positive int, got 0"),
+    ({"t0": 0, "t1": 4}, ValueError, r"cache_rows\['t0'\] must be a positive int, got 0"),
+    ({"t0": "4", "t1": 4}, TypeError, r"cache_rows\['t0'\] must be a positive int, got '4'"),
+])
+def test_collection_refuses_bad_cache_rows(cache_rows, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        CachedEmbeddingBagCollection(make_tables(), cache_rows)
+
+
+@pytest.mark.parametrize("collection", ["cached", "full"])
+@pytest.mark.parametrize("optimizer", ["sgd", torch.optim.SGD, SGD, torch.optim.SGD([torch.zeros(1)], lr=0.1)],
+                         ids=["str", "torch_class", "row_optimizer_class", "torch_instance"])
+def test_collection_refuses_an_optimizer_that_is_not_a_row_optimizer(collection: str, optimizer) -> None:
+    words = r"optimizer must be a torchpipe.rec RowOptimizer instance \(SGD, RowWiseAdagrad, Adam\)"
+    with pytest.raises(TypeError, match=words):
+        if collection == "cached":
+            CachedEmbeddingBagCollection(make_tables(), 4, optimizer=optimizer)
+        else:
+            FullTableEmbeddingBagCollection(make_tables(), optimizer=optimizer)
+
+
+@pytest.mark.parametrize("collection", ["cached", "full"])
+@pytest.mark.parametrize("weights, error, words", [
+    ({"t9": torch.ones(40, 4)}, ValueError,
+     r"weights names unknown tables \['t9'\] and has no weight for tables \['t0', 't1'\]; the tables are"),
+    ({"t0": torch.ones(40, 4), "t1x": torch.ones(24, 4)}, ValueError,
+     r"weights names unknown tables \['t1x'\] and has no weight for tables \['t1'\]"),
+    ([torch.ones(40, 4)], TypeError, "weights must be a dict"),
+    ({"t0": [[1.0] * 4] * 40}, TypeError, r"weights\['t0'\] must be a torch.Tensor of shape \(40, 4\)"),
+    ("numpy", TypeError, r"weights\['t0'\] must be a torch.Tensor of shape \(40, 4\).*got ndarray"),
+    ({"t0": torch.ones(40, 3)}, ValueError, r"weights\['t0'\] has shape \(40, 3\), expected \(40, 4\)"),
+    ({"t1": torch.ones(40, 4)}, ValueError, r"weights\['t1'\] has shape \(40, 4\), expected \(24, 4\)"),
+])
+def test_collection_refuses_bad_weights(collection: str, weights, error: type, words: str) -> None:
+    if isinstance(weights, str):  # numpy is only imported (and needed) here
+        numpy = pytest.importorskip("numpy")
+        weights = {"t0": numpy.ones((40, 4), numpy.float32)}
+    with pytest.raises(error, match=words):
+        if collection == "cached":
+            CachedEmbeddingBagCollection(make_tables(), 4, weights=weights)
+        else:
+            FullTableEmbeddingBagCollection(make_tables(), weights=weights)
+
+
+def test_dicts_may_hold_other_tables_once_every_table_has_its_entry() -> None:
+    """One dict for the tables of every rank: each rank's collection takes its own tables' entries."""
+    tables = make_tables()
+    weights = integer_weights(tables)
+    mine = CachedEmbeddingBagCollection(tables[:1], {"t0": 3, "t1": 5}, weights=weights)
+    assert torch.equal(mine.hosts["t0"].weight, weights["t0"]) and list(mine.hosts) == ["t0"]
+    assert mine.caches["t0"].cache_rows == 3
+    assert torch.equal(FullTableEmbeddingBagCollection(tables[1:], weights=weights).full_weight("t1"), weights["t1"])
+
+
+@pytest.mark.parametrize("build, error, words", [
+    (lambda: SGD(lr="x"), TypeError, "lr must be a finite float >= 0, got 'x'"),
+    (lambda: SGD(lr=None), TypeError, "lr must be a finite float >= 0, got None"),
+    (lambda: SGD(lr=float("nan")), ValueError, "lr must be a finite float >= 0, got nan"),
+    (lambda: SGD(lr=-0.1), ValueError, "lr must be a finite float >= 0, got -0.1"),
+    (lambda: SGD(lr=float("inf")), ValueError, "lr must be a finite float >= 0, got inf"),
+    (lambda: RowWiseAdagrad(lr=-1), ValueError, "lr must be a finite float >= 0"),
+    (lambda: RowWiseAdagrad(eps=-1), ValueError, "eps must be a finite float >= 0, got -1"),
+    (lambda: RowWiseAdagrad(eps="1e-8"), TypeError, "eps must be a finite float >= 0"),
+    (lambda: Adam(lr=float("nan")), ValueError, "lr must be a finite float >= 0"),
+    (lambda: Adam(beta1=1.0), ValueError, r"beta1 must be a float in \[0, 1\), got 1.0"),
+    (lambda: Adam(beta1=-0.1), ValueError, r"beta1 must be a float in \[0, 1\), got -0.1"),
+    (lambda: Adam(beta2=2), ValueError, r"beta2 must be a float in \[0, 1\), got 2"),
+    (lambda: Adam(beta2="0.9"), TypeError, r"beta2 must be a float in \[0, 1\)"),
+    (lambda: Adam(eps=-1e-8), ValueError, "eps must be a finite float >= 0"),
+])
+def test_row_optimizers_refuse_bad_hyperparameters(build, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        build()
+
+
+def test_row_optimizers_accept_torch_optims_boundaries() -> None:
+    assert SGD(lr=0).lr == 0 and SGD(lr=1).lr == 1
+    assert RowWiseAdagrad(eps=0.0).eps == 0.0
+    assert Adam(beta1=0.0, beta2=0.0, eps=0.0).beta1 == 0.0
+
+
+@pytest.mark.parametrize("args, kwargs, error, words", [
+    (("5", 4, 0), {}, TypeError, "num_rows must be a positive int, got '5'"),
+    ((None, 4, 0), {}, TypeError, "num_rows must be a positive int, got None"),
+    ((5.5, 4, 0), {}, TypeError, "num_rows must be a positive int, got 5.5"),
+    ((0, 4, 0), {}, ValueError, "num_rows must be a positive int, got 0"),
+    ((5, "4", 0), {}, TypeError, "dim must be a positive int, got '4'"),
+    ((5, 0, 0), {}, ValueError, "dim must be a positive int, got 0"),
+    ((5, 4, -1), {}, ValueError, "state_width must be an int >= 0, got -1"),
+    ((5, 4, 1.0), {}, TypeError, "state_width must be an int >= 0, got 1.0"),
+    ((5, 4, 0), {"weight": [[1.0] * 4] * 5}, TypeError, r"weight must be a torch.Tensor of shape \(5, 4\), got list"),
+    ((5, 4, 1), {"state": [[0.0]] * 5}, TypeError, r"state must be a torch.Tensor of shape \(5, 1\), got list"),
+    ((5, 4, 0), {"dtype": "float32"}, TypeError, "dtype must be a torch.dtype"),
+])
+def test_host_table_refuses_bad_arguments(args, kwargs, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        HostEmbeddingTable(*args, **kwargs)
+
+
+@pytest.mark.parametrize("args, error, words", [
+    ((0, 5), ValueError, "num_rows must be a positive int, got 0"),
+    ((-1, 5), ValueError, "num_rows must be a positive int, got -1"),
+    (("10", 5), TypeError, "num_rows must be a positive int, got '10'"),
+    ((10, "5"), TypeError, "cache_rows must be a positive int, got '5'"),
+    ((10, 2.5), TypeError, "cache_rows must be a positive int, got 2.5"),
+    ((10, 0), ValueError, "cache_rows must be a positive int, got 0"),
+    ((10, 5, None), TypeError, "policy must be a str"),
+    ((10, 5, "fifo"), ValueError, "unknown eviction policy 'fifo'"),
+])
+def test_embedding_cache_refuses_bad_arguments(args, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        EmbeddingCache(*args)

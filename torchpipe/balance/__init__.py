@@ -23,7 +23,7 @@ from torchpipe.balance.layer_call import Activation, tensors_of
 from torchpipe.balance.profile_size import profile_sizes
 from torchpipe.balance.profile_time import profile_times
 from torchpipe.balance.solver import as_count, balance_by_cost, blockpartition, check_partitions
-from torchpipe.devices import as_device, get_backend
+from torchpipe.devices import as_device, usable_device
 
 __all__ = ["balance_by_time", "balance_by_size", "blockpartition", "balance_by_cost"]
 
@@ -113,13 +113,10 @@ def _profiling_device(device: Optional[Device]) -> torch.device:
         if accelerator is None:
             return torch.device("cpu")
         return torch.device(accelerator.type, torch.accelerator.current_device_index())
-    device = as_device(device)  # a clear error for a bad string, an NPU without torch_npu, ...
-    if device.type == "meta":
+    if as_device(device).type == "meta":
         raise ValueError("device='meta' cannot be profiled: meta tensors take no time and share no "
                          "storage to measure; profile on the CPU or an accelerator")
-    if device.type != "cpu":
-        get_backend(device).check(device)  # ... or CUDA that is not there
-    return device
+    return usable_device(device)  # a clear error for a bad string, an NPU without torch_npu, no CUDA
 
 
 @contextmanager

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_positive_int
 from .errors import CacheTooSmallError
-from .eviction import POLICIES, LruIndex, select_victims
+from .eviction import LruIndex, check_policy, select_victims
 from .swap_plan import SwapPlan
 
 __all__ = ["EmbeddingCache", "CacheStats"]
@@ -50,10 +51,9 @@ class EmbeddingCache:
     """``cache_rows`` device slots over a table of ``num_rows`` keys, policy ``'lru'`` or ``'lfu'``."""
 
     def __init__(self, num_rows: int, cache_rows: int, policy: str = "lru", name: str = "table") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
-        if not 0 < cache_rows:
-            raise ValueError(f"cache_rows must be positive, got {cache_rows}")
+        check_positive_int("num_rows", num_rows)
+        check_positive_int("cache_rows", cache_rows)
+        check_policy(policy)
         if cache_rows > num_rows:
             cache_rows = num_rows  # more slots than keys would never be used
         self.name = name

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -22,12 +23,15 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
-from .batch_keys import BatchKeys, TableLayout, initial_weight, prepare_batch, table_layouts
+from ..checks import check_positive_int
+from ..devices import usable_device
+from .batch_keys import BatchKeys, TableLayout, check_weights, initial_weight, prepare_batch, table_layouts
 from .cache import CacheStats, EmbeddingCache
 from .errors import CacheTooSmallError, StaleBatchError
+from .eviction import check_policy
 from .fused_lookup import fused_pooled_lookup
 from .host_table import HostEmbeddingTable
-from .optim import SGD, RowOptimizer
+from .optim import RowOptimizer, check_row_optimizer
 from .swap_plan import SwapPlan
 
 __all__ = ["CachedEmbeddingBagCollection", "BatchPlan"]
@@ -58,6 +62,30 @@ class _Witness:
     __slots__ = ("__weakref__",)
 
 
+def cache_rows_per_table(cache_rows: Any, layouts: list[TableLayout]) -> dict[str, int]:
+    """``cache_rows`` per table: an int for every table, or a dict with an entry for each table.
+
+    As for ``weights`` (`check_weights`): a dict may hold other tables too (one dict for the
+    tables of every rank), but a name that is no table is called out when a table is missing,
+    as it is most likely that table's name misspelled.
+    """
+    names = [layout.name for layout in layouts]
+    if isinstance(cache_rows, Mapping):
+        missing = [name for name in names if name not in cache_rows]
+        if missing:
+            unknown = [name for name in cache_rows if name not in names]
+            also = f" (it names unknown tables {unknown})" if unknown else ""
+            raise ValueError(f"cache_rows has no entry for tables {missing}{also}; give one for each of {names}")
+        for name in names:
+            check_positive_int(f"cache_rows[{name!r}]", cache_rows[name])
+        return {name: cache_rows[name] for name in names}
+    if not isinstance(cache_rows, int) or isinstance(cache_rows, bool):
+        raise TypeError(f"cache_rows must be a positive int or a dict {{table name: positive int}}, "
+                        f"got {cache_rows!r}")
+    check_positive_int("cache_rows", cache_rows)
+    return {name: cache_rows for name in names}
+
+
 def weight_key(table: str) -> str:
     """The state_dict key of a table, as in `torchrec.EmbeddingBagCollection`."""
     return f"embedding_bags.{table}.weight"
@@ -77,16 +105,25 @@ class CachedEmbeddingBagCollection(nn.Module):
                  device: torch.device | str | None = None, optimizer: RowOptimizer | None = None,
                  policy: str = "lru", pin_memory: bool | None = None,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
+        # Every argument is checked before the first table is built.
+        device = usable_device(device) if device is not None else torch.device("cpu")
+        optimizer = check_row_optimizer(optimizer)
+        layouts = table_layouts(tables)
+        rows_of = cache_rows_per_table(cache_rows, layouts)
+        check_policy(policy)
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory must be a bool or None, got {pin_memory!r}")
+        check_weights(weights, layouts)
         super().__init__()
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.optimizer = optimizer if optimizer is not None else SGD()
-        self.layouts: list[TableLayout] = table_layouts(tables)
+        self.device = device
+        self.optimizer = optimizer
+        self.layouts: list[TableLayout] = layouts
         self._configs = tables
         self.hosts: dict[str, HostEmbeddingTable] = {}
         self.caches: dict[str, EmbeddingCache] = {}
         self.slots: dict[str, torch.Tensor] = {}
         for config, layout in zip(tables, self.layouts):
-            rows = cache_rows[layout.name] if isinstance(cache_rows, dict) else cache_rows
+            rows = rows_of[layout.name]
             width = self.optimizer.state_width(layout.dim)
             weight = initial_weight(config, layout, weights)
             host = HostEmbeddingTable(layout.num_rows, layout.dim, width, pin_memory=pin_memory, weight=weight,

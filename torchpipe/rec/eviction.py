@@ -21,12 +21,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["POLICIES", "LruIndex", "choose_victims", "select_victims"]
+__all__ = ["POLICIES", "LruIndex", "check_policy", "choose_victims", "select_victims"]
 
 POLICIES = ("lru", "lfu")
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 _PACK_LIMIT = 1 << 62  # packed priorities stay below this, so INT64_MAX marks "not a candidate"
+
+
+def check_policy(policy: object) -> None:
+    """TypeError unless ``policy`` is a str, ValueError unless it is one of `POLICIES`."""
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a str, one of {POLICIES}; got {policy!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
 
 
 def choose_victims(candidates: torch.Tensor, count: int, policy: str, key_of_slot: torch.Tensor,
@@ -38,8 +46,7 @@ def choose_victims(candidates: torch.Tensor, count: int, policy: str, key_of_slo
     so a key keeps its count when it leaves the cache; so do we). Remaining ties: lower slot
     id first (stable sorts over ascending ``candidates``). Returns the victims in that order.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown eviction policy {policy!r}; expected one of {POLICIES}")
+    check_policy(policy)
     if count == 0:
         return candidates[:0]
     keys = key_of_slot[candidates]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import check_nonnegative_int, check_positive_int
 from .errors import CacheAbortedError
 
 __all__ = ["HostEmbeddingTable", "WriteTicket", "accelerator_present"]
@@ -55,20 +56,25 @@ class HostEmbeddingTable:
     def __init__(self, num_rows: int, dim: int, state_width: int, dtype: torch.dtype = torch.float32,
                  pin_memory: bool | None = None, weight: torch.Tensor | None = None,
                  state: torch.Tensor | None = None) -> None:
-        if num_rows <= 0 or dim <= 0 or state_width < 0:
-            raise ValueError(f"bad table shape: num_rows={num_rows}, dim={dim}, state_width={state_width}")
-        if pin_memory is None:
-            pin_memory = accelerator_present()
+        check_positive_int("num_rows", num_rows)
+        check_positive_int("dim", dim)
+        check_nonnegative_int("state_width", state_width)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         self.num_rows = num_rows
         self.dim = dim
         self.state_width = state_width
+        if weight is not None:
+            self._check_shape("weight", weight, dim)
+        if state is not None:
+            self._check_shape("state", state, state_width)
+        if pin_memory is None:
+            pin_memory = accelerator_present()
         self.dtype = dtype
         self.rows = torch.zeros(num_rows, dim + state_width, dtype=dtype, pin_memory=pin_memory)
         if weight is not None:
-            self._check_shape("weight", weight, dim)
             self.rows[:, :dim] = weight
         if state is not None:
-            self._check_shape("state", state, state_width)
             self.rows[:, dim:] = state
         self._cond = threading.Condition()
         # For each key, the sequence number of its pending write, or -1.
@@ -78,6 +84,9 @@ class HostEmbeddingTable:
         self._abort_exc: BaseException | None = None
 
     def _check_shape(self, what: str, tensor: torch.Tensor, width: int) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor of shape {(self.num_rows, width)}, "
+                            f"got {type(tensor).__name__}")
         if tuple(tensor.shape) != (self.num_rows, width):
             raise ValueError(f"{what} has shape {tuple(tensor.shape)}, expected {(self.num_rows, width)}")
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowOptimizer", "SGD", "RowWiseAdagrad", "Adam"]
+from ..checks import check_real
+
+__all__ = ["RowOptimizer", "SGD", "RowWiseAdagrad", "Adam", "check_row_optimizer"]
 
 
 class RowOptimizer:
@@ -46,6 +48,9 @@ class SGD(RowOptimizer):
 
     lr: float = 0.01
 
+    def __post_init__(self) -> None:
+        check_real("lr", self.lr, 0.0)
+
     def state_names(self, dim: int) -> list[str]:
         return []
 
@@ -64,6 +69,10 @@ class RowWiseAdagrad(RowOptimizer):
 
     lr: float = 0.01
     eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        check_real("lr", self.lr, 0.0)
+        check_real("eps", self.eps, 0.0)
 
     def state_names(self, dim: int) -> list[str]:
         return ["sum_sq_mean"]
@@ -97,6 +106,13 @@ class Adam(RowOptimizer):
     beta2: float = 0.999
     eps: float = 1e-8
 
+    def __post_init__(self) -> None:
+        # torch.optim.Adam's ranges; beta == 1 would divide by 1 - beta**t == 0 (NaN rows).
+        check_real("lr", self.lr, 0.0)
+        check_real("beta1", self.beta1, 0.0, 1.0)
+        check_real("beta2", self.beta2, 0.0, 1.0)
+        check_real("eps", self.eps, 0.0)
+
     def state_names(self, dim: int) -> list[str]:
         return [f"m{i}" for i in range(dim)] + [f"v{i}" for i in range(dim)] + ["beta1_pow", "beta2_pow"]
 
@@ -120,3 +136,17 @@ class Adam(RowOptimizer):
         out[:, 3 * dim:3 * dim + 1] = b1_pow
         out[:, 3 * dim + 1:3 * dim + 2] = b2_pow
         return out
+
+
+def check_row_optimizer(optimizer: object) -> RowOptimizer:
+    """A collection's ``optimizer`` argument: a `RowOptimizer` instance, or None for ``SGD()``.
+
+    The optimizer is fused into the lookup's backward, so a ``torch.optim`` optimizer (which
+    steps dense parameters) cannot stand in for it.
+    """
+    if optimizer is None:
+        return SGD()
+    if not isinstance(optimizer, RowOptimizer):
+        raise TypeError(f"optimizer must be a torchpipe.rec RowOptimizer instance (SGD, RowWiseAdagrad, Adam) or "
+                        f"None, got {optimizer!r}")
+    return optimizer

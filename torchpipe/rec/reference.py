@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
-from .batch_keys import initial_weight, prepare_batch, table_layouts
+from ..devices import usable_device
+from .batch_keys import check_weights, initial_weight, prepare_batch, table_layouts
 from .fused_lookup import fused_pooled_lookup
-from .optim import SGD, RowOptimizer
+from .optim import RowOptimizer, check_row_optimizer
 
 __all__ = ["FullTableEmbeddingBagCollection"]
 
@@ -22,10 +23,14 @@ class FullTableEmbeddingBagCollection(nn.Module):
 
     def __init__(self, tables: list[EmbeddingBagConfig], device: torch.device | str | None = None,
                  optimizer: RowOptimizer | None = None, weights: dict[str, torch.Tensor] | None = None) -> None:
+        device = usable_device(device) if device is not None else torch.device("cpu")
+        optimizer = check_row_optimizer(optimizer)
+        layouts = table_layouts(tables)
+        check_weights(weights, layouts)
         super().__init__()
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.optimizer = optimizer if optimizer is not None else SGD()
-        self.layouts = table_layouts(tables)
+        self.device = device
+        self.optimizer = optimizer
+        self.layouts = layouts
         self.rows: dict[str, torch.Tensor] = {}
         for config, layout in zip(tables, self.layouts):
             weight = initial_weight(config, layout, weights)

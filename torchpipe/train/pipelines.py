@@ -21,11 +21,11 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
-from ..devices import get_backend
+from ..devices import get_backend, usable_device
 from ..rec import BatchPlan, CachedEmbeddingBagCollection
 from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
 from .schedule import Clock
-from .staged import PipelineFailure, PipelineStage, StagedPipeline
+from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
 
@@ -109,6 +109,16 @@ class _Item:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
+def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    """TypeError unless ``model`` is an ``nn.Module`` and ``optimizer`` None or an optimizer."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module (losses, output = model(batch)), got {type(model).__name__}")
+    if optimizer is not None and not (callable(getattr(optimizer, "zero_grad", None))
+                                      and callable(getattr(optimizer, "step", None))):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (with zero_grad() and step()) or None, "
+                        f"got {type(optimizer).__name__}")
+
+
 class _ReadyPipeline:
     """Shared plumbing: H2D on the copy worker with an event, the train step on the compute worker."""
 
@@ -116,9 +126,10 @@ class _ReadyPipeline:
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  device: Union[str, torch.device]) -> None:
+        check_model_and_optimizer(model, optimizer)
         self.model = model
         self.optimizer = optimizer
-        self.device = torch.device(device)
+        self.device = usable_device(device)
         self._backend = get_backend(self.device)
         self.steps_done = 0
 
@@ -211,6 +222,8 @@ class TrainPipelineSparseDist(_ReadyPipeline):
                  device: Union[str, torch.device] = "cpu", *,
                  input_dist: Optional[Callable[[Any], Any]] = None, host_threads: int = 1,
                  device_threads: Optional[int] = None) -> None:
+        if input_dist is not None and not callable(input_dist):
+            raise TypeError(f"input_dist must be callable or None, got {input_dist!r}")
         super().__init__(model, optimizer, device)
         self._input_dist = input_dist
 
@@ -398,6 +411,11 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                  collection: Optional[CachedEmbeddingBagCollection] = None, host_threads: int = 3,
                  device_threads: Optional[int] = None, overlap: bool = True,
                  sharding: Optional[Any] = None, dense_grads: str = "mean", keep_records: int = 0) -> None:
+        # Everything is checked before the collection is claimed and hooked, or a thread starts.
+        if collection is not None and not isinstance(collection, CachedEmbeddingBagCollection):
+            raise TypeError(f"collection must be a CachedEmbeddingBagCollection or None (found in the model), "
+                            f"got {type(collection).__name__}")
+        check_pipeline_options(host_threads, device_threads, overlap, keep_records)
         if dense_grads not in ("mean", "sum"):
             raise ValueError(f"dense_grads must be 'mean' (DDP's rule) or 'sum', got {dense_grads!r}")
         super().__init__(model, optimizer, device)

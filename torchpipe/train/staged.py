@@ -30,7 +30,8 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 import torch
 
 from .. import call_chain
-from ..devices import Backend, get_backend
+from ..devices import Backend, get_backend, usable_device
+from ..checks import check_bool, check_nonnegative_int, check_positive_int
 from ..runtime import Program, Runtime, StepRecord
 from ..workers import ThreadBudget, Worker, stop_workers
 from .schedule import Clock, ClockSchedule, schedule_table
@@ -137,6 +138,14 @@ def _record_streams(value: Any, stream: Any, backend: Backend, device_type: str,
             _record_streams(getattr(value, f.name), stream, backend, device_type, depth + 1)
 
 
+def check_pipeline_options(host_threads: Any, device_threads: Any, overlap: Any, keep_records: Any) -> None:
+    """The thread and bookkeeping options every staged pipeline takes, checked before anything starts."""
+    check_nonnegative_int("host_threads", host_threads)
+    check_positive_int("device_threads", device_threads, allow_none=True)
+    check_bool("overlap", overlap)
+    check_nonnegative_int("keep_records", keep_records)
+
+
 class StagedPipeline:
     """Runs ``stages`` over a dataloader iterator; ``progress()`` returns one finished batch per call.
 
@@ -166,9 +175,12 @@ class StagedPipeline:
         names = [s.name for s in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
-        if not isinstance(host_threads, int) or isinstance(host_threads, bool) or host_threads < 0:
-            raise ValueError(f"host_threads must be an int >= 0, got {host_threads!r}")
-        self.device = torch.device(device)
+        check_pipeline_options(host_threads, device_threads, overlap, keep_records)
+        for hook, value in (("admit", admit), ("on_abort", on_abort), ("on_failure", on_failure),
+                            ("after_clock", after_clock)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{hook} must be callable or None, got {value!r}")
+        self.device = usable_device(device)
         self.worker_names = [f"{name}-compute", f"{name}-copy"] + [f"{name}-host{i}" for i in range(host_threads)]
         self.stage_workers = self._assign(stages, host_threads)
         self.stages = stages
@@ -202,7 +214,7 @@ class StagedPipeline:
         self.stage_seconds = [0.0] * len(stages)
         self.clock_seconds = 0.0
         self.clocks_run = 0
-        self.records: Deque[StepRecord] = deque(maxlen=keep_records or None) if keep_records else deque(maxlen=0)
+        self.records: Deque[StepRecord] = deque(maxlen=keep_records)
 
     # -- configuration -------------------------------------------------------------
     def _assign(self, stages: Sequence[PipelineStage], host_threads: int) -> List[int]:

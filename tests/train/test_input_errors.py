@@ -1,0 +1,120 @@
+"""Bad constructor arguments of the train pipelines: a clear exception of the right type, naming
+the argument, raised before any thread starts and before the collection is claimed or hooked."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from train_helpers import build, make_tables
+
+from torchpipe.devices import BackendUnavailableError
+from torchpipe.rec import SGD
+from torchpipe.train import (EmbCacheTrainPipeline, PipelineStage, StagedPipeline, TrainPipelineBase,
+                             TrainPipelineSparseDist, schedule_table)
+
+pytestmark = pytest.mark.timeout(60)
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+KINDS = ["staged", "base", "sparse_dist", "emb_cache"]
+
+
+def construct(kind: str, **kwargs):
+    """Build a pipeline of ``kind`` with ``kwargs``; returns the collection it would hook (or None)."""
+    if kind == "staged":
+        StagedPipeline([PipelineStage("a", lambda x: x, "host"), PipelineStage("b", lambda x: x)], **kwargs)
+        return None
+    if kind == "emb_cache":
+        model, opt = build(make_tables(), 16, SGD(lr=0.5))
+        collection = model.ebc
+        try:
+            EmbCacheTrainPipeline(model, opt, **kwargs)
+        finally:
+            # Refused before the collection was hooked: it is untouched and free for a pipeline.
+            assert not collection._forward_pre_hooks and not collection._forward_hooks
+            assert collection.in_flight() == 0
+        return collection
+    model, opt = build(make_tables(), None, SGD(lr=0.5), cached=False)
+    pipeline = TrainPipelineBase if kind == "base" else TrainPipelineSparseDist
+    pipeline(model, opt, **kwargs)
+    return None
+
+
+def refused(kind: str, error: type, words: str, **kwargs) -> None:
+    before = set(threading.enumerate())
+    with pytest.raises(error, match=words):
+        construct(kind, **kwargs)
+    started = [t.name for t in set(threading.enumerate()) - before]
+    assert not started, f"threads started before the refusal: {started}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("value, error", [(-1, ValueError), (0, ValueError), ("2", TypeError), (2.5, TypeError)])
+def test_device_threads_must_be_a_positive_int_or_none(kind: str, value, error: type) -> None:
+    refused(kind, error, f"device_threads must be a positive int or None, got {value!r}", device_threads=value)
+
+
+@pytest.mark.parametrize("kind", ["staged", "sparse_dist", "emb_cache"])
+@pytest.mark.parametrize("value, error", [(-1, ValueError), ("1", TypeError), (1.0, TypeError)])
+def test_host_threads_must_be_an_int_of_at_least_zero(kind: str, value, error: type) -> None:
+    refused(kind, error, f"host_threads must be an int >= 0, got {value!r}", host_threads=value)
+
+
+@pytest.mark.parametrize("kind", ["staged", "emb_cache"])
+@pytest.mark.parametrize("value, error", [(-1, ValueError), ("3", TypeError), (2.5, TypeError)])
+def test_keep_records_is_checked_before_the_workers_start(kind: str, value, error: type) -> None:
+    refused(kind, error, f"keep_records must be an int >= 0, got {value!r}", keep_records=value)
+
+
+@pytest.mark.parametrize("kind", ["staged", "emb_cache"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_overlap_must_be_a_bool(kind: str, value) -> None:
+    refused(kind, TypeError, f"overlap must be a bool, got {value!r}", overlap=value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("device, error, words", [
+    ("npu:0", BackendUnavailableError, "device type 'npu' needs the package 'torch_npu'"),
+    pytest.param("cuda:0", BackendUnavailableError, "'cuda:0' was requested but no cuda device", marks=NO_CUDA),
+    ("gpu", ValueError, "invalid device 'gpu'"),
+])
+def test_device_is_resolved_like_pipes(kind: str, device: str, error: type, words: str) -> None:
+    refused(kind, error, words, device=device)
+
+
+@pytest.mark.parametrize("kind", ["base", "sparse_dist", "emb_cache"])
+def test_model_and_optimizer_are_checked(kind: str) -> None:
+    pipeline = {"base": TrainPipelineBase, "sparse_dist": TrainPipelineSparseDist,
+                "emb_cache": EmbCacheTrainPipeline}[kind]
+    before = set(threading.enumerate())
+    with pytest.raises(TypeError, match="model must be an nn.Module .*got NoneType"):
+        pipeline(None, None)
+    model, _ = build(make_tables(), 16, SGD(lr=0.5), cached=kind == "emb_cache")
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer .*got str"):
+        pipeline(model, "sgd")
+    assert not set(threading.enumerate()) - before
+
+
+@pytest.mark.parametrize("collection", [nn.Linear(1, 1), "ebc"])
+def test_emb_cache_collection_must_be_a_cached_collection(collection) -> None:
+    refused("emb_cache", TypeError, "collection must be a CachedEmbeddingBagCollection or None .*got "
+            + type(collection).__name__, collection=collection)
+
+
+def test_callbacks_must_be_callable() -> None:
+    refused("sparse_dist", TypeError, "input_dist must be callable or None, got 3", input_dist=3)
+    refused("staged", TypeError, "admit must be callable or None, got 'x'", admit="x")
+    refused("staged", TypeError, "on_failure must be callable or None, got 1", on_failure=1)
+
+
+@pytest.mark.parametrize("value, error", [("3", TypeError), (None, TypeError), (2.5, TypeError), (-1, ValueError)])
+def test_schedule_table_needs_a_batch_count(value, error: type) -> None:
+    words = f"num_batches must be an int >= 0, got {value!r}"
+    with pytest.raises(error, match=words):
+        schedule_table(["a", "b"], ["copy", "compute"], value)
+    with StagedPipeline([PipelineStage("a", lambda x: x)], host_threads=0, device_threads=1) as pipeline:
+        with pytest.raises(error, match=words):
+            pipeline.schedule_table(value)
+        assert "StopIteration" in pipeline.schedule_table(0)
