@@ -1,6 +1,8 @@
 # Two commands for a new machine: `make demo` and `make test`. Each creates .venv when missing.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# Where torch comes from when not the default index (e.g. https://download.pytorch.org/whl/cpu).
+TORCH_INDEX ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -12,7 +14,7 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.\n' '_')
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	# torchrec on CPU: the CPU fbgemm first, then torchrec without its CUDA fbgemm dependency.
 	$(PIP) install -q "fbgemm-gpu-cpu==1.8.0" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
 	$(PIP) install -q --no-deps "torchrec==1.9.2"
