@@ -538,3 +538,47 @@ def test_zero_bubble_runs_a_compiled_layer_whose_backward_donates_buffers(schedu
     torch.testing.assert_close(loss, expected.detach())
     for got, want in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+class _HookedOutput(nn.Module):
+    """A Linear whose output gradient a tensor hook scales (on the input path of its stage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.linear(x))
+        h.register_hook(lambda g: g * 3)
+        return h * 2
+
+
+class _HookedWeight(nn.Module):
+    """A weight used through a copy whose gradient a tensor hook scales (on a parameter branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        w = self.w * 1.0
+        w.register_hook(lambda g: g * 3)
+        return x @ w
+
+
+@pytest.mark.parametrize("schedule, balance", [("zb-h1", [2, 2, 2]), ("zb-v", [1, 1, 1, 1, 1, 1]),
+                                               ("1f1b", [2, 2, 2])])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_tensor_hooks_that_replace_gradients_apply_once_in_split_backward(schedule, balance, checkpoint):
+    """W re-ran the node that I had fed the hooked gradient, so the hook applied twice: 3x the
+    weight gradients, silently. Such hooks now make W take the whole backward (applied once)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _HookedOutput(), _HookedWeight(), nn.Tanh(), nn.Linear(4, 4),
+                          nn.Linear(4, 2)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    _, want = reference_grads(reference, x, y, nn.MSELoss())
+    with Pipe(model, balance, devices=["cpu"] * len(balance), chunks=3, checkpoint=checkpoint) as pipe:
+        pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-12, atol=1e-12, msg=f"{schedule}: {name}")

@@ -207,23 +207,18 @@ class WeightSplit:
         if self.done_in_input:
             return
         if self.whole:
-            pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
-            if pairs:
-                weights = self._weights([o for o, _ in pairs])
-                if weights:
-                    engine.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=weights)
+            self._whole_weight_grads(outputs, grad_outputs)
             return
         entering: Dict[Edge, Tensor] = {}
         for node, side in self.frontier.items():
             kept = self.kept.get(node)
             if kept is None:  # the node got no gradient in I (its outputs were unused)
                 continue
-            roots = [GradientEdge(node, i) for i, g in enumerate(kept) if g is not None]
-            grads = [g for g in kept if g is not None]
-            if not roots:
-                continue
-            side_grads = engine.grad(roots, [GradientEdge(child, slot) for child, slot in side], grads,
-                                     retain_graph=True)
+            side_grads = self._side_grads(node, kept, side)
+            if side_grads is None:  # a tensor hook changed a gradient: see _side_grads
+                self.kept.clear()
+                self._whole_weight_grads(outputs, grad_outputs)
+                return
             for edge, grad in zip(side, side_grads):
                 if grad is not None:
                     entering[edge] = grad if edge not in entering else entering[edge] + grad
@@ -237,6 +232,55 @@ class WeightSplit:
         if sources:  # branches and detached outputs reach no stage input: no need to name inputs
             engine.backward(sources, source_grads)
         self.kept.clear()
+
+    def _side_grads(self, node: Node, kept: Tuple[Optional[Tensor], ...],
+                    side: List[Edge]) -> Optional[Tuple[Optional[Tensor], ...]]:
+        """The gradients ``node`` sends into its parameter branches ``side``, or None.
+
+        ``node`` runs again here, from the gradients it received in ``I``, and autograd calls
+        the tensor hooks on its inputs again (those of ``h.register_hook`` for the tensor
+        ``h`` it made), then those of each branch's first node when it stops there. A hook
+        that returns a new gradient would so be applied twice (torch's own zero-bubble
+        ``stage_backward_weight`` does the same). Hooks that replace a gradient are seen
+        here, before anything is accumulated: what reaches ``node`` and what stops at each
+        branch is compared, by identity, with what was fed and what ``node`` sent. Then None:
+        the caller runs the whole backward into the parameters instead, which applies every
+        hook once.
+        """
+        fed = {i: g for i, g in enumerate(kept) if g is not None}
+        if not fed:
+            return tuple(None for _ in side)
+        seen: Dict[str, Any] = {"replaced": False, "sent": None}
+
+        def check_received(grads: Tuple[Optional[Tensor], ...]) -> None:
+            seen["replaced"] = seen["replaced"] or any(grads[i] is not g for i, g in fed.items())
+
+        def record_sent(grad_inputs: Tuple[Optional[Tensor], ...], grad_outputs: Tuple[Any, ...]) -> None:
+            seen["sent"] = grad_inputs
+
+        handles = [node.register_prehook(check_received), node.register_hook(record_sent)]
+        try:
+            side_grads = engine.grad([GradientEdge(node, i) for i in fed],
+                                     [GradientEdge(child, slot) for child, slot in side], list(fed.values()),
+                                     retain_graph=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        sent, position = seen["sent"], {edge: j for j, edge in enumerate(node.next_functions)}
+        if seen["replaced"] or sent is None:
+            return None
+        for edge, grad in zip(side, side_grads):
+            if grad is not None and sent[position[edge]] is not grad:
+                return None
+        return side_grads
+
+    def _whole_weight_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Optional[Tensor]]) -> None:
+        """The stage's whole backward into its parameters (it walks the input path again)."""
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None]
+        if pairs:
+            weights = self._weights([o for o, _ in pairs])
+            if weights:
+                engine.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=weights)
 
     def _weights(self, outputs: Sequence[Tensor]) -> List[Tensor]:
         """Every leaf under ``outputs`` that needs a gradient, except the stage inputs."""
