@@ -582,3 +582,22 @@ def test_tensor_hooks_that_replace_gradients_apply_once_in_split_backward(schedu
         pipe.step(x, y, nn.MSELoss(), schedule=schedule)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-12, atol=1e-12, msg=f"{schedule}: {name}")
+
+
+class _ReluInPlaceInside(nn.Module):
+    """An in-place op on its input that the in-place check cannot see (a custom module)."""
+
+    def forward(self, x):
+        return torch.relu_(x) * 2
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_an_in_place_change_of_a_stage_input_names_the_partition_and_why(checkpoint):
+    """It was autograd's bare 'a leaf Variable that requires grad...': no partition, no reason."""
+    model = nn.Sequential(nn.Linear(8, 8), _ReluInPlaceInside(), nn.Linear(8, 3))
+    with Pipe(model, [1, 2], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint) as pipe:
+        with pytest.raises(RuntimeError, match=r"partition 1: a leaf Variable .* Pipe.step makes each partition's "
+                                                r"input a leaf .*torch.relu\(x\), not torch.relu_\(x\)"):
+            pipe.step(torch.randn(6, 8), torch.randn(6, 3), nn.MSELoss())
+        if checkpoint == "never":  # (a checkpointed forward refuses it too, with its own message)
+            pipe(torch.randn(6, 8)).sum().backward()  # the forward path takes it, as the plain model does

@@ -169,8 +169,36 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
     """Run ``stage``'s partition on one micro-batch: checkpointed or not, RNG-safe, with skips.
 
     ``ctx`` provides ``checkpoint_stop``, ``rng_sections`` and ``skips`` (the step's
-    :class:`SkipStore`); ``record`` collects stashes and pops for an explicit backward.
+    :class:`SkipStore`); ``record`` collects stashes and pops for an explicit backward
+    (``Pipe.step``, whose partition inputs are leaves: an in-place change of one gets an
+    error that says so).
     """
+    try:
+        return _run_partition(stage, ctx, microbatch, batch, record)
+    except RuntimeError as exc:
+        if record is not None and "leaf Variable that requires grad" in str(exc):
+            raise RuntimeError(_leaf_changed_in_place(stage.index, exc, bool(record.popped))) from exc
+        raise
+
+
+def _leaf_changed_in_place(index: int, exc: RuntimeError, popped: bool) -> str:
+    if popped:
+        return (
+            f"partition {index}: {exc} If that leaf is a popped skip tensor: Pipe.step receives a skip from "
+            "another partition as a leaf of the stage's graph, which cannot be changed in place; pop it into "
+            "an out-of-place operation (skip = skip * 0.5, not skip.mul_(0.5)), or train through pipe(x) and "
+            "backward()"
+        )
+    return (
+        f"partition {index}: {exc} If that leaf is the partition's input: Pipe.step makes each partition's "
+        "input a leaf of the stage's graph (its gradient goes to the previous stage), and a leaf cannot be "
+        "changed in place. Make that operation out-of-place (torch.relu(x), not torch.relu_(x)), or start the "
+        "partition with the in-place layer itself (nn.ReLU(inplace=True): Pipe gives it a copy), or train "
+        "through pipe(x) and backward()"
+    )
+
+
+def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips]) -> Batch:
     partition = stage.partition
     checkpointed = microbatch < ctx.checkpoint_stop
     if stage.starts_in_place and (checkpointed or record is not None or _has_view(batch)):
@@ -192,28 +220,18 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
             replay.recompute_extras.append(replay_context(memo))
         tracker = PipelineSkipTracker(ctx.skips, microbatch, stage, record, memo)
     with use_skip_tracker(tracker) if tracker is not None else contextlib.nullcontext():
-        try:
-            if replay is not None:
-                versions = tuple(t._version for t in batch.tensors())
-                with stage.rng.forward_section(training):
-                    output = checkpoint(stage.checkpointed_function, batch, replay)
-                _check_input_untouched(stage, batch, versions)
-                if tracker is not None:
-                    tracker.check_popped_untouched()
-            elif ctx.rng_sections:
-                with stage.rng.forward_section(training):
-                    output = batch.call(partition)
-            else:
+        if replay is not None:
+            versions = tuple(t._version for t in batch.tensors())
+            with stage.rng.forward_section(training):
+                output = checkpoint(stage.checkpointed_function, batch, replay)
+            _check_input_untouched(stage, batch, versions)
+            if tracker is not None:
+                tracker.check_popped_untouched()
+        elif ctx.rng_sections:
+            with stage.rng.forward_section(training):
                 output = batch.call(partition)
-        except RuntimeError as exc:
-            if record is not None and record.popped and "leaf Variable that requires grad" in str(exc):
-                raise RuntimeError(
-                    f"partition {stage.index}: {exc} If that leaf is a popped skip tensor: Pipe.step "
-                    "receives a skip from another partition as a leaf of the stage's graph, which cannot "
-                    "be changed in place; pop it into an out-of-place operation (skip = skip * 0.5, not "
-                    "skip.mul_(0.5)), or train through pipe(x) and backward()"
-                ) from exc
-            raise
+        else:
+            output = batch.call(partition)
     return output
 
 
