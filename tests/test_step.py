@@ -601,3 +601,23 @@ def test_an_in_place_change_of_a_stage_input_names_the_partition_and_why(checkpo
             pipe.step(torch.randn(6, 8), torch.randn(6, 3), nn.MSELoss())
         if checkpoint == "never":  # (a checkpointed forward refuses it too, with its own message)
             pipe(torch.randn(6, 8)).sum().backward()  # the forward path takes it, as the plain model does
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_step_that_fails_late_leaves_no_gradient_where_there_was_none(schedule):
+    """A class index out of range only in the last micro-batch: earlier micro-batches had run
+    backward, so every .grad was set, where the plain model fails before any backward."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 7])
+    with Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=4, checkpoint="never") as pipe:
+        with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+            pipe.step(x, y, nn.CrossEntropyLoss(), schedule=schedule)
+        assert all(p.grad is None for p in model.parameters())
+        y[-1] = 1
+        pipe.step(x, y, nn.CrossEntropyLoss(), schedule=schedule)  # and the next step is whole
+    reference = copy.deepcopy(model)
+    for p in reference.parameters():
+        p.grad = None
+    nn.CrossEntropyLoss()(reference(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -447,7 +447,16 @@ class Pipe(nn.Module):
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         plan, program = self._step_program(schedule, m, options)
         context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages))
-        self._run(plan, program, context)
+        without_grad = [p for p in self.parameters() if p.grad is None]
+        try:
+            self._run(plan, program, context)
+        except BaseException:
+            # A failure in a later micro-batch (a bad target, say) comes after earlier ones
+            # ran backward; the plain model would fail before any. Gradients the step created
+            # go again (those it added to existing .grad tensors cannot be told apart).
+            for parameter in without_grad:
+                parameter.grad = None
+            raise
         self.last_memory = context.memory
         losses = [loss for loss in context.losses]
         device = losses[-1].device  # type: ignore[union-attr]
