@@ -388,3 +388,18 @@ def test_names_given_as_one_str_are_refused_not_split_into_letters():
         Down().isolate("ns")
     with pytest.raises(TypeError, match="verify_skippables takes an nn.Module"):
         verify_skippables(None)
+
+
+def test_names_may_come_from_any_iterable():
+    """The str check read an iterator to its end, so @skippable(stash=iter([...])) declared nothing."""
+
+    @skippable(stash=iter(["skip"]), pop=(name for name in ["other"]))
+    class Both(nn.Module):
+        def forward(self, x):
+            yield stash("skip", x)
+            other = yield pop("other")
+            return x + other
+
+    assert Both.stashable_names == {"skip"} and Both.poppable_names == {"other"}
+    layer = Both()
+    assert layer.isolate(Namespace(), only=iter(["skip"])) is layer

@@ -621,3 +621,60 @@ def test_a_step_that_fails_late_leaves_no_gradient_where_there_was_none(schedule
     nn.CrossEntropyLoss()(reference(x), y).backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_failed_step_keeps_another_threads_gradients_and_the_last_memory_of_the_last_step():
+    """The gradients to remove were listed before the step lock: a step of another thread that
+    ran meanwhile lost its gradients. pipe(x) also cleared last_memory, which describes a step."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, good, bad = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]), torch.tensor([0, 1, 2, 0, 1, 2, 0, 7])
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_loss(output, target):
+        entered.set()
+        release.wait(10)
+        return nn.functional.cross_entropy(output, target)
+
+    with Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=1, checkpoint="never") as pipe:
+        errors = []
+
+        def failing_step():
+            try:
+                pipe.step(x, bad, nn.CrossEntropyLoss(), schedule="1f1b")
+            except IndexError as exc:
+                errors.append(exc)
+
+        first = threading.Thread(target=lambda: pipe.step(x, good, slow_loss, reduction="mean"))
+        first.start()
+        assert entered.wait(10)  # the first step holds the lock, its backward not run yet
+        second = threading.Thread(target=failing_step)
+        second.start()
+        time.sleep(0.2)  # the second step waits for the lock
+        release.set()
+        first.join(10)
+        second.join(10)
+        assert errors and all(p.grad is not None for p in model.parameters())
+        assert pipe.last_memory is None  # the failed step's
+        pipe.step(x, good, nn.CrossEntropyLoss())
+        memory = pipe.last_memory
+        with torch.no_grad():
+            pipe(x)
+        assert memory is not None and pipe.last_memory is memory
+
+
+def test_a_failed_step_removes_the_gradients_it_gave_the_input_and_the_loss_module():
+    class ScaledLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, output, target):
+            return nn.functional.cross_entropy(output * self.scale, target)
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(8, 4, requires_grad=True)
+    loss_fn = ScaledLoss()
+    with Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=4, checkpoint="never") as pipe:
+        with pytest.raises(IndexError):
+            pipe.step(x, torch.tensor([0, 1, 2, 0, 1, 2, 0, 7]), loss_fn, reduction="mean")
+    assert x.grad is None and loss_fn.scale.grad is None

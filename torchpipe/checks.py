@@ -8,32 +8,50 @@ built or any thread starts.
 from __future__ import annotations
 
 import math
+import operator
 from numbers import Real
 from typing import Any, Optional
 
-__all__ = ["check_bool", "check_nonnegative_int", "check_positive_int", "check_real"]
+import torch
+
+__all__ = ["as_int", "check_bool", "check_nonnegative_int", "check_positive_int", "check_real"]
 
 
-def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+def as_int(value: Any) -> Optional[int]:
+    """``value`` as an int when it is one (a NumPy integer or a one-element integer tensor
+    too, as ``operator.index`` takes them), else None. A bool is not a count."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> Optional[int]:
     """TypeError unless ``value`` is an int (not a bool), ValueError unless it is >= 1.
 
     One rule for every count a user gives (threads, workers): checked where it is given,
     before any thread starts, so a bad value never surfaces as a worker dying later.
+    Returns it as a plain int (None stays None), for code that needs exactly an int.
     """
     if value is None and allow_none:
-        return
+        return None
     expected = "a positive int or None" if allow_none else "a positive int"
-    if not isinstance(value, int) or isinstance(value, bool):
+    number = as_int(value)
+    if number is None:
         raise TypeError(f"{name} must be {expected}, got {value!r}")
-    if value < 1:
+    if number < 1:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return number
 
 
 def check_nonnegative_int(name: str, value: Any) -> None:
     """TypeError unless ``value`` is an int (not a bool), ValueError unless it is >= 0."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    number = as_int(value)
+    if number is None:
         raise TypeError(f"{name} must be an int >= 0, got {value!r}")
-    if value < 0:
+    if number < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
@@ -46,11 +64,16 @@ def check_bool(name: str, value: Any) -> None:
 def check_real(name: str, value: Any, low: float, high: Optional[float] = None) -> None:
     """TypeError unless ``value`` is a real number; ValueError unless it is finite, in ``[low, high)``.
 
+    A one-element tensor counts as its number (torch's optimizers take a tensor ``lr``).
     ``high=None``: no upper bound. NaN and infinities are refused: they would turn every row
     they update into NaN.
     """
     expected = f"a finite float >= {low:g}" if high is None else f"a float in [{low:g}, {high:g})"
-    if not isinstance(value, Real):
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        number = float(value)
+    elif isinstance(value, Real) and not isinstance(value, bool):
+        number = float(value)
+    else:
         raise TypeError(f"{name} must be {expected}, got {value!r}")
-    if not (math.isfinite(value) and low <= value and (high is None or value < high)):
+    if not (math.isfinite(number) and low <= number and (high is None or number < high)):
         raise ValueError(f"{name} must be {expected}, got {value!r}")

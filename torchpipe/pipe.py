@@ -447,16 +447,7 @@ class Pipe(nn.Module):
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         plan, program = self._step_program(schedule, m, options)
         context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages))
-        without_grad = [p for p in self.parameters() if p.grad is None]
-        try:
-            self._run(plan, program, context)
-        except BaseException:
-            # A failure in a later micro-batch (a bad target, say) comes after earlier ones
-            # ran backward; the plain model would fail before any. Gradients the step created
-            # go again (those it added to existing .grad tensors cannot be told apart).
-            for parameter in without_grad:
-                parameter.grad = None
-            raise
+        self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn))
         self.last_memory = context.memory
         losses = [loss for loss in context.losses]
         device = losses[-1].device  # type: ignore[union-attr]
@@ -464,7 +455,20 @@ class Pipe(nn.Module):
         counted = [(loss, scale) for loss, scale in zip(losses, scales) if scale != 0] or list(zip(losses, scales))
         return torch.stack([loss.to(device) * scale for loss, scale in counted]).sum()  # type: ignore[union-attr]
 
-    def _run(self, plan: Plan, program: Program, context: Any) -> Dict[Any, Any]:
+    def _step_leaves(self, input: Any, target: Any, loss_fn: Any) -> List[Tensor]:
+        """What a ``Pipe.step`` may give a ``.grad``: the parameters, the loss module's, and
+        the input's and target's tensors that require grad."""
+        leaves = list(self.parameters())
+        if isinstance(loss_fn, nn.Module):
+            leaves += list(loss_fn.parameters())
+        for value in (input, target):
+            for tensor in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(tensor, Tensor) and tensor.requires_grad and tensor.is_leaf:
+                    leaves.append(tensor)
+        return leaves
+
+    def _run(self, plan: Plan, program: Program, context: Any,
+             step_leaves: Optional[List[Tensor]] = None) -> Dict[Any, Any]:
         """Run one step's program with the worker streams fenced against the caller's stream.
 
         One step at a time per Pipe: what a step sets up on the Pipe (deferred batch norm's
@@ -475,12 +479,21 @@ class Pipe(nn.Module):
         what the caller queued (parameter updates), and the caller's stream then waits for
         everything the step queued (gradients, losses, memory the step freed), also when
         the step fails. On the CPU the fences are no-ops.
+
+        ``step_leaves`` (a ``Pipe.step``): a failure in a later micro-batch (a bad target,
+        say) comes after earlier ones ran backward, where the plain model fails before any;
+        the gradients the step created on these tensors go again (what it added to existing
+        ``.grad`` tensors cannot be told apart). Read under the lock: another thread's
+        step, done meanwhile, keeps its gradients.
         """
         self._runtime.refuse_worker_caller()  # before the lock: a stage calling its own Pipe
         with self._step_lock:
             if not self._finalizer.alive:  # closed by another thread since the caller's check
                 raise RuntimeError("this Pipe is closed")
-            self.last_memory = None  # set again by a step that completes
+            without_grad = []
+            if step_leaves is not None:
+                self.last_memory = None  # set again by a step that completes
+                without_grad = [t for t in step_leaves if t.grad is None]
             self._prepare_batch_norm(plan.num_microbatches)
             if context.rng_sections:
                 for stage in self._stages:
@@ -508,6 +521,10 @@ class Pipe(nn.Module):
                         "Use checkpoint='never' around it, one partition here, or no randomness (dropout) in this Pipe"
                     )
                 return results
+            except BaseException:
+                for tensor in without_grad:
+                    tensor.grad = None
+                raise
             finally:
                 record = self._runtime.last_step
                 if record is not None:

@@ -90,7 +90,9 @@ class ThreadBudget:
     intra_op_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
-        check_positive_int("intra_op_threads", self.intra_op_threads, allow_none=True)
+        # A plain int: threadpoolctl takes nothing else (a NumPy int would fail in the thread).
+        object.__setattr__(self, "intra_op_threads",
+                           check_positive_int("intra_op_threads", self.intra_op_threads, allow_none=True))
 
     def threads_per_worker(self, workers_sharing_cores: int) -> int:
         if self.intra_op_threads is not None:
@@ -130,7 +132,7 @@ class Worker:
         stream: Any = None,
         intra_op_threads: Optional[int] = None,
     ) -> None:
-        check_positive_int("intra_op_threads", intra_op_threads, allow_none=True)
+        intra_op_threads = check_positive_int("intra_op_threads", intra_op_threads, allow_none=True)
         if out_queue is not None and not callable(getattr(out_queue, "put", None)):
             raise TypeError(f"out_queue must be a queue (with put), got {out_queue!r}")
         self.name = name

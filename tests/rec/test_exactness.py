@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from rec_helpers import (assert_same_tables, build_pair, cached_masks, check_plan_invariants, integer_weights,
@@ -102,14 +104,19 @@ def test_an_evaluation_loop_without_no_grad_still_runs_at_the_one_batch_minimum(
     tables = make_tables()
     batches = zipf_batches(tables, 30, seed=6)
     cached, reference = build_pair(tables, max_unique_per_table(tables, batches), OPTIMIZERS["sgd"], "lru")
-    for kjt in batches:
-        out = cached(kjt)  # grad enabled, never backward
-        assert torch.equal(out.values(), reference(kjt).values())
-    cached.flush()  # the last lookup's graph is alive: a backward may still come, it stays protected
-    assert cached.in_flight() > 0
-    del out
-    cached.flush()
-    assert cached.in_flight() == 0
+    gc.collect()
+    gc.disable()  # a graph must die with its last reference: a CacheTooSmallError's traceback
+    try:          # cycle kept a failed lookup's frame, and the graph made there, until a collection
+        for kjt in batches:
+            out = cached(kjt)  # grad enabled, never backward
+            assert torch.equal(out.values(), reference(kjt).values())
+        cached.flush()  # the last lookup's graph is alive: a backward may still come, it stays protected
+        assert cached.in_flight() > 0
+        del out
+        cached.flush()
+        assert cached.in_flight() == 0
+    finally:
+        gc.enable()
     assert_same_tables(cached, reference)
 
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 from torch import nn
-from train_helpers import build, make_tables
+from train_helpers import build, drain, make_batches, make_tables, reference_run
 
 from torchpipe.devices import BackendUnavailableError
 from torchpipe.rec import SGD
@@ -89,12 +89,32 @@ def test_model_and_optimizer_are_checked(kind: str) -> None:
     pipeline = {"base": TrainPipelineBase, "sparse_dist": TrainPipelineSparseDist,
                 "emb_cache": EmbCacheTrainPipeline}[kind]
     before = set(threading.enumerate())
-    with pytest.raises(TypeError, match="model must be an nn.Module .*got NoneType"):
+    with pytest.raises(TypeError, match="model must be callable as losses, output = model.batch. .*got NoneType"):
         pipeline(None, None)
     model, _ = build(make_tables(), 16, SGD(lr=0.5), cached=kind == "emb_cache")
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer .*got str"):
         pipeline(model, "sgd")
+    if kind == "emb_cache":  # the collection is looked up among the model's modules
+        with pytest.raises(TypeError, match="not an nn.Module whose modules hold .*pass collection="):
+            pipeline(lambda batch: model(batch), None)
     assert not set(threading.enumerate()) - before
+
+
+@pytest.mark.parametrize("kind", ["base", "emb_cache"])
+def test_a_plain_callable_model_trains(kind: str) -> None:
+    """Only nn.Module models were accepted after the argument checks came in; a function
+    calling the model is what the pipelines call too."""
+    tables = make_tables()
+    batches = make_batches(tables, 4, seed=2)
+    model, opt = build(tables, 40, SGD(lr=0.5), cached=kind == "emb_cache")
+    reference, ref_opt, ref_outputs = reference_run(tables, batches, SGD(lr=0.5))
+    extra = {"collection": model.ebc} if kind == "emb_cache" else {}
+    pipeline = TrainPipelineBase if kind == "base" else EmbCacheTrainPipeline
+    with pipeline(lambda batch: model(batch), opt, **extra) as pipe:
+        outputs = drain(pipe, iter(batches))
+    assert len(outputs) == 4
+    for (loss, _), (ref_loss, _) in zip(outputs, ref_outputs):
+        assert torch.equal(loss, ref_loss)
 
 
 @pytest.mark.parametrize("collection", [nn.Linear(1, 1), "ebc"])

@@ -88,22 +88,16 @@ def check_weights(weights: Any, layouts: list[TableLayout]) -> None:
     """Check a collection's ``weights`` argument against its tables, before anything is built.
 
     ``None``, or a dict ``{table name: tensor [num_rows, embedding_dim]}`` (a table left out,
-    or given ``None``, starts from its config's ``init_fn``). A name that is no table here is
-    refused while a table here has no weight: it is most likely that table's name misspelled,
-    and its weight would be silently ignored. Once every table has its weight, other names
-    are allowed: one dict for the tables of every rank, each rank's collection taking its own
-    (`torchpipe.train.dist.TableWiseSharding.local_tables`).
+    or given ``None``, starts from its config's ``init_fn``). Names of tables that are not
+    here are ignored: one dict serves the tables of every rank, each rank's collection taking
+    its own (`torchpipe.train.dist.TableWiseSharding.local_tables`), also when only some
+    tables have pretrained rows.
     """
     if weights is None:
         return
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must be a dict {{table name: tensor}} or None, got {type(weights).__name__}")
     shapes = {layout.name: (layout.num_rows, layout.dim) for layout in layouts}
-    unknown = [name for name in weights if name not in shapes]
-    missing = [name for name in shapes if weights.get(name) is None]
-    if unknown and missing:
-        raise ValueError(f"weights names unknown tables {unknown} and has no weight for tables {missing}; "
-                         f"the tables are {list(shapes)}")
     for name, weight in weights.items():
         if weight is None or name not in shapes:
             continue

@@ -156,9 +156,19 @@ class EmbeddingCache:
         keys = self._check_keys(unique_keys)
         with self._lock:
             located = self._locate(keys)
-            self._memo = (unique_keys, _version_of(unique_keys), self._state_version, keys, located)
-        if located[-1] is not None:
-            raise located[-1]
+            error = located[-1]
+            # Kept for plan_swap only when it may follow: a raised error held here (or in a
+            # local of this frame, which its traceback holds) would keep the frames of its
+            # traceback alive until the cycle collector runs: a failed lookup's caller, with
+            # the graphs of the outputs it made since (and the cache slots they protect).
+            self._memo = (unique_keys, _version_of(unique_keys), self._state_version, keys, located) \
+                if error is None else None
+        del located
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error
 
     def plan_swap(self, unique_keys: torch.Tensor) -> SwapPlan:
         """Assign a slot to every key, evicting unprotected rows; protect the keys until `release`.
@@ -171,7 +181,10 @@ class EmbeddingCache:
         with self._lock:
             keys, (slots, hit_slots, _, error) = self._checked_and_located(unique_keys)
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:  # see check_fits
+                    del error
             miss = torch.nonzero(slots < 0).flatten()
             in_keys = keys.index_select(0, miss)
             in_slots = self._victims(int(miss.numel()), hit_slots)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
-from ..checks import check_positive_int
+from ..checks import as_int, check_positive_int
 from ..devices import usable_device
 from .batch_keys import BatchKeys, TableLayout, check_weights, initial_weight, prepare_batch, table_layouts
 from .cache import CacheStats, EmbeddingCache
@@ -66,8 +66,8 @@ def cache_rows_per_table(cache_rows: Any, layouts: list[TableLayout]) -> dict[st
     """``cache_rows`` per table: an int for every table, or a dict with an entry for each table.
 
     As for ``weights`` (`check_weights`): a dict may hold other tables too (one dict for the
-    tables of every rank), but a name that is no table is called out when a table is missing,
-    as it is most likely that table's name misspelled.
+    tables of every rank); when a table is missing, names that are no table are shown with it
+    (a misspelling, most likely).
     """
     names = [layout.name for layout in layouts]
     if isinstance(cache_rows, Mapping):
@@ -79,7 +79,7 @@ def cache_rows_per_table(cache_rows: Any, layouts: list[TableLayout]) -> dict[st
         for name in names:
             check_positive_int(f"cache_rows[{name!r}]", cache_rows[name])
         return {name: cache_rows[name] for name in names}
-    if not isinstance(cache_rows, int) or isinstance(cache_rows, bool):
+    if as_int(cache_rows) is None:
         raise TypeError(f"cache_rows must be a positive int or a dict {{table name: positive int}}, "
                         f"got {cache_rows!r}")
     check_positive_int("cache_rows", cache_rows)
@@ -175,7 +175,9 @@ class CachedEmbeddingBagCollection(nn.Module):
                     plans[name] = plan  # committed in that table's cache from here on
                     plan.ticket = self.hosts[name].reserve_write(plan.swap_out_keys)
             except BaseException:
-                if plans:
+                if not plans:  # nothing was committed: the batch was never planned
+                    self._unswapped.discard(batch_plan.seq)
+                else:
                     # The tables planned so far moved keys to slots and protected them (and
                     # later lookups of the evicted keys wait for their write-back): their swaps
                     # must still run, or those waits never end. Queued, they run first thing.

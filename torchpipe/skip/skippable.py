@@ -146,8 +146,9 @@ def _names(argument: str, names: Any) -> frozenset:
     """``names`` as a set of skip names; a bare str would pass for its characters."""
     if isinstance(names, str) or not isinstance(names, Iterable):
         raise TypeError(f"{argument} must be a list of names (e.g. {argument}=[{names!r}]), got {names!r}")
+    names = list(names)  # an iterator is read once
     if not all(isinstance(name, str) for name in names):
-        raise TypeError(f"{argument} names must be str, got {list(names)!r}")
+        raise TypeError(f"{argument} names must be str, got {names!r}")
     return frozenset(names)
 
 

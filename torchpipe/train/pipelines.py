@@ -110,9 +110,10 @@ class _Item:
 
 
 def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
-    """TypeError unless ``model`` is an ``nn.Module`` and ``optimizer`` None or an optimizer."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module (losses, output = model(batch)), got {type(model).__name__}")
+    """TypeError unless ``model`` is callable and ``optimizer`` None or an optimizer."""
+    if not callable(model):
+        raise TypeError(f"model must be callable as losses, output = model(batch) (an nn.Module, say), "
+                        f"got {type(model).__name__}")
     if optimizer is not None and not (callable(getattr(optimizer, "zero_grad", None))
                                       and callable(getattr(optimizer, "step", None))):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer (with zero_grad() and step()) or None, "
@@ -353,6 +354,9 @@ def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
 
 
 def find_collection(model: nn.Module) -> CachedEmbeddingBagCollection:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model is a {type(model).__name__}, not an nn.Module whose modules hold the "
+                        "CachedEmbeddingBagCollection: pass collection= explicitly")
     found = [m for m in model.modules() if isinstance(m, CachedEmbeddingBagCollection)]
     if len(found) != 1:
         raise ValueError(f"EmbCacheTrainPipeline needs exactly one CachedEmbeddingBagCollection in the model "
@@ -430,6 +434,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         # sharding's output group before the dense optimizer steps ('mean' like DDP, or 'sum').
         self._dense_sync: Optional[Callable[[], None]] = None
         if sharding is not None:
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"sharding= replicates the model's parameters: the model must be an nn.Module, "
+                                f"got {type(model).__name__}")
             dense = [p for p in model.parameters() if p.requires_grad]
             group, average = sharding.output_group, dense_grads == "mean"
             broadcast_from_first_rank(dense, group)  # every replica starts equal, as DDP does
