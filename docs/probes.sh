@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Side measurements quoted in docs/benchmarks.md (machine facts, per-call costs). Run from the repo root: bash docs/probes.sh
+# To compare trees, run it from the other tree's root, which is then the code measured (python -c
+# puts the current directory first on sys.path, before PYTHONPATH):
+#   cd <tree> && PYTHON=/work/main/.venv/bin/python bash /work/main/docs/probes.sh
 set -e
-.venv/bin/python -c "
+PY=${PYTHON:-.venv/bin/python}
+$PY -c "
 import statistics, threading, time, timeit
 print(f'sleep(0): {timeit.timeit(lambda: time.sleep(0), number=2000) / 2000 * 1e6:.0f} us')
 runs = [[] for _ in range(4)]
@@ -13,7 +17,7 @@ threads = [threading.Thread(target=sleeper, args=(r,)) for r in runs]
 q = statistics.quantiles(sum(runs, []), n=100)
 print(f'sleep(2 ms) on 4 threads: p50 {q[49]:.2f} ms, p90 {q[89]:.2f} ms, p99 {q[98]:.2f} ms')
 "
-.venv/bin/python -c "
+$PY -c "
 import timeit, torch
 from torchpipe import engine
 w = torch.randn(4, requires_grad=True); g = torch.ones(4)
@@ -23,7 +27,7 @@ def forward_only(): w * 2
 t = {f.__name__: min(timeit.repeat(f, number=5000, repeat=5)) / 5000 * 1e6 for f in (plain, direct, forward_only)}
 print('us per call:', {k: round(v, 1) for k, v in t.items()})
 "
-.venv/bin/python -c "
+$PY -c "
 import timeit, torch
 from torchpipe.bench.schedules import SplitSleepLayer
 layer = SplitSleepLayer(0.0); x = torch.randn(8, 256, requires_grad=True)
@@ -33,7 +37,7 @@ print({f.__name__: round(min(timeit.repeat(f, number=2000, repeat=5)) / 2000 * 1
 "
 # Thread round trip with the vCPUs kept awake by SCHED_IDLE busy loops (a VM's halted vCPU is
 # slow to wake): the round trip, then the same with two idle-priority spinners running.
-.venv/bin/python -c "
+$PY -c "
 import os, queue, subprocess, sys, threading, time
 def round_trip(n=2000):
     a, b = queue.SimpleQueue(), queue.SimpleQueue()
@@ -53,7 +57,7 @@ finally:
     for p in spinners: p.kill()
 "
 # What leaving autocast costs a Pipe.step backward action when autocast is off (the usual case).
-.venv/bin/python -c "
+$PY -c "
 import timeit
 from types import SimpleNamespace
 from torchpipe.step import _runs_outside_autocast
@@ -62,7 +66,7 @@ print('autocast exit per backward action: %.2f us' % (min(timeit.repeat(lambda: 
 "
 # Where a Pipe.step goes (1F1B, 4 stages, m = 32, t = 2 ms): median action per kind from
 # pipe.last_report(), and the sleeps as measured inside the jobs.
-.venv/bin/python -c "
+$PY -c "
 import statistics, time, torch
 from torch import nn
 import torchpipe.bench.schedules as layers
@@ -84,8 +88,8 @@ print('sleeps inside the jobs: median %.3f ms, mean %.3f ms, p90 %.3f ms' % (sta
 pipe.close()
 "
 # Python calls per job of one Pipe.step (1F1B, 4 x Linear(16,16), m = 8): the runtime's own
-# per-job work, counted rather than timed. Prefix PYTHONPATH=<other tree> to compare trees.
-.venv/bin/python -c "
+# per-job work, counted rather than timed.
+$PY -c "
 import collections, sys, threading, torch
 from torch import nn
 from torchpipe import Pipe
@@ -102,4 +106,28 @@ sys.setprofile(prof); on[0] = True; step(); on[0] = False; sys.setprofile(None)
 jobs = len(pipe.last_step.labels)
 print(f'calls per job: Python {counts[\"call\"] / jobs:.1f}, C {counts[\"c_call\"] / jobs:.1f} ({jobs} jobs)')
 pipe.close()
+"
+
+# Pipe.step makespan on the schedules suite's simulated-latency stages (t = 2 ms), median of 7
+# steps, with the median forward and backward (or I) action: for a targeted A/B of two trees.
+$PY -c "
+import statistics, torch
+from torch import nn
+import torchpipe
+from torchpipe import Pipe
+from torchpipe.bench.schedules import SplitSleepLayer, _loss
+x, target = torch.randn(64, 256), torch.randn(64, 256)
+for schedule, m in (('1f1b', 32), ('zb-h1', 8), ('gpipe', 8)):
+    model = nn.Sequential(*[SplitSleepLayer(0.002) for _ in range(4)])
+    with Pipe(model, [1] * 4, devices=['cpu'] * 4, chunks=m, checkpoint='never') as pipe:
+        pipe.step(x, target, _loss, schedule=schedule, reduction='sum')
+        spans, forward, backward = [], [], []
+        for _ in range(7):
+            pipe.step(x, target, _loss, schedule=schedule, reduction='sum')
+            record = pipe.last_step
+            spans.append(record.makespan)
+            for label, start, end in zip(record.labels, record.starts, record.ends):
+                (forward if ' F ' in label else backward if (' B ' in label or ' I ' in label) else []).append(end - start)
+    print(f'{torchpipe.__file__}: {schedule} m={m} makespan {statistics.median(spans) * 1e3:.1f} ms, '
+          f'median F {statistics.median(forward) * 1e3:.3f} ms, B/I {statistics.median(backward) * 1e3:.3f} ms')
 "
