@@ -370,6 +370,7 @@ _CALLER_INTERRUPT_SCRIPT = textwrap.dedent(
     from torchpipe import Pipe
 
     MODE = {mode!r}
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # see _WATCHDOG
 
     class InterruptCaller(nn.Module):
         def __init__(self):
@@ -912,7 +913,10 @@ def _run_script(script, timeout=60):
 
 
 _WATCHDOG = """
-import os, threading, time
+import os, signal, threading, time
+# Ctrl-C must raise KeyboardInterrupt here: a shell that starts the tests in the background
+# hands its children SIGINT ignored, and Python then installs no handler of its own.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def _watchdog(seconds):
     time.sleep(seconds)
     print("HANG", flush=True)

@@ -116,6 +116,8 @@ class WeightSplit:
         reaches_leaf = _Reach(lambda variable: id(variable) in leaf_ids)
         reaches_weight = _Reach(lambda variable: id(variable) not in leaf_ids)
         self.frontier: Dict[Node, List[Edge]] = {}
+        # Per frontier node and side edge: the node's output that feeds the edge (see _side_grads).
+        self.side_outputs: Dict[Node, List[int]] = {}
         # Outputs whose graph never reaches the stage inputs: W back-propagates them whole.
         self.detached_outputs: List[int] = []
         seen: Set[Node] = set()
@@ -130,8 +132,8 @@ class WeightSplit:
         while stack:
             node = stack.pop()
             donating = donating or _donates_buffers(node)
-            side: List[Edge] = []
-            for child, slot in node.next_functions:
+            side: Dict[Edge, int] = {}
+            for output, (child, slot) in enumerate(node.next_functions):
                 if child is None:
                     continue
                 if reaches_leaf(child):
@@ -139,9 +141,10 @@ class WeightSplit:
                         seen.add(child)
                         stack.append(child)
                 elif reaches_weight(child):
-                    side.append((child, slot))
+                    side.setdefault((child, slot), output)  # one capture per edge
             if side:
-                self.frontier[node] = list(dict.fromkeys(side))  # one capture per edge
+                self.frontier[node] = list(side)
+                self.side_outputs[node] = list(side.values())
         self.whole = (checkpointed and len(self.frontier) > MAX_SPLIT_RECOMPUTES) or self._branches_meet()
         if self.whole:
             self.frontier = {}
@@ -214,7 +217,7 @@ class WeightSplit:
             kept = self.kept.get(node)
             if kept is None:  # the node got no gradient in I (its outputs were unused)
                 continue
-            side_grads = self._side_grads(node, kept, side)
+            side_grads = self._side_grads(node, kept, side, self.side_outputs[node])
             if side_grads is None:  # a tensor hook changed a gradient: see _side_grads
                 self.kept.clear()
                 self._whole_weight_grads(outputs, grad_outputs)
@@ -233,8 +236,8 @@ class WeightSplit:
             engine.backward(sources, source_grads)
         self.kept.clear()
 
-    def _side_grads(self, node: Node, kept: Tuple[Optional[Tensor], ...],
-                    side: List[Edge]) -> Optional[Tuple[Optional[Tensor], ...]]:
+    def _side_grads(self, node: Node, kept: Tuple[Optional[Tensor], ...], side: List[Edge],
+                    outputs: List[int]) -> Optional[Tuple[Optional[Tensor], ...]]:
         """The gradients ``node`` sends into its parameter branches ``side``, or None.
 
         ``node`` runs again here, from the gradients it received in ``I``, and autograd calls
@@ -266,11 +269,11 @@ class WeightSplit:
         finally:
             for handle in handles:
                 handle.remove()
-        sent, position = seen["sent"], {edge: j for j, edge in enumerate(node.next_functions)}
+        sent = seen["sent"]
         if seen["replaced"] or sent is None:
             return None
-        for edge, grad in zip(side, side_grads):
-            if grad is not None and sent[position[edge]] is not grad:
+        for output, grad in zip(outputs, side_grads):
+            if grad is not None and sent[output] is not grad:
                 return None
         return side_grads
 
