@@ -131,3 +131,30 @@ for schedule, m in (('1f1b', 32), ('zb-h1', 8), ('gpipe', 8)):
     print(f'{torchpipe.__file__}: {schedule} m={m} makespan {statistics.median(spans) * 1e3:.1f} ms, '
           f'median F {statistics.median(forward) * 1e3:.3f} ms, B/I {statistics.median(backward) * 1e3:.3f} ms')
 "
+
+# What the zero-bubble W's hook check (split_backward._side_grads) costs per W action: the W of
+# one simulated-latency stage at t = 0, one thread, with the check and with the engine call alone.
+$PY -c "
+import statistics, time, torch
+from torch.autograd.graph import GradientEdge
+from torchpipe import engine
+from torchpipe.split_backward import WeightSplit
+from torchpipe.bench.schedules import SplitSleepLayer
+torch.set_num_threads(1)
+layer, checked = SplitSleepLayer(0.0), WeightSplit._side_grads
+def unchecked(self, node, kept, side, outputs):
+    fed = {i: g for i, g in enumerate(kept) if g is not None}
+    return engine.grad([GradientEdge(node, i) for i in fed], [GradientEdge(c, s) for c, s in side],
+                       list(fed.values()), retain_graph=True)
+def median_w_us(n=2000):
+    times = []
+    for _ in range(n):
+        x = torch.randn(8, 256, requires_grad=True); out = layer(x); g = torch.ones_like(out)
+        split = WeightSplit([out], [x]); split.input_grads([out], [g], [x])
+        start = time.perf_counter(); split.weight_grads([out], [g]); times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+for _ in range(3):
+    WeightSplit._side_grads = checked; a = median_w_us()
+    WeightSplit._side_grads = unchecked; b = median_w_us()
+    print(f'W action: {a:.1f} us with the hook check, {b:.1f} us without')
+"
