@@ -243,8 +243,8 @@ class WeightSplit:
         ``node`` runs again here, from the gradients it received in ``I``, and autograd calls
         the tensor hooks on its inputs again (those of ``h.register_hook`` for the tensor
         ``h`` it made), then those of each branch's first node when it stops there. A hook
-        that returns a new gradient would so be applied twice (torch's own zero-bubble
-        ``stage_backward_weight`` does the same). Hooks that replace a gradient are seen
+        that returns a new gradient would so be applied twice (torch 2.13's zero-bubble
+        ``stage_backward_weight`` does so for a hook on a ``Linear``'s output). Hooks that replace a gradient are seen
         here, before anything is accumulated: what reaches ``node`` and what stops at each
         branch is compared, by identity, with what was fed and what ``node`` sent. Then None:
         the caller runs the whole backward into the parameters instead, which applies every
