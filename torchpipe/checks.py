@@ -28,6 +28,15 @@ def as_int(value: Any) -> Optional[int]:
         return None
 
 
+def _check_count(name: str, value: Any, minimum: int, expected: str) -> int:
+    number = as_int(value)
+    if number is None:
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+    if number < minimum:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return number
+
+
 def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> Optional[int]:
     """TypeError unless ``value`` is an int (not a bool), ValueError unless it is >= 1.
 
@@ -37,22 +46,12 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> Op
     """
     if value is None and allow_none:
         return None
-    expected = "a positive int or None" if allow_none else "a positive int"
-    number = as_int(value)
-    if number is None:
-        raise TypeError(f"{name} must be {expected}, got {value!r}")
-    if number < 1:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-    return number
+    return _check_count(name, value, 1, "a positive int or None" if allow_none else "a positive int")
 
 
-def check_nonnegative_int(name: str, value: Any) -> None:
+def check_nonnegative_int(name: str, value: Any) -> int:
     """TypeError unless ``value`` is an int (not a bool), ValueError unless it is >= 0."""
-    number = as_int(value)
-    if number is None:
-        raise TypeError(f"{name} must be an int >= 0, got {value!r}")
-    if number < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return _check_count(name, value, 0, "an int >= 0")
 
 
 def check_bool(name: str, value: Any) -> None:
