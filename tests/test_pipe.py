@@ -10,7 +10,7 @@ from torch import nn
 
 import torchpipe
 import torchpipe.profiling
-from torchpipe import MovingDenied, Pipe, is_checkpointing, is_recomputing
+from torchpipe import MovingDenied, Pipe, RNGReplayError, is_checkpointing, is_recomputing
 
 
 def make_model(width=8, depth=6, dropout=0.0):
@@ -457,6 +457,79 @@ def test_dropout_on_some_micro_batches_only_is_still_replayed(call):
     recompute = [out for kind, _, out in log if kind == "recompute"]
     assert len(forward) == len(recompute) == 1 and (forward[0] == 0).any()
     assert torch.equal(recompute[0], forward[0]), "the recompute drew another mask"
+
+
+class DrawsFromSecondMicroBatch(nn.Module):
+    """Draws only from micro-batch 1 on (column 0 holds the micro-batch index): seen RNG-free first."""
+
+    def forward(self, x):
+        if x[0, 0] >= 1:
+            return torch.cat([x[:, :1], x[:, 1:] * torch.rand_like(x[:, 1:])], 1)
+        time.sleep(0.003)
+        return x * 1.0
+
+
+class DrawsAfterASleep(nn.Module):
+    def forward(self, x):
+        time.sleep(0.003)
+        return torch.cat([x[:, :1], x[:, 1:] * torch.rand_like(x[:, 1:])], 1)
+
+
+@pytest.fixture
+def cpu_generator_relearns():
+    """A replay error leaves the CPU generator always locked for the process: undo that here."""
+    from torchpipe import checkpoint as checkpoint_module
+
+    yield
+    checkpoint_module._always_locked.discard(id(torch.default_generator))
+
+
+# Regression: the second partition looked RNG-free on micro-batch 0, so later micro-batches ran
+# without the generator lock and their draws interleaved with the first partition's: 26 steps in
+# 30 had gradients from other numbers than the forward used, and nothing was raised.
+def test_a_partition_that_starts_drawing_late_never_gives_wrong_gradients(cpu_generator_relearns):
+    wrong, replay_errors = 0, 0
+    with Pipe(nn.Sequential(DrawsAfterASleep(), DrawsFromSecondMicroBatch()), [1, 1], chunks=4, checkpoint="always") as pipe:
+        for _ in range(30):
+            x = torch.rand(8, 5) + 0.5
+            x[:, 0] = torch.arange(4).repeat_interleave(2).float()
+            for _attempt in range(2):  # a replay error asks for the step again
+                x.grad = None
+                x.requires_grad_()
+                y = pipe(x)
+                try:
+                    y[:, 1:].sum().backward()
+                    break
+                except RNGReplayError as error:
+                    replay_errors += 1
+                    assert "run the step again" in str(error)
+            # y = x * (the product of the numbers drawn for it), so dy/dx = y / x on those columns.
+            if not torch.allclose(x.grad[:, 1:], y.detach()[:, 1:] / x.detach()[:, 1:], rtol=1e-4, atol=1e-5):
+                wrong += 1
+    assert wrong == 0
+    assert replay_errors <= 1, "after one replay error the generator stays locked"
+
+
+def test_a_thread_outside_the_pipeline_drawing_mid_forward_is_caught(cpu_generator_relearns):
+    class DrawsBesideAnotherThread(nn.Module):
+        def forward(self, x):
+            if not is_recomputing():  # another thread draws between the forward's start and its draw
+                drawer = threading.Thread(target=torch.rand, args=(3,))
+                drawer.start()
+                drawer.join()
+            return x * torch.rand_like(x)
+
+    x = torch.rand(4, 3, requires_grad=True)
+    with Pipe(nn.Sequential(DrawsBesideAnotherThread()), [1], chunks=1, checkpoint="always") as pipe:
+        y = pipe(x)
+        with pytest.raises(RNGReplayError, match="partition 0: its recompute drew other random numbers"):
+            y.sum().backward()
+        # A recompute that draws exactly what its forward drew passes the same check.
+        pipe[0].forward = lambda x: x * torch.rand_like(x)
+        y = pipe(x)
+        x.grad = None
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, y.detach() / x.detach())
 
 
 def test_sequential_like_access_and_names():

@@ -4,7 +4,7 @@
 ``torchpipe.schedule`` holds the plans as data; ``torchpipe.balance`` computes partitions;
 ``torchpipe.rec`` and ``torchpipe.train`` serve host-embedding-cache training.
 """
-from .checkpoint import is_checkpointing, is_recomputing
+from .checkpoint import RNGReplayError, is_checkpointing, is_recomputing
 from .devices import BackendUnavailableError
 from .microbatch import Batch
 from .pipe import CHECKPOINT_MODES, MovingDenied, Pipe
@@ -16,6 +16,7 @@ __all__ = [
     "CHECKPOINT_MODES",
     "is_checkpointing",
     "is_recomputing",
+    "RNGReplayError",
     "BackendUnavailableError",
     "Batch",
     "HostPool",

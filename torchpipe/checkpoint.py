@@ -47,7 +47,7 @@ def _set_flag(name: str) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 import contextlib  # noqa: E402
 import inspect  # noqa: E402
-from typing import Any, Callable, Dict, List, Optional, Tuple  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
@@ -56,7 +56,7 @@ from .call_chain import RNGSection, enter_rng_section, leave_rng_section  # noqa
 from .devices import get_backend  # noqa: E402
 from .microbatch import Batch, rebuild  # noqa: E402
 
-__all__ += ["checkpoint", "RNGGuard", "StageRNG", "generator_state"]
+__all__ += ["checkpoint", "RNGGuard", "RNGReplayError", "StageRNG", "generator_state"]
 
 # One lock per generator, keyed by id: some torch versions (2.11) cannot weak-reference a
 # Generator. The entry keeps its generator alive so that an id is never reused; the
@@ -69,6 +69,22 @@ _generator_locks_guard = threading.Lock()
 # with the GIL while it creates the state tensor, which can start the garbage collector,
 # whose Python code may hand the GIL to the thread waiting for that mutex.
 _state_lock = threading.Lock()
+
+
+# Generators (by id) on which a replay went wrong: every forward of a checkpointing step on
+# them holds the lock from then on, RNG-free or not (see RNGReplayError).
+_always_locked: Set[int] = set()
+
+
+class RNGReplayError(RuntimeError):
+    """A recompute drew other random numbers than its forward: its gradients would be wrong.
+
+    Another thread drew from the same generator while the forward ran: a partition seen
+    RNG-free earlier in the step that then drew (dropout on some micro-batches only), or a
+    thread outside the pipeline. The step is stopped instead of returning wrong gradients,
+    and every later forward on that generator holds its lock, so running the step again
+    replays exactly.
+    """
 
 
 def _lock_for(generator: torch.Generator) -> threading.Lock:
@@ -109,12 +125,15 @@ class RNGGuard:
     no lock. Every step learns afresh (:meth:`begin_step`): a partition may start drawing
     between steps (a dropout probability raised from 0 by a schedule).
 
-    Not covered: a partition marked RNG-free whose *first* data-dependent draw runs while a
-    partition on the same generator draws too; the two draws can interleave unlocked.
+    A partition marked RNG-free whose *first* data-dependent draw runs while a partition on
+    the same generator draws too interleaves with it unlocked. That is caught, not prevented:
+    each recompute that draws checks that it ends in the generator state its forward ended
+    in, and raises :class:`RNGReplayError` if not (the generator then stays locked).
     """
 
-    def __init__(self, device: torch.device, shared: bool) -> None:
+    def __init__(self, device: torch.device, shared: bool, name: str = "") -> None:
         self.device = device
+        self.name = name or f"a partition on {device}"
         self.generator = get_backend(device).default_generator(device)
         self.lock: Optional[threading.Lock] = _lock_for(self.generator) if shared else None
         # Per training flag of the partition: None unknown, True uses RNG, False RNG-free.
@@ -123,6 +142,11 @@ class RNGGuard:
     def begin_step(self) -> None:
         """Forget what earlier steps learned: the first forward of this step checks again."""
         self._uses_rng[True] = self._uses_rng[False] = None
+
+    @property
+    def always_locked(self) -> bool:
+        """True once a replay on this generator went wrong: no RNG-free shortcut any more."""
+        return id(self.generator) in _always_locked
 
     def forward_section(self, training: bool) -> "_ForwardSection":
         """Context for one forward of a checkpointing step (holds the lock if shared)."""
@@ -143,7 +167,7 @@ class _ForwardSection:
 
     def __enter__(self) -> None:
         guard = self.guard
-        if guard.lock is None or guard._uses_rng[self.training] is False:
+        if guard.lock is None or (guard._uses_rng[self.training] is False and not guard.always_locked):
             return
         self.section = enter_rng_section(guard.generator, guard.lock)
         if guard._uses_rng[self.training] is None:
@@ -162,12 +186,14 @@ class _ForwardSection:
 class _Replay:
     """The generator state of one checkpointed forward, and the contexts that use it."""
 
-    __slots__ = ("guard", "training", "state")
+    __slots__ = ("guard", "training", "state", "end_state")
 
     def __init__(self, guard: RNGGuard, training: bool) -> None:
         self.guard = guard
         self.training = training
         self.state: Optional[torch.Tensor] = None
+        # Where the forward left the generator: a recompute that draws must end there too.
+        self.end_state: Optional[torch.Tensor] = None
 
     def forward_context(self) -> "_CheckpointContext":
         return _CheckpointContext(self)
@@ -201,6 +227,9 @@ class _CheckpointContext:
             # another partition drew; the state is kept and the recompute replays it.)
             if torch.equal(replay.state, _get_state(guard.generator)):
                 replay.state = None
+        if replay.state is not None:
+            # Taken inside the forward's section: under the lock, when the forward holds it.
+            replay.end_state = _get_state(guard.generator)
 
 
 class _RecomputeContext:
@@ -223,14 +252,41 @@ class _RecomputeContext:
         self.previous = _flags.recomputing
         _flags.recomputing = True
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
         _flags.recomputing = self.previous
         try:
             if self.saved is not None:
-                _set_state(self.replay.guard.generator, self.saved)
+                replay = self.replay
+                generator = replay.guard.generator
+                mismatch = exc_type is None and _replay_differs(replay, _get_state(generator))
+                _set_state(generator, self.saved)
+                if mismatch:
+                    _always_locked.add(id(generator))
+                    raise RNGReplayError(
+                        f"{replay.guard.name}: its recompute drew other random numbers than its forward on the "
+                        f"{replay.guard.device.type} generator, because another thread drew from that generator "
+                        "while the forward ran (a partition that drew only on some micro-batches, or a thread "
+                        "outside the pipeline), so this step's gradients would be wrong. Every later forward on "
+                        "that generator now holds its lock: run the step again. To avoid this, draw on every "
+                        "micro-batch, or keep such partitions on devices of their own"
+                    )
         finally:
             leave_rng_section(self.section)
             self.section = None
+
+
+def _replay_differs(replay: _Replay, after_recompute: torch.Tensor) -> bool:
+    """True if the recompute drew, and did not end where its forward ended.
+
+    A recompute that drew nothing cannot have redrawn other numbers. One that drew the same
+    numbers from the same start ends in the same state; one whose forward had other draws
+    interleaved (from another thread) does not.
+    """
+    if replay.end_state is None or replay.state is None:
+        return False
+    if torch.equal(after_recompute, replay.state):
+        return False
+    return not torch.equal(after_recompute, replay.end_state)
 
 
 class StageRNG:
@@ -242,11 +298,11 @@ class StageRNG:
     takes the locks in one order.
     """
 
-    def __init__(self, device: torch.device, shared: bool, host_shared: bool) -> None:
-        guard = RNGGuard(device, shared=shared)
+    def __init__(self, device: torch.device, shared: bool, host_shared: bool, name: str = "") -> None:
+        guard = RNGGuard(device, shared=shared, name=name)
         self.guards = [guard]
         if guard.generator is not torch.default_generator:
-            self.guards.insert(0, RNGGuard(torch.device("cpu"), shared=host_shared))
+            self.guards.insert(0, RNGGuard(torch.device("cpu"), shared=host_shared, name=name))
 
     def begin_step(self) -> None:
         for guard in self.guards:

@@ -51,7 +51,7 @@ class StageRunner:
         self.worker = worker
         self.stream = worker.stream
         self._copy_streams: Dict[torch.device, Any] = {}
-        self.rng = StageRNG(device, shared=rng_shared, host_shared=host_rng_shared)
+        self.rng = StageRNG(device, shared=rng_shared, host_shared=host_rng_shared, name=f"partition {index}")
         self.has_skips = any(isinstance(m, Skippable) for m in partition.modules())
         # Batch norms a recompute must not update a second time.
         self.norms = statistics_updating_norms(partition)
