@@ -11,11 +11,15 @@ from torchpipe import Pipe, is_recomputing
 
 SCHEDULE_CASES = [
     ("gpipe", {}, [2, 2, 2, 2]),
+    ("gpipe", {}, [3, 1, 1, 3]),
     ("1f1b", {}, [2, 2, 2, 2]),
     ("1f1b", {}, [1, 3, 2, 2]),
     ("zb-h1", {}, [2, 2, 2, 2]),
+    ("zb-h1", {}, [2, 4, 1, 1]),
     ("interleaved-1f1b", {"virtual_stages": 2}, [1, 1, 1, 1, 1, 1, 1, 1]),
+    ("interleaved-1f1b", {"virtual_stages": 2}, [2, 1, 1, 2, 1, 1]),
     ("zb-v", {}, [1, 1, 1, 1, 1, 1, 1, 1]),
+    ("zb-v", {}, [1, 2, 1, 1, 2, 1]),
 ]
 
 
@@ -173,6 +177,60 @@ def test_faults_in_each_action_kind_and_stage_surface_and_pipe_stays_usable(sche
         layers[stage].phase = None
         loss = pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss(), schedule=schedule)
         assert torch.isfinite(loss)
+
+
+class FailInWeightBranch(torch.autograd.Function):
+    """Identity on a weight: its backward runs only when the weight's gradient is computed (W)."""
+
+    @staticmethod
+    def forward(ctx, weight, switch):
+        ctx.switch = switch
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.switch["on"]:
+            raise Boom("weight backward")
+        return grad, None
+
+
+class LinearFailingInW(nn.Module):
+    def __init__(self, switch):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.switch = switch
+
+    def forward(self, x):
+        return nn.functional.linear(x, FailInWeightBranch.apply(self.linear.weight, self.switch), self.linear.bias)
+
+
+def _completed(pipe, kind, stage):
+    record = pipe.last_step
+    return [label for label, start in zip(record.labels, record.starts)
+            if start >= 0 and label.startswith(f"stage {stage} {kind} ")]
+
+
+@pytest.mark.parametrize("schedule,stages", [("zb-h1", 3), ("zb-v", 6)])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_faults_in_input_and_weight_passes_surface_and_pipe_stays_usable(schedule, stages, stage):
+    """Zero-bubble splits backward into I and W: a failure in either reaches the caller."""
+    # I: the failing node is on the input path. W: it is on a weight's branch only, which I skips.
+    # Stage 0 sends no input gradient upstream, so its whole backward is W (a leaf input's
+    # gradient is accumulated there like a weight's): only the W case applies to it.
+    for kind in ("I", "W") if stage else ("W",):
+        switch = {"on": True}
+        layers = [nn.Linear(4, 4) for _ in range(stages)]
+        layers[stage] = FailingLayer("I") if kind == "I" else LinearFailingInW(switch)
+        with Pipe(nn.Sequential(*layers), [1] * stages, chunks=4, checkpoint="never") as pipe:
+            with pytest.raises(Boom):
+                pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss(), schedule=schedule)
+            assert not _completed(pipe, kind, stage), f"a {kind} of stage {stage} succeeded"
+            if kind == "W":  # the input passes of that stage ran: the failure was in W itself
+                assert _completed(pipe, "I", stage)
+            layers[stage].phase = None
+            switch["on"] = False
+            loss = pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss(), schedule=schedule)
+            assert torch.isfinite(loss) and _completed(pipe, kind, stage)
 
 
 def test_options_are_checked_on_every_call_not_only_the_first():
