@@ -52,8 +52,11 @@ class _SleepInput(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
         time.sleep(seconds)
         ctx.seconds = seconds
-        ctx.save_for_backward(x)  # an activation kept for backward, measured by pipe.last_memory
-        return x.clone()
+        out = x.clone()
+        # An activation of the stage's own, kept for backward and counted by pipe.last_memory
+        # (the caller's batch, stage 0's input, is not counted).
+        ctx.save_for_backward(out)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
@@ -116,6 +119,7 @@ def run(options: Options) -> SuiteResult:
             Column("bubble_sim", "bubble sim", "{:.3f}"),
             Column("bubble", "bubble measured", "{:.3f}"),
             Column("peak_mb", "peak mb/stage", align="<"),
+            Column("peak_kib", "peak KiB/stage", align="<"),
             Column("peak_vs_gpipe", "peak bytes / gpipe's", "{:.3f}"),
             Column("goal", f">= {GOAL:g}", align="<"),
         ],
@@ -129,14 +133,17 @@ def run(options: Options) -> SuiteResult:
                           "runs every stage one after another on the caller's thread (torchgpipe does the same)")
     table.notes.append("interleaved-1f1b and zb-v run 2 stages (2 layers) per worker, twice the model of the others: "
                        "their byte ratio against GPipe's one-layer workers counts twice the layers")
-    table.notes.append("peak mb/stage: micro-batches whose activations a stage held at once (pipe.last_memory)")
+    table.notes.append("peak mb/stage, peak KiB/stage: micro-batches, and bytes saved for backward, that a stage held "
+                       "at once (pipe.last_memory); peak bytes / gpipe's is the worst worker's ratio")
     table.notes.append("sim, own jobs = pipe.last_report().planned_makespan: the same plan's list scheduler fed with "
                        "each action's duration as measured in that very step (median over repeats): a runtime with "
                        "zero hand-off cost running these "
                        "actions. own sim/achieved isolates the runtime's hand-offs and ordering from what each action "
                        "took (its sleep, the layer's Python, waiting for the GIL), which sim/achieved also counts")
     result.tables += [table, contrast]
-    x = torch.randn(BATCH, WIDTH)
+    # The batch requires grad, so stage 0 is a stage like the others: it saves an activation per
+    # micro-batch (1F1B's most loaded stage) and its backward takes I + W = 2t, as simulated.
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
     target = torch.randn(BATCH, WIDTH)
     for m in MICROBATCHES:
         gpipe_bytes: List[int] = []
@@ -165,7 +172,8 @@ def run(options: Options) -> SuiteResult:
                 one_f_one_b_wall = achieved
             row: Dict[str, Any] = dict(m=m, schedule=name, sim_ms=simulated.makespan * 1e3, achieved_ms=achieved * 1e3,
                                        bubble_sim=simulated.bubble_ratio, bubble=statistics.median(bubbles),
-                                       peak_mb=str(memory.peak_microbatches))
+                                       peak_mb=str(memory.peak_microbatches),
+                                       peak_kib=str([round(b / 1024) for b in memory.peak_bytes]))
             row["eff"] = result.ratio(f"m={m}/{name} simulated / achieved makespan", simulated.makespan, achieved)
             own = statistics.median(own_makespans)
             row["own_sim_ms"] = own * 1e3
