@@ -232,6 +232,30 @@ def test_profiling_leaves_the_user_model_and_rng_untouched(training: bool) -> No
     assert torch.equal(torch.get_rng_state(), rng_state)
 
 
+class KeepsAWeakrefToItsOutput(nn.Module):
+    """tanh saves its own output for backward: the case that leaked."""
+
+    outputs: List[weakref.ref] = []  # on the class: the profiler runs a copy of the model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = torch.tanh(x)
+        self.outputs.append(weakref.ref(output))
+        return output
+
+
+# Regression: the size profiler's saved-tensor hook kept each layer's saved tensors as they
+# were, so a layer saving its own output closed a cycle through C++ (output -> grad_fn ->
+# output) that no collector frees: every balance_by_size call leaked the activations.
+def test_balance_by_size_frees_the_activations_it_measured() -> None:
+    outputs = KeepsAWeakrefToItsOutput.outputs
+    outputs.clear()
+    model = nn.Sequential(nn.Linear(8, 8), KeepsAWeakrefToItsOutput(), nn.Linear(8, 8), nn.ReLU())
+    for _ in range(3):
+        balance_by_size(2, model, torch.randn(16, 8), chunks=2)
+    gc.collect()
+    assert len(outputs) == 3 and all(ref() is None for ref in outputs)
+
+
 def test_argument_errors() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.ReLU())
     x = torch.randn(4, 2)

@@ -92,7 +92,10 @@ def _forward_measured_by_autograd(layer: nn.Module, value: Activation, popped: L
 
     def pack(tensor: Tensor) -> Tensor:
         _remember_storage(kept, tensor)
-        return tensor
+        # An alias, never the tensor itself: a layer that saves its own output (ReLU, tanh)
+        # would close a cycle output -> grad_fn -> output through C++, which no collector
+        # sees and, with no backward run here, nothing breaks: every call would leak it.
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output = call_layer(layer, value)
