@@ -88,6 +88,8 @@ def select_victims(candidate_mask: torch.Tensor, count: int, policy: str, key_of
         prefix = torch.where(occupied, freq + top, 0)           # (occupied, frequency)
         span = 2 * top
     if span * uses * slots >= _PACK_LIMIT:
+        if uses * slots < _PACK_LIMIT:  # a long LFU run: frequencies and ticks both grew
+            return _select_by_prefix_first(candidate_mask, count, prefix, last_used, uses, slots)
         return choose_victims(torch.nonzero(candidate_mask).flatten(), count, policy, key_of_slot,
                               last_used, freq_of_key)
     priority = (prefix * uses + (last_used + 1)) * slots + torch.arange(slots, dtype=torch.int64)
@@ -95,6 +97,28 @@ def select_victims(candidate_mask: torch.Tensor, count: int, policy: str, key_of
     if count * 4 >= slots:  # most of the slots: a full sort is as cheap as a selection
         return torch.sort(priority).indices[:count]
     return torch.topk(priority, count, largest=False, sorted=True).indices
+
+
+def _select_by_prefix_first(candidate_mask: torch.Tensor, count: int, prefix: torch.Tensor, last_used: torch.Tensor,
+                            uses: int, slots: int) -> torch.Tensor:
+    """`select_victims`'s order when (prefix, last use, slot) no longer packs into an int64.
+
+    Linear in the cache, like the packed path: the ``count``-th smallest prefix (one
+    selection) splits the candidates into sure victims (smaller prefix) and ties (that
+    prefix), of which the ones used least recently, then lowest slot, are taken. Only the
+    ``count`` victims are sorted into the full order.
+    """
+    masked = prefix.masked_fill(~candidate_mask, _INT64_MAX)
+    threshold = torch.kthvalue(masked, count).values
+    sure = torch.nonzero(masked < threshold).flatten()
+    tied = torch.nonzero(masked == threshold).flatten()
+    tied_priority = (last_used[tied] + 1) * slots + tied  # below uses * slots: no overflow
+    taken = torch.topk(tied_priority, count - sure.numel(), largest=False, sorted=False).indices
+    victims = torch.cat([sure, tied[taken]])
+    # Stable sorts, least significant field first, give the (prefix, last use, slot) order.
+    victims = victims[torch.argsort(victims)]
+    victims = victims[torch.argsort(last_used[victims], stable=True)]
+    return victims[torch.argsort(prefix[victims], stable=True)]
 
 
 class LruIndex:
