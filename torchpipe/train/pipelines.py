@@ -120,6 +120,25 @@ def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
                         f"got {type(optimizer).__name__}")
 
 
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of a pipeline, holding the pipeline weakly.
+
+    A pipeline's stages (and hooks) are built from these: its `StagedPipeline` holds them,
+    so a strong reference back would be a cycle, and a pipeline dropped without ``close()``
+    (its worker threads, its in-flight batches) would live until the cycle collector runs.
+    """
+    reference = weakref.WeakMethod(method)
+    owner = type(method.__self__).__name__  # the name only: ``call`` must not hold ``method``
+
+    def call(*args: Any) -> Any:
+        bound = reference()
+        if bound is None:  # only a stage still running while its pipeline is collected
+            raise RuntimeError(f"the {owner} this stage belongs to is gone")
+        return bound(*args)
+
+    return call
+
+
 class _ReadyPipeline:
     """Shared plumbing: H2D on the copy worker with an event, the train step on the compute worker."""
 
@@ -140,6 +159,9 @@ class _ReadyPipeline:
         self._backend.record_event(event, self._backend.current_stream(self.device))
         item.event = event
         return item
+
+    def _h2d_batch(self, batch: Any) -> _Item:
+        return self._h2d(_Item(batch))
 
     def _wait_h2d(self, item: _Item) -> None:
         """On the compute stream: wait for the batch's copy, and keep its memory for this stream."""
@@ -204,9 +226,11 @@ class TrainPipelineBase(_ReadyPipeline):
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  device: Union[str, torch.device] = "cpu", *, device_threads: Optional[int] = None) -> None:
         super().__init__(model, optimizer, device)
+        # The stages reach this object weakly: a pipeline dropped without close() is freed (its
+        # threads stopped, its in-flight batch let go) at once, not when the cycle collector runs.
         self.pipeline = StagedPipeline(
-            [PipelineStage("h2d", lambda b: self._h2d(_Item(b)), "copy"),
-             PipelineStage("train", self._train, "device")],
+            [PipelineStage("h2d", _weakly(self._h2d_batch), "copy"),
+             PipelineStage("train", _weakly(self._train), "device")],
             device=self.device, host_threads=0, device_threads=device_threads)
 
 
@@ -227,17 +251,17 @@ class TrainPipelineSparseDist(_ReadyPipeline):
             raise TypeError(f"input_dist must be callable or None, got {input_dist!r}")
         super().__init__(model, optimizer, device)
         self._input_dist = input_dist
-
-        def dist(item: _Item) -> _Item:
-            if self._input_dist is not None:
-                item.device_batch = self._input_dist(item.device_batch)
-            return item
-
+        # Weakly, as in TrainPipelineBase: no cycle through the stages.
         self.pipeline = StagedPipeline(
-            [PipelineStage("h2d", lambda b: self._h2d(_Item(b)), "copy"),
-             PipelineStage("input_dist", dist, "host"),
-             PipelineStage("train", self._train, "device")],
+            [PipelineStage("h2d", _weakly(self._h2d_batch), "copy"),
+             PipelineStage("input_dist", _weakly(self._dist), "host"),
+             PipelineStage("train", _weakly(self._train), "device")],
             device=self.device, host_threads=host_threads, device_threads=device_threads)
+
+    def _dist(self, item: _Item) -> _Item:
+        if self._input_dist is not None:
+            item.device_batch = self._input_dist(item.device_batch)
+        return item
 
 
 @dataclass(eq=False)
@@ -252,19 +276,6 @@ class _Armed:
 def _call_if_alive(pipeline: "weakref.ref[Any]", method: str, *args: Any) -> Any:
     alive = pipeline()
     return None if alive is None else getattr(alive, method)(*args)
-
-
-def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` of a pipeline, holding the pipeline weakly (see `EmbCacheTrainPipeline.__init__`)."""
-    reference = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> Any:
-        bound = reference()
-        if bound is None:  # only a stage still running while its pipeline is collected
-            raise RuntimeError("the EmbCacheTrainPipeline this stage belongs to is gone")
-        return bound(*args)
-
-    return call
 
 
 class _InFlight:
@@ -344,8 +355,10 @@ def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
     """
     if not (collection.in_flight() or collection.pending_writes()):
         return
-    gc.collect()
     collection.settle()
+    if collection.in_flight() or collection.pending_writes():
+        gc.collect()  # a full collection costs tenths of a second: only when settling was not enough
+        collection.settle()
     if collection.in_flight() or collection.pending_writes():
         raise RuntimeError(
             f"the collection has batches in flight ({collection.in_flight()} protected slots, "
@@ -473,9 +486,6 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             after_clock=_weakly(self._after_clock), keep_records=keep_records)
 
     # -- stages ----------------------------------------------------------------------
-    def _h2d_batch(self, batch: Any) -> _Item:
-        return self._h2d(_Item(batch))
-
     def _admit(self, batch: Any) -> None:
         if not hasattr(batch, "sparse_features"):
             raise TypeError(f"EmbCacheTrainPipeline batches need .sparse_features, got {type(batch).__name__}")
