@@ -331,11 +331,15 @@ class Pipe(nn.Module):
             cached = self._programs[key] = (plan, lower_forward(plan, self._stages))
         return cached
 
-    def _step_program(self, schedule: str, num_microbatches: int, options: Dict[str, Any]) -> Tuple[Plan, Program]:
+    def _step_program(
+        self, schedule: Union[str, Plan], num_microbatches: int, options: Dict[str, Any]
+    ) -> Tuple[Plan, Program]:
         # Each value's type is part of the key: 2.0 == 2 and hash alike, but only build() may
         # say whether 2.0 is a valid virtual_stages, and a cached 2 must not answer for it.
+        # A Plan is its own key (frozen, compared by value).
         key: Optional[Tuple[Any, ...]] = (
-            "step", schedule, num_microbatches, tuple(sorted((k, type(v), v) for k, v in options.items()))
+            ("plan", schedule) if isinstance(schedule, Plan)
+            else ("step", schedule, num_microbatches, tuple(sorted((k, type(v), v) for k, v in options.items())))
         )
         try:
             cached = self._programs.get(key)  # type: ignore[arg-type]
@@ -343,20 +347,45 @@ class Pipe(nn.Module):
             key, cached = None, None
         if cached is not None:
             return cached
-        plan = build(schedule, len(self.partitions), num_microbatches, **options)
+        if isinstance(schedule, Plan):
+            plan = self._checked_plan(schedule, num_microbatches)
+            described = f"plan {plan.name!r}"
+        else:
+            plan = build(schedule, len(self.partitions), num_microbatches, **options)
+            described = f"schedule {schedule!r} with options {options}"
         if not plan.has_backward:
-            raise ValueError(f"schedule {schedule!r} with options {options} has no backward actions; Pipe.step needs one")
+            raise ValueError(f"{described} has no backward actions; Pipe.step needs one")
         for stage, worker in enumerate(plan.stage_to_worker):
             if self.devices[stage] != self.devices[worker]:
                 raise ValueError(
-                    f"schedule {schedule!r} runs stage {stage} on the worker of partition {worker}, so both "
+                    f"{described} runs stage {stage} on the worker of partition {worker}, so both "
                     f"partitions must be on one device (got {self.devices[stage]} and {self.devices[worker]})"
                 )
         stages = [stage.on_worker(self._stages[worker]) for stage, worker in zip(self._stages, plan.stage_to_worker)]
         program = lower_step(plan, stages)
         if key is not None:
+            if len(self._programs) >= 64:  # plans of the caller's own: keep the cache bounded
+                self._programs.clear()
             self._programs[key] = (plan, program)
         return plan, program
+
+    def _checked_plan(self, plan: Plan, num_microbatches: int) -> Plan:
+        """``plan`` if this Pipe can run it on a batch of ``num_microbatches``; validated."""
+        partitions = len(self.partitions)
+        if plan.num_stages != partitions:
+            raise ValueError(f"plan {plan.name!r} has {plan.num_stages} stages, but this Pipe has {partitions} "
+                             "partitions: a plan runs one stage per partition")
+        if plan.num_workers > partitions:
+            raise ValueError(f"plan {plan.name!r} has {plan.num_workers} workers, but this Pipe has {partitions} "
+                             "partitions, each with one worker thread")
+        if plan.num_microbatches != num_microbatches:
+            raise ValueError(
+                f"plan {plan.name!r} is for {plan.num_microbatches} micro-batches, but this batch splits into "
+                f"{num_microbatches} (chunks={self.chunks}, Tensor.chunk rules); build the plan for "
+                f"{num_microbatches}, or pass a batch that gives {plan.num_microbatches}"
+            )
+        plan.validate()  # a Plan built directly has not been checked yet
+        return plan
 
     @property
     def last_step(self) -> Optional[StepRecord]:
@@ -397,7 +426,7 @@ class Pipe(nn.Module):
         input: TensorOrTensors,
         target: Any,
         loss_fn: Any,
-        schedule: str = "1f1b",
+        schedule: Union[str, Plan] = "1f1b",
         *,
         reduction: Optional[str] = None,
         **options: Any,
@@ -415,16 +444,23 @@ class Pipe(nn.Module):
         custom loss that normalises otherwise should sum, with ``reduction='sum'``, and
         divide the result. ``target`` is split along dim 0 like the input and must have
         its batch size. ``schedule`` is one of ``torchpipe.schedule.SCHEDULES``;
-        ``options`` go to the plan (``virtual_stages`` for interleaved schedules).
+        ``options`` go to the plan (``virtual_stages`` for interleaved schedules). It may
+        also be a :class:`~torchpipe.schedule.Plan` of your own (``Plan.from_lists``,
+        ``Plan.load_csv``, ``Plan.from_torch``): one stage per partition, and as many
+        micro-batches as this batch gives; it runs exactly as written.
         """
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
-        if not isinstance(schedule, str):
-            raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}; got {schedule!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+        if isinstance(schedule, Plan):
+            if options:
+                raise TypeError(f"options {sorted(options)} configure a named schedule; a Plan is already built, "
+                                "so pass none with it")
+        elif not isinstance(schedule, str):
+            raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}, or a Plan; got {schedule!r}")
+        elif schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}, or a Plan")
         if reduction is None:
             reduction = getattr(loss_fn, "reduction", "mean")
         if reduction not in ("mean", "sum"):

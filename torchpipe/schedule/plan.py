@@ -30,6 +30,27 @@ def _is_sequence(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
 
 
+def _is_idle(entry: Any) -> bool:
+    """An idle slot of a hand-written or imported order: ``None`` or a blank string."""
+    return entry is None or (isinstance(entry, str) and not entry.strip())
+
+
+def _inferred_placement(worker_actions: Sequence[Sequence[Action]], num_stages: int) -> tuple[int, ...]:
+    """Each stage on the one worker whose list names it; Megatron's ``s % workers`` otherwise.
+
+    A stage named on several workers keeps Megatron's worker, so validation names the
+    action that is on the wrong one.
+    """
+    owners: dict[int, set[int]] = {}
+    for worker, acts in enumerate(worker_actions):
+        for act in acts:
+            owners.setdefault(act.stage, set()).add(worker)
+    workers = len(worker_actions)
+    return tuple(
+        next(iter(owners[s])) if len(owners.get(s, ())) == 1 else s % workers for s in range(num_stages)
+    )
+
+
 @dataclass(frozen=True)
 class Plan:
     """A schedule as data: which worker runs which action, in which order.
@@ -132,7 +153,7 @@ class Plan:
     def from_lists(
         cls,
         name: str,
-        lists: Sequence[Sequence[Action | str]],
+        lists: Sequence[Sequence[Action | str | None]],
         *,
         num_stages: int | None = None,
         num_microbatches: int | None = None,
@@ -140,8 +161,11 @@ class Plan:
     ) -> "Plan":
         """Build and validate a hand-written plan; actions may be given as text ("1B3").
 
-        Sizes default to what the lists mention; stages default to Megatron placement,
-        stage ``s`` on worker ``s % len(lists)``.
+        ``None`` and blank strings are idle slots, as in ``torch.distributed.pipelining``'s
+        ``pipeline_order``; they are dropped (the runtime waits on dependencies, not slots).
+        Sizes default to what the lists mention. A stage found on one worker's list only
+        belongs to that worker (so V-shaped plans need no ``stage_to_worker``); any other
+        stage gets Megatron placement, stage ``s`` on worker ``s % len(lists)``.
         """
         for size_name, size in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
             if size is not None:
@@ -149,7 +173,7 @@ class Plan:
         if not _is_sequence(lists) or not all(_is_sequence(acts) for acts in lists):
             raise TypeError(f"lists must hold one list of actions per worker (e.g. [['0F0', '0B0']]), got {lists!r}")
         worker_actions = tuple(
-            tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts) for acts in lists
+            tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts if not _is_idle(a)) for acts in lists
         )
         everything = [a for acts in worker_actions for a in acts]
         if num_stages is None:
@@ -161,10 +185,34 @@ class Plan:
         if stage_to_worker is None:
             if not worker_actions:
                 raise InvalidPlanError(f"plan {name!r} has no workers")
-            stage_to_worker = tuple(s % len(worker_actions) for s in range(num_stages))
+            stage_to_worker = _inferred_placement(worker_actions, num_stages)
         plan = cls(name, num_stages, num_microbatches, tuple(stage_to_worker), worker_actions)
         plan.validate()
         return plan
+
+    @classmethod
+    def from_torch(cls, schedule: Any, name: str | None = None) -> "Plan":
+        """The plan of a ``torch.distributed.pipelining`` schedule, to run in one process.
+
+        ``schedule`` is a schedule object (its ``pipeline_order``) or such an order itself:
+        per rank, a list of actions or ``None``. See ``interop.py`` for the translation.
+        """
+        from .interop import from_torch
+
+        return from_torch(schedule, name)
+
+    @classmethod
+    def load_csv(cls, path: Any, name: str | None = None) -> "Plan":
+        """Read a plan from CSV, a row of actions per worker (torch's ``compute_only`` format)."""
+        from .interop import load_csv
+
+        return load_csv(path, name)
+
+    def save_csv(self, path: Any) -> None:
+        """Write this plan as CSV, a row per worker, that ``load_csv`` and torch's ``_load_csv`` read."""
+        from .interop import save_csv
+
+        save_csv(self, path)
 
     # ----------------------------------------------------------------- checks & views
     def validate(self) -> None:

@@ -1,0 +1,116 @@
+"""Pipe.step with a plan of one's own: hand-written, from CSV, or from torch's schedules."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch_schedules import CLASSES, torch_schedule
+
+from torchpipe import Pipe
+from torchpipe.schedule import Action, InvalidPlanError, Plan, ScheduleDeadlockError, build
+
+
+def make_model(stages):
+    return nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(stages)])
+
+
+def _executed_order(pipe):
+    """Each worker's jobs of the last step, as actions, in the order they started."""
+    record = pipe.last_step
+    per_worker = {}
+    for label, worker, start in sorted(zip(record.labels, record.workers, record.starts), key=lambda item: item[2]):
+        _, stage, kind, _, microbatch = label.split()
+        per_worker.setdefault(worker, []).append(Action(int(stage), kind, int(microbatch)))
+    return [per_worker.get(w, []) for w in range(len(per_worker))]
+
+
+@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_torchs_multi_rank_schedules_run_in_one_process_and_match_the_plain_model(name, checkpoint):
+    ranks, m = 3, 6
+    plan = Plan.from_torch(torch_schedule(name, ranks, m))
+    model = make_model(2 * ranks)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(11, 6), torch.randn(11, 6)  # 11 samples in 6 micro-batches: 2, 2, 2, 2, 2, 1
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    with Pipe(model, [1] * (2 * ranks), chunks=m, checkpoint=checkpoint) as pipe:
+        loss = pipe.step(x, y, nn.MSELoss(), schedule=plan)
+        executed = _executed_order(pipe)
+        report = pipe.last_report()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for (param_name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=param_name)
+    assert executed == [list(acts) for acts in plan.worker_actions]  # the plan runs as written
+    assert report.schedule == name
+
+
+def test_a_hand_written_plan_equal_to_a_named_one_gives_the_same_bits(tmp_path):
+    named = build("1f1b", 4, 4)
+    path = tmp_path / "mine.csv"
+    named.save_csv(path)
+    plan = Plan.load_csv(path)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    grads = []
+    for schedule in ("1f1b", plan):
+        model = make_model(4)
+        torch.manual_seed(1)
+        for param in model.parameters():
+            nn.init.normal_(param)
+        with Pipe(model, [1, 1, 1, 1], chunks=4, checkpoint="never") as pipe:
+            loss = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+        grads.append([loss] + [p.grad for p in model.parameters()])
+    for mine, theirs in zip(*grads):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_plan_of_a_new_order_runs_in_that_order():
+    # Backward in forward order on every stage (not the reverse GPipe uses): still a valid
+    # plan, and the runtime must run it as written, not fall back to a named schedule's order.
+    lists = [[f"{s}F{m}" for m in range(3)] + [f"{s}B{m}" for m in range(3)] for s in range(3)]
+    plan = Plan.from_lists("forward-order backward", lists)
+    model = make_model(3)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(6, 6), torch.randn(6, 6)
+    nn.MSELoss(reduction="sum")(reference(x), y).backward()
+    with Pipe(model, [1, 1, 1], chunks=3, checkpoint="except_last") as pipe:
+        pipe.step(x, y, nn.MSELoss(reduction="sum"), schedule=plan)
+        assert _executed_order(pipe) == [list(acts) for acts in plan.worker_actions]
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def _unchecked(name, lists, stages, microbatches):
+    """A Plan built directly, as a caller may: nothing has validated it."""
+    actions = tuple(tuple(Action.parse(a) for a in acts) for acts in lists)
+    return Plan(name, stages, microbatches, tuple(range(stages)), actions)
+
+
+@pytest.mark.parametrize("plan,options,batch,chunks,error,message", [
+    (build("1f1b", 3, 4), {}, 8, 4, ValueError, "plan '1f1b' has 3 stages, but this Pipe has 2 partitions"),
+    (build("1f1b", 2, 4), {}, 3, 4, ValueError,
+     r"plan '1f1b' is for 4 micro-batches, but this batch splits into 3 \(chunks=4"),
+    (build("gpipe", 2, 4, backward=False), {}, 8, 4, ValueError, "plan 'gpipe' has no backward actions"),
+    (build("1f1b", 2, 4), {"virtual_stages": 2}, 8, 4, TypeError, r"options \['virtual_stages'\] configure a named"),
+    (_unchecked("holes", [["0F0", "0B0"], ["1F0"]], 2, 1), {}, 2, 1, InvalidPlanError, "missing action 1B0"),
+    (_unchecked("early", [["0F0", "0B0"], ["1B0", "1F0"]], 2, 1), {}, 2, 1, InvalidPlanError,
+     "action 1B0 on worker 1 runs before its dependency 1F0"),
+    (_unchecked("stuck", [["0F0", "0B0", "0F1", "0B1"], ["1F1", "1F0", "1B0", "1B1"]], 2, 2), {}, 4, 2,
+     ScheduleDeadlockError, "deadlock"),
+])
+def test_a_plan_that_cannot_run_here_is_refused_before_anything_runs(plan, options, batch, chunks, error, message):
+    model = make_model(2)
+    x, y = torch.randn(batch, 6), torch.randn(batch, 6)
+    with Pipe(model, [1, 1], chunks=chunks, checkpoint="never") as pipe:
+        with pytest.raises(error, match=message):
+            pipe.step(x, y, nn.MSELoss(), schedule=plan, **options)
+        assert pipe.last_step is None  # nothing ran
+        assert all(p.grad is None for p in model.parameters())
+        pipe.step(x, y, nn.MSELoss())  # and the Pipe still works
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_schedule_that_is_neither_a_name_nor_a_plan_is_refused():
+    with Pipe(make_model(2), [1, 1], chunks=2) as pipe:
+        with pytest.raises(TypeError, match="schedule must be a str, one of .*, or a Plan; got 3"):
+            pipe.step(torch.randn(4, 6), torch.randn(4, 6), nn.MSELoss(), schedule=3)

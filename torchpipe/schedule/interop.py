@@ -1,0 +1,119 @@
+"""Plans written elsewhere: ``torch.distributed.pipelining`` schedules and CSV files.
+
+torch describes a schedule the way we do, one ordered list of actions per rank in the same
+text form ("2F0", "1I3"), with ``None`` for an idle slot. Its multi-rank schedules
+(``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, a
+custom order loaded with ``_load_csv``) run across processes only. Reading their lists into
+a :class:`Plan` runs them in one process, on ``Pipe.step``, and prints them with our table.
+
+The translation, entry by entry:
+
+* compute actions (``F``, ``B``, ``I``, ``W``) are kept, in order;
+* an overlapped pair, ``(0F7;7B3)OVERLAP_F_B``, becomes its actions one after the other
+  (one worker thread runs one action at a time);
+* sends, receives and FSDP's ``UNSHARD``/``RESHARD``/``REDUCE_GRAD`` are dropped: in one
+  process the runtime hands tensors from stage to stage itself;
+* ``None`` and empty cells are idle slots and are dropped too.
+
+The plan is then validated like a hand-written one (``Plan.from_lists``), so a schedule
+that cannot run here is refused with the offending action named.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import re
+from typing import Any, List, Optional, Sequence, Union
+
+from .action import Action
+from .plan import Plan
+
+__all__ = ["from_torch", "load_csv", "save_csv"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# torch's text forms besides ours: a communication or sharding action ("1SEND_F0",
+# "0UNSHARD"), and a group of actions run overlapped ("(0F7;7B3)OVERLAP_F_B").
+_DROPPED = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*")
+_OVERLAPPED = re.compile(r"\((?P<inner>[^()]*)\)OVERLAP_F_B")
+
+
+def _translate(entry: Any, where: str) -> List[Action]:
+    """The compute actions one entry of a torch order stands for (none for an idle slot)."""
+    if entry is None:
+        return []
+    text = entry if isinstance(entry, str) else str(entry)
+    text = text.strip()
+    if not text or _DROPPED.fullmatch(text):
+        return []
+    overlapped = _OVERLAPPED.fullmatch(text)
+    if overlapped:
+        return [a for part in overlapped.group("inner").split(";") for a in _translate(part, where)]
+    try:
+        return [Action.parse(text)]
+    except ValueError:
+        raise ValueError(
+            f"{where}: cannot read {text!r} as a pipeline action: expected a compute action such as '2F0' "
+            f"(kinds F, B, I, W), an overlapped group '(0F7;7B3)OVERLAP_F_B', a send/receive or "
+            f"(UN|RE)SHARD action, or an empty slot"
+        ) from None
+
+
+def _plan_from_rows(name: str, rows: Sequence[Sequence[Any]], what: str) -> Plan:
+    lists = [
+        [a for position, entry in enumerate(row) for a in _translate(entry, f"{what} {worker}, entry {position}")]
+        for worker, row in enumerate(rows)
+    ]
+    return Plan.from_lists(name, lists)
+
+
+def from_torch(schedule: Any, name: Optional[str] = None) -> Plan:
+    """A validated :class:`Plan` from a ``torch.distributed.pipelining`` schedule or order.
+
+    ``schedule`` is a schedule object (its ``pipeline_order`` is read) or such an order: a
+    dict from rank to that rank's list of actions, or a list of per-rank lists. Stage ``s``
+    belongs to the rank whose list runs it, so V-shaped placements carry over.
+    """
+    order = getattr(schedule, "pipeline_order", schedule)
+    if name is None:
+        name = type(schedule).__name__ if order is not schedule else "torch"
+    if isinstance(order, dict):
+        ranks = sorted(order)
+        if ranks != list(range(len(ranks))):
+            raise ValueError(f"a pipeline order's ranks must be 0..{len(ranks) - 1}, got {ranks}")
+        rows = [order[rank] for rank in ranks]
+    elif isinstance(order, (list, tuple)):
+        rows = list(order)
+    else:
+        raise TypeError(
+            "from_torch takes a torch.distributed.pipelining schedule (with .pipeline_order) or its order, "
+            f"a dict from rank to actions; got {type(schedule).__name__}"
+        )
+    for rank, row in enumerate(rows):
+        if isinstance(row, (str, bytes)) or not isinstance(row, (list, tuple)):
+            raise TypeError(f"rank {rank}'s actions must be a list, got {type(row).__name__}: {row!r}")
+    return _plan_from_rows(name, rows, "rank")
+
+
+def load_csv(path: PathLike, name: Optional[str] = None) -> Plan:
+    """A validated :class:`Plan` from a CSV file: one row of actions per worker.
+
+    The format is torch's ``compute_only`` CSV (``_dump_csv``): cells such as ``2F0``,
+    empty cells for idle slots. The name defaults to the file's name without extension.
+    """
+    with open(path, newline="") as handle:
+        rows = list(csv.reader(handle))
+    if name is None:
+        name = os.path.splitext(os.path.basename(os.fspath(path)))[0]
+    return _plan_from_rows(name, rows, f"{os.fspath(path)}: row")
+
+
+def save_csv(plan: Plan, path: PathLike) -> None:
+    """Write ``plan`` as a CSV file, one row per worker, that ``load_csv`` reads back.
+
+    torch's ``_load_csv(..., format="compute_only")`` reads it as well.
+    """
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        for actions in plan.worker_actions:
+            writer.writerow([str(a) for a in actions])
