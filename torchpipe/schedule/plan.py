@@ -86,6 +86,16 @@ class Plan:
                 if not isinstance(act, Action):
                     raise TypeError(f"Plan worker_actions must hold Action objects, got {act!r}")
 
+    def __hash__(self) -> int:
+        # Computed once: ``Pipe.step`` looks a caller's plan up by value on every call, and
+        # hashing every action of a long plan each time would cost more than the lookup saves.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.name, self.num_stages, self.num_microbatches, self.stage_to_worker,
+                           self.worker_actions))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     # ----------------------------------------------------------------- structure
     @property
     def num_workers(self) -> int:
