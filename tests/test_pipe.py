@@ -348,6 +348,61 @@ def test_every_checkpointed_forward_is_recomputed_to_the_partition_end(step):
             assert scale.pending == []
 
 
+class PairedState(nn.Module):
+    """Hands a token from each checkpointed forward to its recompute, as torchgpipe allows.
+
+    ``body`` decides what the layer keeps for backward: nothing at all (``x * 2``, an
+    identity) or a tensor (``sigmoid``).
+    """
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.pending = []
+        self.checkpointed = self.recomputed = 0
+
+    def forward(self, x):
+        if is_checkpointing():
+            self.checkpointed += 1
+            self.pending.append("token")
+        elif is_recomputing():
+            self.recomputed += 1
+            self.pending.pop()
+        return self.body(x)
+
+
+@pytest.mark.parametrize("body", [lambda x: x * 2, lambda x: x, torch.sigmoid], ids=["scale", "identity", "sigmoid"])
+@pytest.mark.parametrize("input_grad", [True, False])
+@pytest.mark.parametrize("how", ["forward", "gpipe", "1f1b"])
+def test_a_partition_that_saves_nothing_is_still_recomputed_once_per_checkpointed_forward(body, input_grad, how):
+    # torch's checkpoint recomputes when backward unpacks a saved tensor: a partition that
+    # saves none was never recomputed, and PairedState's tokens piled up. A partition whose
+    # input and parameters need no gradient records no graph at all: it is not checkpointed.
+    layer = PairedState(body)
+    model = nn.Sequential(layer, nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    with Pipe(model, [1, 1], chunks=4, checkpoint="always") as pipe:
+        for _ in range(2):
+            x, y = torch.randn(8, 4, requires_grad=input_grad), torch.randn(8, 4)
+            x_ref = x.detach().clone().requires_grad_(input_grad)
+            if how == "forward":
+                out = pipe(x)
+                loss = nn.MSELoss()(out, y)
+                loss.backward()
+                out.add_(1)  # the output is the caller's to change, also behind an identity
+            else:
+                loss = pipe.step(x, y, nn.MSELoss(), schedule=how)
+            expected = nn.MSELoss()(reference(x_ref), y)
+            expected.backward()
+            torch.testing.assert_close(loss.detach(), expected.detach())
+            if input_grad:
+                torch.testing.assert_close(x.grad, x_ref.grad)
+    assert layer.pending == []
+    assert layer.recomputed == layer.checkpointed == (8 if input_grad else 0)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad)
+
+
 class RecordDropout(nn.Dropout):
     """Dropout that records each output with the phase it ran in."""
 

@@ -384,7 +384,7 @@ def test_names_given_as_one_str_are_refused_not_split_into_letters():
 
     with pytest.raises(TypeError, match="only must be a list of names"):
         Down().isolate(Namespace(), only="skip")
-    with pytest.raises(TypeError, match="namespace must be a torchpipe.skip.Namespace"):
+    with pytest.raises(TypeError, match="ns must be a torchpipe.skip.Namespace"):
         Down().isolate("ns")
     with pytest.raises(TypeError, match="verify_skippables takes an nn.Module"):
         verify_skippables(None)
@@ -403,3 +403,4 @@ def test_names_may_come_from_any_iterable():
     assert Both.stashable_names == {"skip"} and Both.poppable_names == {"other"}
     layer = Both()
     assert layer.isolate(Namespace(), only=iter(["skip"])) is layer
+    assert layer.isolate(ns=Namespace(), only=["skip"]) is layer  # torchgpipe's keyword

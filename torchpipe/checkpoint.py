@@ -55,6 +55,7 @@ import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
 from .call_chain import RNGSection, enter_rng_section, leave_rng_section  # noqa: E402
 from .devices import get_backend  # noqa: E402
 from .microbatch import Batch, rebuild  # noqa: E402
+from .thread_state import CHECKPOINT_HOOK_MARK, current_saved_tensors_hooks  # noqa: E402
 
 __all__ += ["checkpoint", "RNGGuard", "RNGReplayError", "StageRNG", "generator_state"]
 
@@ -381,15 +382,81 @@ _WHOLE_RECOMPUTE: Dict[str, Any] = (
 )
 
 
+class _KeepOne(torch.autograd.Function):
+    """Passes a tensor through and saves an empty one: something for backward to unpack.
+
+    torch's non-reentrant checkpoint recomputes when backward unpacks a tensor saved inside
+    the checkpointed region. A partition that saves nothing (``x * 2``, an identity) would
+    never be recomputed, and a layer that pairs each checkpointed forward with its recompute
+    (``is_checkpointing()`` / ``is_recomputing()``, as torchgpipe guarantees) would fall out
+    of step. The output is a copy, not a view: the caller may change it in place.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(tensor.new_empty(0))
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        ctx.saved_tensors  # noqa: B018 - unpacking is the point: it starts the recompute
+        return grad
+
+
+def _with_kept_tensor(output: Any) -> Any:
+    """``output`` with its first tensor that requires grad passed through :class:`_KeepOne`."""
+    if isinstance(output, torch.Tensor):
+        return _KeepOne.apply(output)
+    values = list(output)
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            values[i] = _KeepOne.apply(value)
+            return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)  # namedtuple
+    return output  # pragma: no cover - the caller checked that one requires grad
+
+
+def _requires_grad(output: Any) -> bool:
+    if isinstance(output, torch.Tensor):
+        return output.requires_grad
+    return isinstance(output, tuple) and any(isinstance(v, torch.Tensor) and v.requires_grad for v in output)
+
+
+def _counting_saves(function: Callable[[Any], Any], value: Any) -> Tuple[Any, int]:
+    """``function(value)`` and how many tensors it saved for backward through the checkpoint.
+
+    The checkpoint's own hooks do the saving; these only count on the way through. Where
+    torch does not expose the active hooks, the count is -1 (unknown).
+    """
+    hooks = current_saved_tensors_hooks()
+    if hooks is None:
+        return function(value), -1
+    pack, unpack = hooks
+    saved = 0
+
+    def counting_pack(tensor: torch.Tensor) -> Any:
+        nonlocal saved
+        saved += 1
+        return pack(tensor)
+
+    setattr(counting_pack, CHECKPOINT_HOOK_MARK, True)  # a Pipe called in here must see the checkpoint
+
+    with torch.autograd.graph.saved_tensors_hooks(counting_pack, unpack):
+        output = function(value)
+    return output, saved
+
+
 def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageReplay") -> Batch:
     """Run ``function`` on ``batch`` without keeping its activations; recompute them in backward.
 
     Built on PyTorch's non-reentrant checkpoint (saved-tensor hooks), which recomputes on
     demand during backward and supports tuple outputs and in-place layers. RNG replay and the
-    ``is_checkpointing``/``is_recomputing`` flags come from ``replay``'s contexts.
+    ``is_checkpointing``/``is_recomputing`` flags come from ``replay``'s contexts. Whenever
+    backward passes through the output, the partition is recomputed once, also when it saved
+    nothing (see :class:`_KeepOne`).
     """
     atomic, template = batch.atomic, batch.values
     failures: List[BaseException] = []
+    keeps_one: List[bool] = []  # set by the forward; the recompute must save what it saved
 
     def run(*values: Any) -> Any:
         value = values[0] if atomic else rebuild(template, values)
@@ -397,12 +464,17 @@ def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageRepl
         # resume their context only on success, which would leave the checkpoint's
         # saved-tensor hooks installed on this worker thread for every later step.
         if _flags.recomputing:  # a failed recompute surfaces through backward as it is
-            return function(value)
+            output = function(value)
+            return _with_kept_tensor(output) if keeps_one else output
         try:
-            return function(value)
+            output, saved = _counting_saves(function, value)
         except BaseException as exc:  # noqa: B902 - re-raised below, unchanged
             failures.append(exc)
             return None
+        if saved == 0 and _requires_grad(output):
+            keeps_one.append(True)
+            return _with_kept_tensor(output)
+        return output
 
     output = _torch_checkpoint.checkpoint(
         run,

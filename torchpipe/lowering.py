@@ -198,9 +198,22 @@ def _leaf_changed_in_place(index: int, exc: RuntimeError, popped: bool) -> str:
     )
 
 
+def _builds_a_graph(partition: nn.Module, batch: Batch) -> bool:
+    """Whether ``partition`` on ``batch`` can record anything for backward.
+
+    Without an input or a parameter that requires grad it keeps no activations, so there
+    is nothing to checkpoint, and no backward would ever reach a recompute: such a partition
+    (preprocessing in front of the first trained layer) runs plainly, neither checkpointing
+    nor recomputing, which keeps ``is_checkpointing()`` and ``is_recomputing()`` paired.
+    """
+    if any(t.requires_grad for t in batch.tensors()):
+        return True
+    return any(p.requires_grad for p in partition.parameters())
+
+
 def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips]) -> Batch:
     partition = stage.partition
-    checkpointed = microbatch < ctx.checkpoint_stop
+    checkpointed = microbatch < ctx.checkpoint_stop and _builds_a_graph(partition, batch)
     if stage.starts_in_place and (checkpointed or record is not None or _has_view(batch)):
         # Overwriting the input in place would break the checkpoint's saved input, Pipe.step's
         # leaves, or the sibling micro-batches that share a chunked input's version counter.

@@ -14,7 +14,7 @@ import torch
 from .call_chain import Chain
 from .call_chain import current as current_chain
 
-__all__ = ["ThreadState", "current_saved_tensors_hooks", "in_torch_checkpoint"]
+__all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "current_saved_tensors_hooks", "in_torch_checkpoint"]
 
 
 _TOP_SAVED_TENSORS_HOOKS: Optional[Callable[[bool], Any]] = getattr(
@@ -32,10 +32,17 @@ def current_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Callab
     return None if top is None else top(False)
 
 
+CHECKPOINT_HOOK_MARK = "_torchpipe_packs_for_a_checkpoint"
+"""Set on a pack hook of ours that passes tensors on to a checkpoint's: still inside it."""
+
+
 def in_torch_checkpoint() -> bool:
     """Whether this thread runs inside ``torch.utils.checkpoint`` (its forward or recompute)."""
     hooks = current_saved_tensors_hooks()
-    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+    if hooks is None:
+        return False
+    pack = hooks[0]
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint" or hasattr(pack, CHECKPOINT_HOOK_MARK)
 
 
 def _carried_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Callable[[Any], Any]]]:

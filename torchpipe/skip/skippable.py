@@ -61,11 +61,15 @@ class Skippable(nn.Module):
         state["_modules"] = modules
         return state
 
-    def isolate(self, namespace: Namespace, *, only: Optional[Iterable[str]] = None) -> "Skippable":
-        """Put this layer's skip names (or ``only`` those) into ``namespace``; returns self."""
+    def isolate(self, ns: Namespace, *, only: Optional[Iterable[str]] = None) -> "Skippable":
+        """Put this layer's skip names (or ``only`` those) into namespace ``ns``; returns self.
+
+        The parameter is named ``ns`` as in torchgpipe, so ``isolate(ns=...)`` keeps working.
+        """
         names = self.stashable_names | self.poppable_names
+        namespace = ns
         if not isinstance(namespace, Namespace):
-            raise TypeError(f"namespace must be a torchpipe.skip.Namespace, got {namespace!r}")
+            raise TypeError(f"ns must be a torchpipe.skip.Namespace, got {namespace!r}")
         chosen = set(names if only is None else _names("only", only))
         unknown = chosen - names
         if unknown:
