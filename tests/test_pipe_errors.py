@@ -17,7 +17,7 @@ def names(module):
 
 
 @pytest.mark.parametrize("balance, message", [
-    ([1, 1], "module: 4, sum of balance: 2"),
+    ([1, 1], r"module: 4, sum of balance: 2\); .*torchpipe.balance.balance_by_time"),
     ([2, 0, 2], r"positive integers \(balance: \[2, 0, 2\]\)"),
     ([2, -1, 3], "positive integers"),
     ([2.0, 2], "positive integers"),

@@ -75,7 +75,9 @@ def verify_balance(balance: Sequence[int], num_layers: int) -> List[int]:
     values = cast(List[int], numbers)
     if sum(values) != num_layers:
         raise BalanceError(
-            f"module and sum of balance have different length (module: {num_layers}, sum of balance: {sum(values)})"
+            f"module and sum of balance have different length (module: {num_layers}, sum of balance: {sum(values)}); "
+            "a model that still changes can compute its balance with torchpipe.balance.balance_by_time or "
+            "balance_by_size"
         )
     return values
 
