@@ -30,3 +30,28 @@ def test_pipe_workers_do_not_change_the_callers_thread_settings():
         assert torch.get_num_threads() == before_main
         assert threads_of_a_new_thread() == before_new
     assert threads_of_a_new_thread() == before_new
+
+
+def test_a_budget_above_the_callers_setting_stays_on_the_workers():
+    # torch sets a new thread's OpenMP count from its process-wide default the first time the
+    # thread asks; a worker that capped itself before that got the default back and then set
+    # its cap with torch.set_num_threads, which is process-wide: threads the caller started
+    # later ran with the worker's count.
+    original = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seen_in_stage = []
+
+        class Probe(nn.Module):
+            def forward(self, x):
+                seen_in_stage.append(torch.get_num_threads())
+                return x
+
+        for budget in (2, 3):
+            with Pipe(nn.Sequential(Probe(), nn.Linear(2, 2)), [2], devices=["cpu"], intra_op_threads=budget) as pipe:
+                pipe(torch.randn(4, 2))
+            assert seen_in_stage[-1] == budget
+            assert torch.get_num_threads() == 1
+            assert threads_of_a_new_thread() == 1
+    finally:
+        torch.set_num_threads(original)

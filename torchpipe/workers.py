@@ -108,7 +108,11 @@ def _limit_intra_op_threads(threads: int) -> Any:
     OpenMP builds read. ``torch.set_num_threads`` would also change the default that every
     thread created later starts from (the caller's threads included), so it is used only
     when no OpenMP runtime can be controlled (then the cap is process-wide).
+
+    torch sets up a thread's OpenMP count from its process-wide default the first time the
+    thread asks for it, which would undo a limit set before: so ask first, then limit.
     """
+    torch.get_num_threads()  # torch's lazy per-thread set-up, before the limit, not after
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - threadpoolctl is a declared dependency
