@@ -31,6 +31,12 @@ def test_bad_balance_is_a_balance_error(balance, message):
     assert issubclass(BalanceError, ValueError)  # torchgpipe users catch ValueError
 
 
+@pytest.mark.parametrize("balance", [None, [], [1]])
+def test_an_empty_sequential_is_a_balance_error_whatever_the_balance(balance):
+    with pytest.raises(BalanceError, match="the module is an empty nn.Sequential"):
+        Pipe(nn.Sequential(), balance)
+
+
 @pytest.mark.parametrize("chunks", [0, -1, 1.5, "2", True, None])
 def test_bad_chunks(chunks):
     with pytest.raises(ValueError, match=f"number of chunks must be a positive integer, got {chunks!r}"):

@@ -8,12 +8,12 @@ TypeError rather than silently turned into a tuple of its items or keys.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Sequence, Tuple, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "scatter", "gather", "rebuild", "TensorOrTensors"]
+__all__ = ["Batch", "scatter", "gather", "rebuild", "why_not_gatherable", "TensorOrTensors"]
 
 TensorOrTensors = Union[Tensor, Tuple[Any, ...]]
 
@@ -120,37 +120,46 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+def why_not_gatherable(output: Batch) -> Optional[str]:
+    """Why micro-batch outputs shaped like ``output`` cannot be concatenated, or None.
+
+    A 0-dim tensor (a per-micro-batch scalar) has no batch dimension, and a container
+    holding tensors would keep only the first micro-batch's.
+    """
+    if output.atomic:
+        if output.tensor.dim() == 0:
+            return ("the pipeline's output is a 0-dim tensor per micro-batch, which cannot be "
+                    "concatenated into the mini-batch's output; return it with a batch dimension")
+        return None
+    for i, value in enumerate(output.values):
+        if isinstance(value, Tensor):
+            if value.dim() == 0:
+                return (f"output {i} of the pipeline is a 0-dim tensor per micro-batch, which cannot be "
+                        "concatenated into the mini-batch's output; return it with a batch dimension "
+                        "(e.g. aux.reshape(1)) or reduce it inside the model")
+        elif _holds_tensor(value):
+            return (f"output {i} of the pipeline is a {type(value).__name__} holding tensors; only tensors "
+                    "at the top level of the output tuple are concatenated across micro-batches")
+    return None
+
+
 def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
     """Concatenate micro-batch outputs along dim 0, in micro-batch order.
 
     Other values of an output tuple are taken from the first micro-batch, as they were
     passed in. What cannot be put back together is refused with a TypeError naming its
-    position: a 0-dim tensor (a per-micro-batch scalar), or a container holding tensors
-    (only the first micro-batch's would survive).
+    position (see :func:`why_not_gatherable`).
     """
     if len(outputs) == 1:
         return outputs[0].value
     first = outputs[0]
+    problem = why_not_gatherable(first)
+    if problem is not None:
+        raise TypeError(problem)
     if first.atomic:
-        if first.tensor.dim() == 0:
-            raise TypeError("the pipeline's output is a 0-dim tensor per micro-batch, which cannot be "
-                            "concatenated into the mini-batch's output; return it with a batch dimension")
         return torch.cat([b.tensor for b in outputs])
-    gathered = []
-    for i, value in enumerate(first.values):
-        if isinstance(value, Tensor):
-            if value.dim() == 0:
-                raise TypeError(
-                    f"output {i} of the pipeline is a 0-dim tensor per micro-batch, which cannot be "
-                    "concatenated into the mini-batch's output; return it with a batch dimension "
-                    "(e.g. aux.reshape(1)) or reduce it inside the model"
-                )
-            gathered.append(torch.cat([b.values[i] for b in outputs]))
-        elif _holds_tensor(value):
-            raise TypeError(
-                f"output {i} of the pipeline is a {type(value).__name__} holding tensors; only tensors "
-                "at the top level of the output tuple are concatenated across micro-batches"
-            )
-        else:
-            gathered.append(value)
+    gathered = [
+        torch.cat([b.values[i] for b in outputs]) if isinstance(value, Tensor) else value
+        for i, value in enumerate(first.values)
+    ]
     return rebuild(first.values, gathered)

@@ -23,7 +23,7 @@ from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward
 from .microbatch import Batch, TensorOrTensors, gather, scatter
-from .partition import as_positive_int, infer_placement, split_module, verify_balance, verify_module
+from .partition import BalanceError, as_positive_int, infer_placement, split_module, verify_balance, verify_module
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build
 from .skip import inspect_skip_layout, verify_skippables
@@ -193,6 +193,8 @@ class Pipe(nn.Module):
         verify_module(module)
         _check_child_names(module)
         budget = ThreadBudget(intra_op_threads)
+        if len(module) == 0:
+            raise BalanceError("the module is an empty nn.Sequential: there are no layers to split into partitions")
         if balance is None:
             if devices is not None:
                 raise ValueError(f"balance is required when devices are given: {_BALANCE_HINT}")
@@ -429,8 +431,9 @@ class Pipe(nn.Module):
         schedule: Union[str, Plan] = "1f1b",
         *,
         reduction: Optional[str] = None,
+        return_outputs: bool = False,
         **options: Any,
-    ) -> Tensor:
+    ) -> Union[Tensor, Tuple[Tensor, TensorOrTensors]]:
         """Forward, loss and backward of every micro-batch, all on the workers, in plan order.
 
         Returns the loss of the whole mini-batch (detached) and leaves every parameter's
@@ -448,6 +451,10 @@ class Pipe(nn.Module):
         also be a :class:`~torchpipe.schedule.Plan` of your own (``Plan.from_lists``,
         ``Plan.load_csv``, ``Plan.from_torch``): one stage per partition, and as many
         micro-batches as this batch gives; it runs exactly as written.
+
+        With ``return_outputs=True`` it returns ``(loss, output)``: the model's output for
+        the whole mini-batch, detached and gathered as ``pipe(x)`` gathers it (for metrics,
+        without a second forward); the last stage then keeps its outputs until the step ends.
         """
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
@@ -463,6 +470,8 @@ class Pipe(nn.Module):
             raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}, or a Plan")
         if reduction is None:
             reduction = getattr(loss_fn, "reduction", "mean")
+        if not isinstance(return_outputs, bool):
+            raise TypeError(f"return_outputs must be a bool, got {return_outputs!r}")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum' (got {reduction!r}); pass reduction= for a custom loss_fn")
         if not torch.is_grad_enabled():
@@ -482,14 +491,18 @@ class Pipe(nn.Module):
         m = len(batches)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         plan, program = self._step_program(schedule, m, options)
-        context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages))
+        context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages),
+                              keep_outputs=return_outputs)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn))
         self.last_memory = context.memory
         losses = [loss for loss in context.losses]
         device = losses[-1].device  # type: ignore[union-attr]
         # A micro-batch of weight 0 (every target ignored) has a NaN loss that must not count.
         counted = [(loss, scale) for loss, scale in zip(losses, scales) if scale != 0] or list(zip(losses, scales))
-        return torch.stack([loss.to(device) * scale for loss, scale in counted]).sum()  # type: ignore[union-attr]
+        total = torch.stack([loss.to(device) * scale for loss, scale in counted]).sum()  # type: ignore[union-attr]
+        if return_outputs:
+            return total, gather(cast(List[Batch], context.outputs))
+        return total
 
     def _step_leaves(self, input: Any, target: Any, loss_fn: Any) -> List[Tensor]:
         """What a ``Pipe.step`` may give a ``.grad``: the parameters, the loss module's, and

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from . import engine
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
-from .microbatch import Batch, rebuild
+from .microbatch import Batch, rebuild, why_not_gatherable
 from .runtime import Program
 from .skip.portal import SkipStore, StageSkips
 from .split_backward import WeightSplit
@@ -64,6 +64,7 @@ class StepContext:
         scales: List[float],
         checkpoint_stop: int,
         num_stages: int,
+        keep_outputs: bool = False,
     ) -> None:
         self.batches = batches
         self.targets = targets
@@ -73,6 +74,9 @@ class StepContext:
         self.checkpoint_stop = checkpoint_stop
         self.rng_sections = checkpoint_stop > 0
         self.losses: List[Optional[Tensor]] = [None] * len(batches)
+        # The last stage's outputs, detached, for ``Pipe.step(..., return_outputs=True)``.
+        self.keep_outputs = keep_outputs
+        self.outputs: List[Optional[Batch]] = [None] * len(batches)
         self.memory = MemoryRecord(num_stages)
         self.skips = SkipStore()
 
@@ -201,6 +205,11 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                     shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
                     raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {shape}")
                 ctx.losses[microbatch] = loss.detach()
+                if ctx.keep_outputs:
+                    problem = why_not_gatherable(output) if len(ctx.outputs) > 1 else None
+                    if problem is not None:  # now, while the failed step can still be undone
+                        raise TypeError(f"return_outputs=True: {problem}")
+                    ctx.outputs[microbatch] = output.map_tensors(Tensor.detach)
         grad_positions = () if last else _grad_positions(output)
         outputs = [loss] if last else [output.values[i] for i in grad_positions]
         outputs += [tensor for _, tensor in skips.stashed]

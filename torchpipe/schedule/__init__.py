@@ -1,6 +1,7 @@
 """Schedules as data: actions, plans, generators, validation, simulation, rendering.
 
-Pure Python with no torch import, so plans can be built, checked and printed anywhere.
+Its modules are pure Python and import no torch themselves (importing them still loads the
+``torchpipe`` package, which does), so plans are cheap to build, check and print.
 The runtime executes ``Plan.worker_actions`` exactly as generated here; the tables and
 traces are drawn from the same lists, so what is printed is what runs.
 """
