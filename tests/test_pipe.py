@@ -403,6 +403,33 @@ def test_a_partition_that_saves_nothing_is_still_recomputed_once_per_checkpointe
         torch.testing.assert_close(param.grad, ref.grad)
 
 
+class SplitInTwo(nn.Module):
+    def forward(self, x):
+        return x * 2, x * 3
+
+
+class TakeSecond(nn.Module):
+    def forward(self, pair):
+        return pair[1]
+
+
+@pytest.mark.parametrize("how", ["forward", "1f1b"])
+def test_a_partition_that_saves_nothing_is_recomputed_when_backward_reaches_only_a_later_output(how):
+    layer = PairedState(SplitInTwo())
+    model = nn.Sequential(nn.Linear(4, 4), layer, TakeSecond(), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with Pipe(model, [1, 1, 2], chunks=4, checkpoint="always") as pipe:
+        if how == "forward":
+            nn.MSELoss()(pipe(x), y).backward()
+        else:
+            pipe.step(x, y, nn.MSELoss(), schedule=how)
+    nn.MSELoss()(reference(x), y).backward()
+    assert layer.pending == [] and layer.recomputed == layer.checkpointed == 4
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad)
+
+
 class RecordDropout(nn.Dropout):
     """Dropout that records each output with the phase it ran in."""
 

@@ -114,3 +114,18 @@ def test_a_schedule_that_is_neither_a_name_nor_a_plan_is_refused():
     with Pipe(make_model(2), [1, 1], chunks=2) as pipe:
         with pytest.raises(TypeError, match="schedule must be a str, one of .*, or a Plan; got 3"):
             pipe.step(torch.randn(4, 6), torch.randn(4, 6), nn.MSELoss(), schedule=3)
+
+
+@pytest.mark.parametrize("first_batch,second_batch", [(2, 8), (8, 6)])
+def test_a_plan_reused_on_a_batch_of_another_micro_batch_count_is_refused_every_time(first_batch, second_batch):
+    # chunks=4: 2 samples give 2 micro-batches, 8 give 4, 6 give 3. The first call caches the
+    # plan's program; the second must still compare the plan with its own batch.
+    plan = build("1f1b", 2, 2 if first_batch == 2 else 4)
+    model = make_model(2)
+    with Pipe(model, [1, 1], chunks=4, checkpoint="never") as pipe:
+        pipe.step(torch.randn(first_batch, 6), torch.randn(first_batch, 6), nn.MSELoss(), schedule=plan)
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(ValueError, match=f"plan '1f1b' is for {plan.num_microbatches} micro-batches, but this "
+                                             "batch splits into"):
+            pipe.step(torch.randn(second_batch, 6), torch.randn(second_batch, 6), nn.MSELoss(), schedule=plan)
+        assert all(p.grad is None for p in model.parameters())

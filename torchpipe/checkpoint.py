@@ -383,36 +383,38 @@ _WHOLE_RECOMPUTE: Dict[str, Any] = (
 
 
 class _KeepOne(torch.autograd.Function):
-    """Passes a tensor through and saves an empty one: something for backward to unpack.
+    """Passes tensors through and saves an empty one: something for backward to unpack.
 
     torch's non-reentrant checkpoint recomputes when backward unpacks a tensor saved inside
     the checkpointed region. A partition that saves nothing (``x * 2``, an identity) would
     never be recomputed, and a layer that pairs each checkpointed forward with its recompute
     (``is_checkpointing()`` / ``is_recomputing()``, as torchgpipe guarantees) would fall out
-    of step. The output is a copy, not a view: the caller may change it in place.
+    of step. Every output that requires grad goes through the one node, so a backward that
+    reaches any of them unpacks it. The outputs are copies, not views: the caller may change
+    them in place.
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(tensor.new_empty(0))
-        return tensor.clone()
+    def forward(ctx: Any, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(tensors[0].new_empty(0))
+        return tuple(t.clone() for t in tensors)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
         ctx.saved_tensors  # noqa: B018 - unpacking is the point: it starts the recompute
-        return grad
+        return grads
 
 
 def _with_kept_tensor(output: Any) -> Any:
-    """``output`` with its first tensor that requires grad passed through :class:`_KeepOne`."""
+    """``output`` with every tensor that requires grad passed through one :class:`_KeepOne`."""
     if isinstance(output, torch.Tensor):
-        return _KeepOne.apply(output)
+        return _KeepOne.apply(output)[0]
     values = list(output)
-    for i, value in enumerate(values):
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            values[i] = _KeepOne.apply(value)
-            return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)  # namedtuple
-    return output  # pragma: no cover - the caller checked that one requires grad
+    positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad]
+    for i, kept in zip(positions, _KeepOne.apply(*[values[i] for i in positions])):
+        values[i] = kept
+    return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)  # namedtuple
 
 
 def _requires_grad(output: Any) -> bool:

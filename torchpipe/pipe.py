@@ -343,6 +343,8 @@ class Pipe(nn.Module):
             ("plan", schedule) if isinstance(schedule, Plan)
             else ("step", schedule, num_microbatches, tuple(sorted((k, type(v), v) for k, v in options.items())))
         )
+        if isinstance(schedule, Plan):  # its sizes against this batch, on every call: cached or not
+            self._check_plan_fits(schedule, num_microbatches)
         try:
             cached = self._programs.get(key)  # type: ignore[arg-type]
         except TypeError:  # an unhashable option value: let build() name what it expected
@@ -350,7 +352,8 @@ class Pipe(nn.Module):
         if cached is not None:
             return cached
         if isinstance(schedule, Plan):
-            plan = self._checked_plan(schedule, num_microbatches)
+            plan = schedule
+            plan.validate()  # a Plan built directly has not been checked yet
             described = f"plan {plan.name!r}"
         else:
             plan = build(schedule, len(self.partitions), num_microbatches, **options)
@@ -371,8 +374,8 @@ class Pipe(nn.Module):
             self._programs[key] = (plan, program)
         return plan, program
 
-    def _checked_plan(self, plan: Plan, num_microbatches: int) -> Plan:
-        """``plan`` if this Pipe can run it on a batch of ``num_microbatches``; validated."""
+    def _check_plan_fits(self, plan: Plan, num_microbatches: int) -> None:
+        """ValueError unless this Pipe can run ``plan`` on a batch of ``num_microbatches``."""
         partitions = len(self.partitions)
         if plan.num_stages != partitions:
             raise ValueError(f"plan {plan.name!r} has {plan.num_stages} stages, but this Pipe has {partitions} "
@@ -386,8 +389,6 @@ class Pipe(nn.Module):
                 f"{num_microbatches} (chunks={self.chunks}, Tensor.chunk rules); build the plan for "
                 f"{num_microbatches}, or pass a batch that gives {plan.num_microbatches}"
             )
-        plan.validate()  # a Plan built directly has not been checked yet
-        return plan
 
     @property
     def last_step(self) -> Optional[StepRecord]:

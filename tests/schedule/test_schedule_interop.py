@@ -1,7 +1,10 @@
 """Plans written elsewhere: idle slots, inferred placement, CSV files, torch's schedules."""
 from __future__ import annotations
 
+import pickle
 import re
+import subprocess
+import sys
 
 import pytest
 from torch_schedules import CLASSES, torch_order, torch_schedule
@@ -121,3 +124,15 @@ def test_torch_reads_the_csv_we_write(tmp_path) -> None:
     loader(str(path), format="compute_only")
     assert {rank: [str(a) for a in actions] for rank, actions in schedule.pipeline_order.items()} == {
         w: [str(a) for a in acts] for w, acts in enumerate(plan.worker_actions)}
+
+
+def test_a_plan_from_another_process_hashes_like_its_equals_here() -> None:
+    # A plan caches its hash; str hashes differ between processes, so the cache must not
+    # travel with the pickle (a dict lookup, Pipe's program cache among them, would miss).
+    script = ("import pickle, sys; from torchpipe.schedule import build; p = build('zb-v', 4, 3); hash(p); "
+              "sys.stdout.buffer.write(pickle.dumps(p))")
+    sent = subprocess.run([sys.executable, "-c", script], capture_output=True, check=True,
+                          env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout
+    received, local = pickle.loads(sent), build("zb-v", 4, 3)
+    assert received == local and hash(received) == hash(local)
+    assert {local: "program"}[received] == "program"

@@ -96,6 +96,11 @@ class Plan:
             object.__setattr__(self, "_hash", cached)
         return cached
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Not the cached hash: str hashes differ from process to process, so a plan sent to
+        # another one must hash there like its equals do.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     # ----------------------------------------------------------------- structure
     @property
     def num_workers(self) -> int:
