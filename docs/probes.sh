@@ -208,3 +208,34 @@ for tick in (10_000, 1_000_000, 3_000_000):
         start = time.perf_counter(); plan = cache.plan_swap(keys); times.append(time.perf_counter() - start); cache.release(plan)
     print(f'LFU plan_swap after {tick:,} plans: median {sorted(times)[2] * 1e3:.1f} ms')
 "
+# torch.distributed.pipelining's multi-stage schedules run in one process through Plan.from_torch,
+# next to our named schedules, on the schedules suite's simulated-latency stages (4 workers of two
+# stages, m = 8, t = 2 ms): sim/achieved and own sim/achieved (pipe.last_report()), median of 5 steps.
+$PY -c "
+import statistics, sys, torch
+sys.path.insert(0, 'tests')
+from torch import nn
+from torch_schedules import CLASSES, torch_schedule
+from torchpipe import Pipe
+from torchpipe.bench.gpipe import measured_sleep
+from torchpipe.bench.schedules import SplitSleepLayer, _loss
+from torchpipe.schedule import Plan, build
+torch.set_num_threads(1)
+p, m, t = 4, 8, 0.002
+tm = measured_sleep(t, 50)
+costs = {'F': tm, 'I': tm, 'W': tm, 'B': 2 * tm}
+x, target = torch.randn(64, 256, requires_grad=True), torch.randn(64, 256)
+plans = [build('interleaved-1f1b', 2 * p, m, virtual_stages=2), build('zb-v', 2 * p, m)]
+plans += [Plan.from_torch(torch_schedule(name, p, m)) for name in CLASSES]
+for plan in plans:
+    model = nn.Sequential(*[SplitSleepLayer(t) for _ in range(2 * p)])
+    with Pipe(model, [1] * (2 * p), devices=['cpu'] * (2 * p), chunks=m, checkpoint='never') as pipe:
+        pipe.step(x, target, _loss, schedule=plan, reduction='sum')
+        achieved, own = [], []
+        for _ in range(5):
+            pipe.step(x, target, _loss, schedule=plan, reduction='sum')
+            achieved.append(pipe.last_step.makespan); own.append(pipe.last_report().planned_makespan)
+    sim = plan.simulate(costs).makespan
+    a = statistics.median(achieved)
+    print(f'{plan.name:30s} simulated {sim * 1e3:6.1f} ms  achieved {a * 1e3:6.1f} ms  sim/achieved {sim / a:.3f}  own {statistics.median(own) / a:.3f}')
+"
