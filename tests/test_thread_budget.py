@@ -4,6 +4,7 @@ import threading
 import torch
 from torch import nn
 
+import torchpipe.workers as workers_module
 from torchpipe import Pipe
 
 
@@ -32,11 +33,13 @@ def test_pipe_workers_do_not_change_the_callers_thread_settings():
     assert threads_of_a_new_thread() == before_new
 
 
-def test_a_budget_above_the_callers_setting_stays_on_the_workers():
+def test_a_budget_above_the_callers_setting_stays_on_the_workers(monkeypatch):
     # torch sets a new thread's OpenMP count from its process-wide default the first time the
     # thread asks; a worker that capped itself before that got the default back and then set
     # its cap with torch.set_num_threads, which is process-wide: threads the caller started
     # later ran with the worker's count.
+    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: 4)  # so that 3 is allowed on a smaller machine
     original = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -7,7 +7,6 @@ the workers.
 """
 import gc
 import inspect
-import os
 import queue
 import random
 import threading
@@ -39,7 +38,12 @@ def get(q, timeout=5.0):
 
 
 def cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return workers_module.available_cores()
+
+
+def pretend_cores(monkeypatch, count):
+    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(count)), raising=False)
+    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: count)
 
 
 # ------------------------------------------------------------------------------ Task / Worker
@@ -352,10 +356,25 @@ def test_thread_budget_rejects_bad_values(bad, error):
         ThreadBudget(bad)
 
 
+def test_more_intra_op_threads_than_cores_is_refused_before_any_thread_starts(monkeypatch):
+    pretend_cores(monkeypatch, 4)
+    before = set(threading.enumerate())
+    words = r"intra_op_threads must be at most the 4 cores this process may run on \(expected 1..4, or None"
+    with pytest.raises(ValueError, match=words + r".*got 5"):
+        ThreadBudget(5)
+    with pytest.raises(ValueError, match=words + r".*got 64"):
+        Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], intra_op_threads=64)
+    with pytest.raises(ValueError, match=words + r".*got 5"):
+        Worker("w", intra_op_threads=5)
+    with pytest.raises(ValueError, match=words + r".*got 8"):
+        HostPool(2, budget=ThreadBudget(8))
+    assert set(threading.enumerate()) == before
+    assert ThreadBudget(4).intra_op_threads == 4  # all the cores is allowed
+
+
 def test_thread_budget_arithmetic(monkeypatch):
+    pretend_cores(monkeypatch, 8)
     assert ThreadBudget(3).threads_per_worker(10) == 3
-    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: 8)
     assert ThreadBudget().threads_per_worker(1) == 8
     assert ThreadBudget().threads_per_worker(2) == 4
     assert ThreadBudget().threads_per_worker(3) == 2
@@ -374,7 +393,8 @@ class RecordThreads(nn.Module):
         return x * 1.0
 
 
-def test_explicit_budget_caps_intra_op_threads_inside_each_worker():
+def test_explicit_budget_caps_intra_op_threads_inside_each_worker(monkeypatch):
+    pretend_cores(monkeypatch, 4)  # so that a cap of 3 is allowed on a smaller machine
     log = {}
     caller_threads = torch.get_num_threads()
     model = nn.Sequential(RecordThreads(log), RecordThreads(log), RecordThreads(log))
@@ -391,8 +411,7 @@ def test_explicit_budget_caps_intra_op_threads_inside_each_worker():
 
 
 def test_default_budget_splits_the_cores_evenly_among_cpu_workers(monkeypatch):
-    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: 8)
+    pretend_cores(monkeypatch, 8)
     caller_threads = torch.get_num_threads()
     for stages, expected in ((2, 4), (4, 2), (3, 2)):
         log = {}
@@ -413,11 +432,12 @@ def test_default_budget_on_this_machine_gives_at_least_one_thread():
 
 
 def test_hostpool_budget_caps_its_threads(monkeypatch):
+    pretend_cores(monkeypatch, 2)
     with HostPool(2) as pool:  # default budget: one intra-op thread per host thread
         assert {pool.submit(torch.get_num_threads, key=k).result(timeout=5) for k in range(2)} == {1}
     with HostPool(2, budget=ThreadBudget(2)) as pool:
         assert {pool.submit(torch.get_num_threads, key=k).result(timeout=5) for k in range(2)} == {2}
-    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    pretend_cores(monkeypatch, 8)
     with HostPool(4, budget=ThreadBudget()) as pool:
         assert {pool.submit(torch.get_num_threads, key=k).result(timeout=5) for k in range(4)} == {2}
 

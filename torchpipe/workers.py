@@ -35,6 +35,7 @@ __all__ = [
     "Worker",
     "HostPool",
     "ThreadBudget",
+    "available_cores",
     "spawn_workers",
     "Report",
 ]
@@ -78,6 +79,27 @@ class Task:
 
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS reports one, else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_intra_op_threads(value: Any, name: str = "intra_op_threads") -> Optional[int]:
+    """A positive int up to :func:`available_cores`, or None; else TypeError/ValueError.
+
+    More threads than cores is refused: the cap exists so that workers do not oversubscribe
+    the cores, and OpenMP would start that many threads in each worker that asked.
+    """
+    threads = check_positive_int(name, value, allow_none=True)
+    cores = available_cores()
+    if threads is not None and threads > cores:
+        raise ValueError(f"{name} must be at most the {cores} cores this process may run on "
+                         f"(expected 1..{cores}, or None for an even split), got {value!r}")
+    return threads
+
+
 @dataclass(frozen=True)
 class ThreadBudget:
     """How many intra-op threads each worker thread may use.
@@ -91,14 +113,12 @@ class ThreadBudget:
 
     def __post_init__(self) -> None:
         # A plain int: threadpoolctl takes nothing else (a NumPy int would fail in the thread).
-        object.__setattr__(self, "intra_op_threads",
-                           check_positive_int("intra_op_threads", self.intra_op_threads, allow_none=True))
+        object.__setattr__(self, "intra_op_threads", check_intra_op_threads(self.intra_op_threads))
 
     def threads_per_worker(self, workers_sharing_cores: int) -> int:
         if self.intra_op_threads is not None:
             return self.intra_op_threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, cores // max(1, workers_sharing_cores))
+        return max(1, available_cores() // max(1, workers_sharing_cores))
 
 
 def _limit_intra_op_threads(threads: int) -> Any:
@@ -136,7 +156,7 @@ class Worker:
         stream: Any = None,
         intra_op_threads: Optional[int] = None,
     ) -> None:
-        intra_op_threads = check_positive_int("intra_op_threads", intra_op_threads, allow_none=True)
+        intra_op_threads = check_intra_op_threads(intra_op_threads)
         if out_queue is not None and not callable(getattr(out_queue, "put", None)):
             raise TypeError(f"out_queue must be a queue (with put), got {out_queue!r}")
         self.name = name

@@ -56,6 +56,16 @@ def test_device_threads_must_be_a_positive_int_or_none(kind: str, value, error: 
     refused(kind, error, f"device_threads must be a positive int or None, got {value!r}", device_threads=value)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_device_threads_above_the_cores_is_refused(kind: str, monkeypatch) -> None:
+    import torchpipe.workers as workers_module
+
+    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: 2)
+    refused(kind, ValueError, r"device_threads must be at most the 2 cores this process may run on .*got 3",
+            device_threads=3)
+
+
 @pytest.mark.parametrize("kind", ["staged", "sparse_dist", "emb_cache"])
 @pytest.mark.parametrize("value, error", [(-1, ValueError), ("1", TypeError), (1.0, TypeError)])
 def test_host_threads_must_be_an_int_of_at_least_zero(kind: str, value, error: type) -> None:

@@ -38,6 +38,7 @@ from torch import nn
 from .registry import Options
 from .report import Column, SuiteResult, Table, print_suite
 from .timing import compare
+from ..workers import available_cores
 
 DENSE_IN = 13
 
@@ -141,7 +142,7 @@ def build_torchpipe(cfg: RecConfig, cache_rows: int, overlap: bool):
     ebc = CachedEmbeddingBagCollection(table_configs(cfg), cache_rows, optimizer=RowWiseAdagrad(lr=0.01),
                                        weights=weights)
     model = DLRMLike(ebc, cfg)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = available_cores()
     pipe = EmbCacheTrainPipeline(model, dense_optimizer(model), host_threads=cfg.host_threads,
                                  device_threads=max(1, cores - 1), overlap=overlap)
     return model, pipe

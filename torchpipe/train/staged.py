@@ -31,9 +31,9 @@ import torch
 
 from .. import call_chain
 from ..devices import Backend, get_backend, usable_device
-from ..checks import check_bool, check_nonnegative_int, check_positive_int
+from ..checks import check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
-from ..workers import ThreadBudget, Worker, stop_workers
+from ..workers import Worker, available_cores, check_intra_op_threads, stop_workers
 from .schedule import Clock, ClockSchedule, schedule_table
 
 __all__ = ["PipelineStage", "StagedPipeline", "PipelineFailure"]
@@ -141,7 +141,7 @@ def _record_streams(value: Any, stream: Any, backend: Backend, device_type: str,
 def check_pipeline_options(host_threads: Any, device_threads: Any, overlap: Any, keep_records: Any) -> None:
     """The thread and bookkeeping options every staged pipeline takes, checked before anything starts."""
     check_nonnegative_int("host_threads", host_threads)
-    check_positive_int("device_threads", device_threads, allow_none=True)
+    check_intra_op_threads(device_threads, "device_threads")
     check_bool("overlap", overlap)
     check_nonnegative_int("keep_records", keep_records)
 
@@ -187,7 +187,7 @@ class StagedPipeline:
         self.overlap = overlap
         self._admit, self._on_abort, self._on_failure, self._after_clock = admit, on_abort, on_failure, after_clock
 
-        cores = ThreadBudget().threads_per_worker(1)
+        cores = available_cores()
         if device_threads is None:
             device_threads = max(1, cores - (1 if host_threads else 0)) if self.device.type == "cpu" else 1
         workers: List[Worker] = []
