@@ -28,7 +28,7 @@ from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build
 from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
-from .step_inputs import microbatch_weights, split_targets
+from .step_inputs import Upstream, microbatch_weights, split_targets
 from .step_report import StepReport, report
 from .thread_state import in_torch_checkpoint
 from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, spawn_workers, stop_workers
@@ -477,6 +477,8 @@ class Pipe(nn.Module):
             raise ValueError(f"reduction must be 'mean' or 'sum' (got {reduction!r}); pass reduction= for a custom loss_fn")
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipe.step computes gradients; it cannot run under torch.no_grad()")
+        upstream = Upstream()
+        input, target = upstream.cut(input), upstream.cut(target)
         batches = scatter(input, self.chunks)
         batch_size = sum(next(b.tensors()).size(0) for b in batches)
         if batch_size == 0:
@@ -495,6 +497,7 @@ class Pipe(nn.Module):
         context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages),
                               keep_outputs=return_outputs)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn))
+        upstream.backward()
         self.last_memory = context.memory
         losses = [loss for loss in context.losses]
         device = losses[-1].device  # type: ignore[union-attr]

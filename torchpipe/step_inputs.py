@@ -6,17 +6,54 @@ With ``reduction='mean'`` the weight is the micro-batch's share of the loss's de
 its share of the samples for most losses, but for ``CrossEntropyLoss`` and ``NLLLoss`` with
 class-index targets the denominator is the (class-weighted) count of targets that are not
 ``ignore_index``, so padding in one micro-batch must not skew the others.
+
+An input or target that is itself the output of a graph built before the step (an encoder
+run outside the pipeline) is cut from that graph for the step (:func:`cut_upstream`):
+every micro-batch's backward would otherwise walk the shared upstream graph, and the second
+one would find its buffers freed. The step's gradients for it are summed on a stand-in
+leaf and sent upstream once, after the step, as one ``loss.backward()`` would.
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .microbatch import Batch, scatter
+from .microbatch import Batch, rebuild, scatter
 
-__all__ = ["split_targets", "microbatch_weights"]
+__all__ = ["split_targets", "microbatch_weights", "Upstream"]
+
+
+class Upstream:
+    """The step's inputs and targets that carry a graph from before the step, and their stand-ins."""
+
+    def __init__(self) -> None:
+        self._leaves: Dict[int, Tuple[Tensor, Tensor]] = {}  # id(original) -> (original, stand-in leaf)
+
+    def cut(self, value: Any) -> Any:
+        """``value`` (a tensor or a tuple) with each non-leaf tensor that requires grad replaced by
+        a leaf of the same data; the same tensor twice gets one leaf, so its gradients add up."""
+        if isinstance(value, Tensor):
+            return self._cut_one(value)
+        if isinstance(value, tuple):
+            return rebuild(value, [self._cut_one(v) if isinstance(v, Tensor) else v for v in value])
+        return value
+
+    def _cut_one(self, tensor: Tensor) -> Tensor:
+        if not tensor.requires_grad or tensor.grad_fn is None:
+            return tensor
+        known = self._leaves.get(id(tensor))
+        if known is None:
+            known = self._leaves[id(tensor)] = (tensor, tensor.detach().requires_grad_(True))
+        return known[1]
+
+    def backward(self) -> None:
+        """Send what the step accumulated on the stand-ins into the graph before the step, once."""
+        pairs = [(original, leaf.grad) for original, leaf in self._leaves.values() if leaf.grad is not None]
+        self._leaves.clear()
+        if pairs:
+            torch.autograd.backward([original for original, _ in pairs], [grad for _, grad in pairs])
 
 
 def split_targets(target: Any, batch_size: int, num_microbatches: int, chunks: int) -> List[Any]:
@@ -51,6 +88,7 @@ def _counted_targets(loss_fn: Any) -> bool:
 
 def _target_weight(loss_fn: Any, target: Tensor) -> float:
     """The denominator ``loss_fn`` uses for ``target`` under ``reduction='mean'``."""
+    target = target.long()  # torch takes uint8 class indices too; indexing with them would mask
     kept = target != loss_fn.ignore_index
     if loss_fn.weight is None:
         return float(kept.sum())

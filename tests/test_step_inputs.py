@@ -1,0 +1,116 @@
+"""Pipe.step's inputs and targets: graphs built before the step, and how targets weigh micro-batches."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from torchpipe import Pipe
+
+SCHEDULES = [("gpipe", {}, [2, 2]), ("1f1b", {}, [2, 2]), ("zb-h1", {}, [1, 3]),
+             ("interleaved-1f1b", {"virtual_stages": 2}, [1, 1, 1, 1]), ("zb-v", {}, [1, 1, 1, 1])]
+
+
+class CountBackward(torch.autograd.Function):
+    """Identity that counts how often autograd runs its backward."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        CountBackward.calls += 1
+        return grad
+
+
+def body():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+
+
+def assert_same_grads(modules, references):
+    for module, reference in zip(modules, references):
+        for (name, param), expected in zip(module.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# Regression: an input or target computed by trainable modules before the step was
+# back-propagated into once per micro-batch, so the second micro-batch found the upstream
+# graph's buffers freed ("backward through the graph a second time") and the first one's
+# gradients stayed on the upstream parameters.
+@pytest.mark.parametrize("schedule,options,balance", SCHEDULES)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_an_input_and_target_from_trainable_modules_get_the_plain_gradients_once(schedule, options, balance,
+                                                                                 checkpoint, chunks):
+    torch.manual_seed(0)
+    encoder, other, model = nn.Linear(4, 4), nn.Linear(4, 2), body()
+    references = [copy.deepcopy(m) for m in (encoder, other, model)]
+    x = torch.randn(7, 4)
+
+    hidden = references[0](x)
+    expected = nn.MSELoss()(references[2](hidden), references[1](x) + hidden[:, :2])
+    expected.backward()
+
+    CountBackward.calls = 0
+    with Pipe(model, balance, chunks=chunks, checkpoint=checkpoint) as pipe:
+        hidden = CountBackward.apply(encoder(x))
+        loss = pipe.step(hidden, other(x) + hidden[:, :2], nn.MSELoss(), schedule=schedule, **options)
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads((encoder, other, model), references)
+    assert CountBackward.calls == 1, "the graph before the step was walked once per micro-batch"
+
+
+def test_one_upstream_tensor_used_twice_in_a_tuple_input_gets_both_gradients():
+    class TakeTwo(nn.Module):
+        def forward(self, pair):
+            a, b = pair
+            return a * 2 + b.tanh()
+
+    encoder, model = nn.Linear(3, 3), nn.Sequential(TakeTwo(), nn.Linear(3, 2))
+    ref_encoder, ref_model = copy.deepcopy(encoder), copy.deepcopy(model)
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+    h = ref_encoder(x)
+    nn.MSELoss()(ref_model((h, h)), y).backward()
+    with Pipe(model, [1, 1], chunks=2) as pipe:
+        h = encoder(x)
+        pipe.step((h, h), y, nn.MSELoss())
+    assert_same_grads((encoder, model), (ref_encoder, ref_model))
+
+
+def test_a_failed_step_sends_nothing_into_the_graph_before_it():
+    encoder, model = nn.Linear(4, 4), body()
+    x = torch.randn(8, 4)
+    with Pipe(model, [2, 2], chunks=4) as pipe:
+        bad_target = torch.randn(8, 3)  # the output has 2 features: MSELoss fails in the first micro-batch
+        with pytest.raises(RuntimeError), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # MSELoss warns about the broadcast before failing
+            pipe.step(encoder(x), bad_target, nn.MSELoss())
+        assert encoder.weight.grad is None and encoder.bias.grad is None
+        pipe.step(encoder(x), torch.randn(8, 2), nn.MSELoss())  # and the next step works
+    assert encoder.weight.grad is not None
+
+
+# Regression: uint8 class indices (torch's losses take them) indexed the class weights as a
+# boolean mask: a wrong micro-batch weighting (loss and gradients off by about 1 %) or an
+# IndexError, depending on the labels.
+@pytest.mark.parametrize("labels", [[3, 3, 3, 3, 1, 1, 2, 2], [0, 3, 3, 3, 1, 1, 0, 2]])
+@pytest.mark.parametrize("loss_class", [nn.CrossEntropyLoss, nn.NLLLoss])
+def test_uint8_class_indices_with_class_weights_weigh_micro_batches_like_long_ones(labels, loss_class):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.LogSoftmax(dim=1))
+    reference = copy.deepcopy(model)
+    loss_fn = loss_class(weight=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    x = torch.randn(8, 4)
+    target = torch.tensor(labels, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates uint8 targets but takes them
+        expected = loss_fn(reference(x), target.long())
+        expected.backward()
+        with Pipe(model, [2, 2], chunks=2) as pipe:
+            loss = pipe.step(x, target, loss_fn)
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads((model,), (reference,))
