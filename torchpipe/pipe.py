@@ -11,7 +11,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -410,6 +410,8 @@ class Pipe(nn.Module):
     # ------------------------------------------------------------------ running
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Run ``input`` through the pipeline: micro-batches, worker threads, gathered output."""
+        if torch.compiler.is_compiling():
+            return _outside_compile(Pipe.forward)(self, input)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
         batches = scatter(input, self.chunks)
@@ -457,6 +459,9 @@ class Pipe(nn.Module):
         the whole mini-batch, detached and gathered as ``pipe(x)`` gathers it (for metrics,
         without a second forward); the last stage then keeps its outputs until the step ends.
         """
+        if torch.compiler.is_compiling():
+            return _outside_compile(Pipe.step)(self, input, target, loss_fn, schedule, reduction=reduction,
+                                               return_outputs=return_outputs, **options)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
         if not callable(loss_fn):
@@ -662,3 +667,16 @@ class Pipe(nn.Module):
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)
         return f"balance={self.balance}, devices=[{devices}], chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+
+
+def _outside_compile(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` run eagerly when ``torch.compile`` traces a call to it.
+
+    A pipeline's step is threads, queues and locks, which torch's compiler cannot trace (it
+    failed on a guard of its own); compiled, a ``Pipe`` therefore runs as it does uncompiled,
+    with the layers inside compiled only where they are wrapped in ``torch.compile`` themselves.
+    torch's compiler is imported only here, where it is running already.
+    """
+    import torch._dynamo
+
+    return torch._dynamo.disable(method, recursive=True)
