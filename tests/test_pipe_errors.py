@@ -49,6 +49,33 @@ def test_bad_checkpoint_mode(mode):
         Pipe(model(), [2, 2], checkpoint=mode)
 
 
+# Regression: the settings were plain attributes, so a bad value set after construction
+# surfaced later as a bare KeyError ('sometimes') or torch's chunk() error.
+@pytest.mark.parametrize("name, value, words", [
+    ("checkpoint", "sometimes", r"checkpoint is not one of 'always', 'except_last', or 'never' \(got 'sometimes'\)"),
+    ("chunks", "4", r"number of chunks must be a positive integer, got '4'"),
+    ("chunks", 0, r"number of chunks must be a positive integer, got 0"),
+])
+def test_settings_changed_after_construction_are_checked_when_set(name, value, words):
+    from torchpipe import is_checkpointing
+
+    seen = []
+
+    class Record(nn.Module):
+        def forward(self, x):
+            seen.append((x.size(0), is_checkpointing()))
+            return x * 2
+
+    with Pipe(nn.Sequential(nn.Linear(2, 2), Record()), [1, 1], chunks=2) as pipe:
+        with pytest.raises(ValueError, match=words):
+            setattr(pipe, name, value)
+        assert (pipe.chunks, pipe.checkpoint) == (2, "except_last")
+        pipe.chunks, pipe.checkpoint = 3, "always"  # valid values take effect on the next call
+        pipe(torch.randn(6, 2))
+        assert (pipe.chunks, pipe.checkpoint) == (3, "always")
+    assert seen == [(2, True)] * 3
+
+
 def test_too_few_devices_is_an_index_error():
     with pytest.raises(IndexError, match="devices: 2, partitions: 3"):
         Pipe(model(3), [1, 1, 1], devices=["cpu", "cpu"])

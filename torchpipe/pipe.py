@@ -25,7 +25,7 @@ from .lowering import ForwardContext, StageRunner, lower_forward
 from .microbatch import Batch, TensorOrTensors, gather, scatter
 from .partition import BalanceError, as_positive_int, infer_placement, split_module, verify_balance, verify_module
 from .runtime import Program, Runtime, StepRecord
-from .schedule import SCHEDULES, Plan, build
+from .schedule import SCHEDULES, Plan, build, schedule_options
 from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import Upstream, microbatch_weights, split_targets
@@ -85,8 +85,8 @@ def _moved(watched: List[Tuple[torch.Generator, Tensor]]) -> bool:
     return any(not torch.equal(generator_state(g), before) for g, before in watched)
 
 
-_OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "deferred_batch_norm", "last_memory", "_device_types",
-                   "_intra_op_threads")
+_OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "_chunks", "_checkpoint", "deferred_batch_norm",
+                   "last_memory", "_device_types", "_intra_op_threads")
 
 
 def _check_child_names(module: nn.Sequential) -> None:
@@ -391,6 +391,24 @@ class Pipe(nn.Module):
             )
 
     @property
+    def chunks(self) -> int:
+        """Micro-batches per mini-batch (at most: ``Tensor.chunk`` rules); may be changed between steps."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: Any) -> None:
+        self._chunks = _check_chunks(value)
+
+    @property
+    def checkpoint(self) -> str:
+        """``'always'``, ``'except_last'`` or ``'never'``; may be changed between steps."""
+        return self._checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, value: Any) -> None:
+        self._checkpoint = _check_checkpoint(value)
+
+    @property
     def last_step(self) -> Optional[StepRecord]:
         """Timings of the most recent step: ``bubble_ratio``, ``chrome_trace()``."""
         return self._runtime.last_step
@@ -435,6 +453,7 @@ class Pipe(nn.Module):
         *,
         reduction: Optional[str] = None,
         return_outputs: bool = False,
+        losses: Optional[List[Tensor]] = None,
         **options: Any,
     ) -> Union[Tensor, Tuple[Tensor, TensorOrTensors]]:
         """Forward, loss and backward of every micro-batch, all on the workers, in plan order.
@@ -458,10 +477,14 @@ class Pipe(nn.Module):
         With ``return_outputs=True`` it returns ``(loss, output)``: the model's output for
         the whole mini-batch, detached and gathered as ``pipe(x)`` gathers it (for metrics,
         without a second forward); the last stage then keeps its outputs until the step ends.
+
+        ``losses``: a list that, once the step has succeeded, holds each micro-batch's own
+        loss (detached, before its weight), in micro-batch order, as in torch's pipelining
+        ``step(..., losses=)``; its old items are removed.
         """
         if torch.compiler.is_compiling():
             return _outside_compile(Pipe.step)(self, input, target, loss_fn, schedule, reduction=reduction,
-                                               return_outputs=return_outputs, **options)
+                                               return_outputs=return_outputs, losses=losses, **options)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
         if not callable(loss_fn):
@@ -474,12 +497,23 @@ class Pipe(nn.Module):
             raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}, or a Plan; got {schedule!r}")
         elif schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}, or a Plan")
+        else:
+            unknown = sorted(set(options) - set(schedule_options(schedule)))
+            if unknown:
+                raise TypeError(f"Pipe.step got unexpected keyword argument(s) {unknown}: its own are reduction, "
+                                f"return_outputs and losses, and schedule {schedule!r} takes "
+                                f"{schedule_options(schedule) or 'no options'}")
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list to fill with each micro-batch's loss, or None; got {losses!r}")
         if reduction is None:
             reduction = getattr(loss_fn, "reduction", "mean")
+        if reduction == "batchmean":  # KLDivLoss: the sum over the batch divided by its size
+            reduction = "mean"
         if not isinstance(return_outputs, bool):
             raise TypeError(f"return_outputs must be a bool, got {return_outputs!r}")
         if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum' (got {reduction!r}); pass reduction= for a custom loss_fn")
+            raise ValueError(f"reduction must be 'mean', 'batchmean' or 'sum' (got {reduction!r}); "
+                             "pass reduction= for a custom loss_fn")
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipe.step computes gradients; it cannot run under torch.no_grad()")
         upstream = Upstream()
@@ -504,11 +538,13 @@ class Pipe(nn.Module):
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn))
         upstream.backward()
         self.last_memory = context.memory
-        losses = [loss for loss in context.losses]
-        device = losses[-1].device  # type: ignore[union-attr]
+        each = cast(List[Tensor], context.losses)
+        device = each[-1].device
         # A micro-batch of weight 0 (every target ignored) has a NaN loss that must not count.
-        counted = [(loss, scale) for loss, scale in zip(losses, scales) if scale != 0] or list(zip(losses, scales))
-        total = torch.stack([loss.to(device) * scale for loss, scale in counted]).sum()  # type: ignore[union-attr]
+        counted = [(loss, scale) for loss, scale in zip(each, scales) if scale != 0] or list(zip(each, scales))
+        total = torch.stack([loss.to(device) * scale for loss, scale in counted]).sum()
+        if losses is not None:
+            losses[:] = each
         if return_outputs:
             return total, gather(cast(List[Batch], context.outputs))
         return total

@@ -154,3 +154,14 @@ def test_plan_arguments_of_the_wrong_shape_are_named(make, error, words) -> None
     """A str passed for a list was read character by character ('cannot parse action 0')."""
     with pytest.raises(error, match=words):
         make()
+
+
+def test_a_micro_batch_typo_says_where_the_inferred_count_came_from() -> None:
+    # 1F2 is a typo for 1F1: it made the plan count 3 micro-batches, and the error named only
+    # the missing 0F2, on the other worker.
+    with pytest.raises(InvalidPlanError, match=r"missing action 0F2 .*the plan's 3 micro-batches were counted from "
+                                               r"the highest index in the lists \(1F2 on worker 1\): pass "
+                                               r"num_microbatches="):
+        Plan.from_lists("typo", [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F2", "1B1"]])
+    with pytest.raises(InvalidPlanError, match=r"missing action 0F2 \(every stage runs F for every micro-batch\)$"):
+        Plan.from_lists("typo", [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F2", "1B1"]], num_microbatches=3)

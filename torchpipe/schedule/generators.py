@@ -13,7 +13,7 @@ from .action import BACKWARD, FORWARD, INPUT_GRAD, Action
 from .greedy import fill_weight_grads, greedy_order
 from .plan import Plan
 
-__all__ = ["SCHEDULES", "build"]
+__all__ = ["SCHEDULES", "build", "schedule_options"]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -147,6 +147,12 @@ SCHEDULES: tuple[str, ...] = tuple(_GENERATORS)
 """Names accepted by ``build``."""
 
 
+def schedule_options(name: str) -> list[str]:
+    """The keyword options schedule ``name`` takes (see :func:`build`); ``name`` must be known."""
+    params = inspect.signature(_GENERATORS[name]).parameters.values()
+    return [prm.name for prm in params if prm.kind is prm.KEYWORD_ONLY]
+
+
 def build(name: str, num_stages: int, num_microbatches: int, **options: Any) -> Plan:
     """Generate a schedule by name; the result is validated before it is returned.
 
@@ -161,8 +167,7 @@ def build(name: str, num_stages: int, num_microbatches: int, **options: Any) -> 
     p = _positive_int("num_stages", num_stages)
     m = _positive_int("num_microbatches", num_microbatches)
     generator = _GENERATORS[name]
-    params = inspect.signature(generator).parameters.values()
-    accepted = [prm.name for prm in params if prm.kind is prm.KEYWORD_ONLY]
+    accepted = schedule_options(name)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise TypeError(f"schedule {name!r} does not take option(s) {unknown}; it takes {accepted or 'none'}")

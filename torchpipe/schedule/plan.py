@@ -195,6 +195,7 @@ class Plan:
             num_stages = max((a.stage for a in everything), default=-1) + 1
             if stage_to_worker is not None:
                 num_stages = max(num_stages, len(stage_to_worker))
+        inferred_microbatches = num_microbatches is None
         if num_microbatches is None:
             num_microbatches = max((a.microbatch for a in everything), default=-1) + 1
         if stage_to_worker is None:
@@ -202,7 +203,19 @@ class Plan:
                 raise InvalidPlanError(f"plan {name!r} has no workers")
             stage_to_worker = _inferred_placement(worker_actions, num_stages)
         plan = cls(name, num_stages, num_microbatches, tuple(stage_to_worker), worker_actions)
-        plan.validate()
+        try:
+            plan.validate()
+        except InvalidPlanError as exc:
+            if not (inferred_microbatches and str(exc).startswith("missing action")):
+                raise
+            # A typo in a micro-batch index ("1F2" for "1F1") raises the inferred count and
+            # shows up as actions missing elsewhere: say where the count came from.
+            last = [f"{a} on worker {w}" for w, acts in enumerate(worker_actions) for a in acts
+                    if a.microbatch == num_microbatches - 1]
+            raise InvalidPlanError(f"{exc}; the plan's {num_microbatches} micro-batches were counted from the "
+                                   f"highest index in the lists ({', '.join(last[:3])}"
+                                   f"{', ...' if len(last) > 3 else ''}): pass num_microbatches= if that is "
+                                   "not the count you meant") from None
         return plan
 
     @classmethod
