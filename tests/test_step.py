@@ -274,7 +274,8 @@ def test_bad_arguments():
             pipe.step(torch.randn(4, 8), torch.randn(3, 8), nn.MSELoss())  # would split in 2 and broadcast
         with pytest.raises(ValueError, match="target has no batch dimension"):
             pipe.step(torch.randn(4, 8), torch.tensor(1.0), nn.MSELoss())
-        with pytest.raises(TypeError, match="target must be a tensor or a tuple of tensors.*got list"):
+        with pytest.raises(TypeError, match=r"target must be a tensor, a tuple of tensors \(split along dim 0 like "
+                                            r"the input\) or None; got list"):
             pipe.step(torch.randn(4, 8), [0, 1, 2, 3], nn.MSELoss())
         with pytest.raises(ValueError, match="input batch is empty"):
             pipe.step(torch.randn(0, 8), torch.randn(0, 8), nn.MSELoss())

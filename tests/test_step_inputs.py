@@ -171,3 +171,28 @@ def test_kl_divergence_with_batchmean_weighs_micro_batches_by_samples():
         loss = pipe.step(x, y, loss_fn)
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads((model,), (reference,))
+
+
+@pytest.mark.parametrize("schedule,options,balance", SCHEDULES[1:3])
+def test_a_model_that_computes_its_own_loss_takes_target_none(schedule, options, balance):
+    class MeanSquare(nn.Module):  # the last layer is the loss: one value per sample
+        def forward(self, x):
+            return x.pow(2).mean(dim=1)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2), MeanSquare())
+    reference = copy.deepcopy(model)
+    x = torch.randn(7, 4)
+    expected = reference(x).mean()
+    expected.backward()
+    seen = []
+
+    def loss_fn(per_sample, target):
+        seen.append(target)
+        return per_sample.mean()
+
+    with Pipe(model, balance, chunks=3) as pipe:
+        loss = pipe.step(x, None, loss_fn, schedule=schedule, **options)
+    assert seen == [None] * 3
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads((model,), (reference,))

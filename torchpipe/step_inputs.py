@@ -61,9 +61,13 @@ def split_targets(target: Any, batch_size: int, num_microbatches: int, chunks: i
 
     Every tensor in the target must have the input's batch size along dim 0: a shorter one
     would otherwise split into the same number of micro-batches and broadcast silently.
+    ``None`` (a model whose last stage computes its own loss) is passed to every micro-batch's
+    ``loss_fn`` as it is, as torch's pipelining schedules do.
     """
+    if target is None:
+        return [None] * num_microbatches
     if not isinstance(target, (Tensor, tuple)):
-        raise TypeError(f"target must be a tensor or a tuple of tensors, split along dim 0 like the input; "
+        raise TypeError(f"target must be a tensor, a tuple of tensors (split along dim 0 like the input) or None; "
                         f"got {type(target).__name__}")
     tensors = [target] if isinstance(target, Tensor) else [v for v in target if isinstance(v, Tensor)]
     if not tensors:
