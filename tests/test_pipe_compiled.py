@@ -8,6 +8,8 @@ from torch import nn
 from torchpipe import Pipe
 
 pytest.importorskip("torch._dynamo")
+# torch's compiler, imported here, uses its own deprecated torch.jit.script_method.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def model():
