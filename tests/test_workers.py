@@ -542,3 +542,33 @@ def test_host_pool_submit_racing_close_runs_the_task_or_refuses_it():
     assert future.result(timeout=5) == 42
     with pytest.raises(RuntimeError, match="HostPool is closed"):
         pool.submit(lambda: 0)
+
+
+# Regression: a Pipe copied or unpickled where fewer cores are available than its
+# intra_op_threads (a checkpoint from a bigger machine, a taskset) failed to start its workers.
+SEEN_THREADS = []
+
+
+class RecordThreadsGlobally(nn.Module):
+    """Records into a module-level list, which a copied or unpickled layer still reaches."""
+
+    def forward(self, x):
+        SEEN_THREADS.append(torch.get_num_threads())
+        return x * 1.0
+
+
+def test_a_pipe_restored_with_fewer_cores_caps_its_workers_to_them(monkeypatch):
+    import copy
+    import pickle
+
+    pretend_cores(monkeypatch, 4)
+    pipe = Pipe(nn.Sequential(RecordThreadsGlobally(), RecordThreadsGlobally()), [1, 1], chunks=2,
+                intra_op_threads=3)
+    data = pickle.dumps(pipe)
+    pretend_cores(monkeypatch, 2)
+    for restored in (copy.deepcopy(pipe), pickle.loads(data)):
+        with restored:
+            SEEN_THREADS.clear()
+            restored(torch.randn(4, 2))
+            assert SEEN_THREADS and set(SEEN_THREADS) == {2}
+    pipe.close()

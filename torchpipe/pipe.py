@@ -31,7 +31,7 @@ from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import Upstream, microbatch_weights, split_targets
 from .step_report import StepReport, report
 from .thread_state import in_torch_checkpoint
-from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, spawn_workers, stop_workers
+from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, available_cores, spawn_workers, stop_workers
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
 
@@ -239,7 +239,12 @@ class Pipe(nn.Module):
     def _start_workers(self) -> None:
         device_list = self.devices
         partitions = list(self.partitions)
-        workers = spawn_workers(device_list, name="torchpipe-stage", budget=ThreadBudget(self._intra_op_threads))
+        threads = self._intra_op_threads
+        if threads is not None:
+            # Checked against the cores when it was given; a copy or an unpickled Pipe may
+            # start on a machine (or an affinity mask) with fewer: use at most those.
+            threads = min(threads, available_cores())
+        workers = spawn_workers(device_list, name="torchpipe-stage", budget=ThreadBudget(threads))
         try:
             self._workers: List[Worker] = workers
             self._runtime = Runtime(workers)

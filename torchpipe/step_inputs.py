@@ -62,7 +62,7 @@ def split_targets(target: Any, batch_size: int, num_microbatches: int, chunks: i
     Every tensor in the target must have the input's batch size along dim 0: a shorter one
     would otherwise split into the same number of micro-batches and broadcast silently.
     ``None`` (a model whose last stage computes its own loss) is passed to every micro-batch's
-    ``loss_fn`` as it is, as torch's pipelining schedules do.
+    ``loss_fn`` as it is.
     """
     if target is None:
         return [None] * num_microbatches
