@@ -8,7 +8,7 @@ class-index targets the denominator is the (class-weighted) count of targets tha
 ``ignore_index``, so padding in one micro-batch must not skew the others.
 
 An input or target that is itself the output of a graph built before the step (an encoder
-run outside the pipeline) is cut from that graph for the step (:func:`cut_upstream`):
+run outside the pipeline) is cut from that graph for the step (:class:`Upstream`):
 every micro-batch's backward would otherwise walk the shared upstream graph, and the second
 one would find its buffers freed. The step's gradients for it are summed on a stand-in
 leaf and sent upstream once, after the step, as one ``loss.backward()`` would.
