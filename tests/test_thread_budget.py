@@ -2,9 +2,9 @@
 import threading
 
 import torch
+from thread_helpers import pretend_cores
 from torch import nn
 
-import torchpipe.workers as workers_module
 from torchpipe import Pipe
 
 
@@ -38,8 +38,7 @@ def test_a_budget_above_the_callers_setting_stays_on_the_workers(monkeypatch):
     # thread asks; a worker that capped itself before that got the default back and then set
     # its cap with torch.set_num_threads, which is process-wide: threads the caller started
     # later ran with the worker's count.
-    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
-    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: 4)  # so that 3 is allowed on a smaller machine
+    pretend_cores(monkeypatch, 4)  # so that 3 is allowed on a smaller machine
     original = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

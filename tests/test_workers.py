@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from thread_helpers import wait_until_gone
+from thread_helpers import pretend_cores, wait_until_gone
 from torch import nn
 
 import torchpipe.profiling
@@ -39,11 +39,6 @@ def get(q, timeout=5.0):
 
 def cores():
     return workers_module.available_cores()
-
-
-def pretend_cores(monkeypatch, count):
-    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(count)), raising=False)
-    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: count)
 
 
 # ------------------------------------------------------------------------------ Task / Worker

@@ -6,6 +6,14 @@ import pytest
 import torch
 
 
+def pretend_cores(monkeypatch, count):
+    """Make torchpipe see ``count`` cores (its affinity mask and ``os.cpu_count``) for one test."""
+    import torchpipe.workers as workers_module
+
+    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(count)), raising=False)
+    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: count)
+
+
 def torchpipe_threads():
     """The live threads torchpipe started (workers and host pools are named 'torchpipe...')."""
     return {t for t in threading.enumerate() if t.name.startswith("torchpipe")}

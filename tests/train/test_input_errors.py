@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from thread_helpers import pretend_cores
 from torch import nn
 from train_helpers import build, drain, make_batches, make_tables, reference_run
 
@@ -58,10 +59,7 @@ def test_device_threads_must_be_a_positive_int_or_none(kind: str, value, error: 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_device_threads_above_the_cores_is_refused(kind: str, monkeypatch) -> None:
-    import torchpipe.workers as workers_module
-
-    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: 2)
+    pretend_cores(monkeypatch, 2)
     refused(kind, ValueError, r"device_threads must be at most the 2 cores this process may run on .*got 3",
             device_threads=3)
 
