@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from torchpipe import Pipe
 
@@ -146,13 +147,12 @@ def test_losses_is_left_alone_by_a_failed_step_and_must_be_a_list():
     assert all(p.grad is None for p in model.parameters())
 
 
-# Regression: a keyword Pipe.step does not know (torch pipelining's loss_kwargs, an input
-# keyword) was blamed on the schedule ("schedule '1f1b' does not take option(s)").
+# Regression: a keyword Pipe.step does not know (an input keyword) was blamed on the schedule ("schedule '1f1b' does not take option(s)").
 @pytest.mark.parametrize("schedule, takes", [("1f1b", "no options"), ("interleaved-1f1b", r"\['virtual_stages'\]")])
 def test_an_unknown_keyword_names_step_own_keywords_and_the_schedules_options(schedule, takes):
     with Pipe(body(), [1, 1, 1, 1], chunks=2) as pipe:
         with pytest.raises(TypeError, match=r"Pipe.step got unexpected keyword argument\(s\) \['attention_mask'\]: "
-                                            r"its own are reduction, return_outputs and losses, and schedule "
+                                            r"its own are reduction, return_outputs, losses and loss_kwargs, and schedule "
                                             rf"'{schedule}' takes {takes}"):
             pipe.step(torch.randn(4, 4), torch.randn(4, 2), nn.MSELoss(), schedule=schedule,
                       attention_mask=torch.ones(4))
@@ -196,3 +196,29 @@ def test_a_model_that_computes_its_own_loss_takes_target_none(schedule, options,
     assert seen == [None] * 3
     torch.testing.assert_close(loss, expected.detach())
     assert_same_grads((model,), (reference,))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_loss_kwargs_reach_every_micro_batchs_loss_and_a_reduction_in_them_counts(schedule):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(7, 4), torch.randint(0, 3, (7,))
+    for loss_kwargs in ({"label_smoothing": 0.2}, {"label_smoothing": 0.2, "reduction": "sum"}):
+        reference = copy.deepcopy(model)
+        expected = F.cross_entropy(reference(x), y, **loss_kwargs)
+        expected.backward()
+        with Pipe(copy.deepcopy(model), [2, 1], chunks=3) as pipe:
+            each: list = []
+            loss = pipe.step(x, y, F.cross_entropy, schedule=schedule, losses=each, loss_kwargs=loss_kwargs)
+            torch.testing.assert_close(loss, expected.detach())
+            assert_same_grads((pipe,), (reference,))
+            for part, x_part, y_part in zip(each, x.chunk(3), y.chunk(3)):
+                torch.testing.assert_close(part, F.cross_entropy(reference(x_part), y_part, **loss_kwargs))
+
+
+@pytest.mark.parametrize("loss_kwargs", [[("label_smoothing", 0.1)], {1: 0.1}, "label_smoothing"])
+def test_loss_kwargs_that_are_not_a_dict_of_names_are_refused_before_anything_runs(loss_kwargs):
+    with Pipe(body(), [1, 1, 1, 1], chunks=2) as pipe:
+        with pytest.raises(TypeError, match="loss_kwargs must be a dict of keyword arguments for loss_fn"):
+            pipe.step(torch.randn(4, 4), torch.randn(4, 2), nn.MSELoss(), loss_kwargs=loss_kwargs)
+        assert pipe.last_step is None and all(p.grad is None for p in pipe.parameters())

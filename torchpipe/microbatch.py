@@ -1,8 +1,10 @@
 """Micro-batches: split a mini-batch into chunks and put the outputs back together.
 
 :class:`Batch` hides the difference between a single tensor and a tuple of values, so that
-the runtime, copies and checkpointing handle both the same way. Non-tensor values in a tuple
-are passed unchanged to every micro-batch. A namedtuple stays a namedtuple on its way
+the runtime, copies and checkpointing handle both the same way. The batch is along dim 0
+unless a :data:`BatchDim` says otherwise (a sequence-first model splits along dim 1), and a
+tuple item may be passed whole to every micro-batch instead of being split (a shared mask).
+Non-tensor values in a tuple are passed unchanged to every micro-batch. A namedtuple stays a namedtuple on its way
 through the pipeline. Anything else between partitions (a list, a dict) is refused with a
 TypeError rather than silently turned into a tuple of its items or keys.
 """
@@ -13,7 +15,10 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Uni
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "scatter", "gather", "rebuild", "why_not_gatherable", "TensorOrTensors"]
+__all__ = [
+    "Batch", "BatchDim", "scatter", "gather", "rebuild", "why_not_gatherable", "TensorOrTensors", "batch_size",
+    "samples", "check_batch_dim", "common_batch_dim",
+]
 
 TensorOrTensors = Union[Tensor, Tuple[Any, ...]]
 
@@ -77,37 +82,105 @@ def rebuild(template: Tuple[Any, ...], items: Sequence[Any]) -> Tuple[Any, ...]:
     return tuple(items)
 
 
-def _check_input(input: TensorOrTensors) -> None:
-    if isinstance(input, Tensor):
-        if input.dim() == 0:
-            raise TypeError("the input tensor has no batch dimension (0-dim tensor); expected shape (N, ...)")
-        return
-    if not isinstance(input, tuple):
-        raise TypeError(f"expected a Tensor or a tuple of Tensors as input, got {type(input).__name__}")
-    tensors = [v for v in input if isinstance(v, Tensor)]
-    if not tensors:
-        raise TypeError("the input tuple holds no Tensor to split into micro-batches")
-    sizes = {t.size(0) if t.dim() else None for t in tensors}
-    if None in sizes or len(sizes) != 1:
-        shapes = [tuple(t.shape) for t in tensors]
-        raise ValueError(f"every tensor of the input tuple needs the same batch size in dim 0, got shapes {shapes}")
+BatchDim = Union[int, Tuple[Optional[int], ...]]
+"""Where the batch is: one dim for every tensor, or one entry per item of a tuple (``None``:
+the item is not split but passed whole to every micro-batch)."""
 
 
-def scatter(input: TensorOrTensors, chunks: int) -> List[Batch]:
-    """Split ``input`` along dim 0 into at most ``chunks`` micro-batches.
+def check_batch_dim(value: Any, name: str = "batch_dim") -> BatchDim:
+    """``value`` if it is a :data:`BatchDim`; TypeError naming ``name`` and the value otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, tuple) and value and all(
+            v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in value):
+        if all(v is None for v in value):
+            raise ValueError(f"{name}={value!r} splits nothing: at least one item needs a batch dim (an int)")
+        return value
+    raise TypeError(f"{name} must be an int (the batch dim of every tensor) or a non-empty tuple with one int or None "
+                    f"per item of the tuple (None: passed whole to every micro-batch); got {value!r}")
+
+
+def common_batch_dim(spec: BatchDim) -> Optional[int]:
+    """The one dim ``spec`` splits along, or None when its items disagree."""
+    if isinstance(spec, int):
+        return spec
+    dims = {d for d in spec if d is not None}
+    return dims.pop() if len(dims) == 1 else None
+
+
+def _item_dims(value: TensorOrTensors, spec: BatchDim, name: str, what: str) -> List[Optional[int]]:
+    """Per item of ``value`` (a tensor is one item): its batch dim, or None if it is passed whole."""
+    if isinstance(value, Tensor):
+        if isinstance(spec, tuple):
+            if len(spec) != 1 or spec[0] is None:
+                raise ValueError(f"{name}={spec!r} is for a tuple of {len(spec)} items, but the {what} is a "
+                                 "single tensor")
+            return [spec[0]]
+        return [spec]
+    if isinstance(spec, int):
+        return [spec if isinstance(v, Tensor) else None for v in value]
+    if len(spec) != len(value):
+        raise ValueError(f"{name}={spec!r} has {len(spec)} entries, but the {what} tuple has {len(value)} items; "
+                         "give one per item (None for an item passed whole to every micro-batch)")
+    for i, (dim, item) in enumerate(zip(spec, value)):
+        if dim is not None and not isinstance(item, Tensor):
+            raise TypeError(f"{name}[{i}] is {dim}, but item {i} of the {what} is a {type(item).__name__}, not a "
+                            f"tensor to split; use None to pass it whole to every micro-batch")
+    return list(spec)
+
+
+def batch_size(value: TensorOrTensors, spec: BatchDim = 0, name: str = "batch_dim", what: str = "input") -> int:
+    """The samples in ``value`` along its batch dims; ValueError/TypeError naming what does not fit.
+
+    Every tensor that is split must have a dim at its batch dim, and all of them the same
+    size there: a shorter one would otherwise split into other micro-batches than the rest.
+    """
+    if not isinstance(value, (Tensor, tuple)):
+        raise TypeError(f"expected a Tensor or a tuple of Tensors as {what}, got {type(value).__name__}")
+    dims = _item_dims(value, spec, name, what)
+    items = (value,) if isinstance(value, Tensor) else value
+    split = [(i, t, d) for i, (t, d) in enumerate(zip(items, dims)) if d is not None]
+    if not split:
+        raise TypeError(f"the {what} tuple holds no Tensor to split into micro-batches")
+    sizes = set()
+    for i, tensor, dim in split:
+        where = f"the {what} tensor" if isinstance(value, Tensor) else f"item {i} of the {what}"
+        if tensor.dim() == 0:
+            error = TypeError if isinstance(value, Tensor) else ValueError
+            raise error(f"{where} has no batch dimension (0-dim tensor); expected one at dim {dim}")
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(f"{name} {dim} is out of range for {where} of shape {tuple(tensor.shape)}")
+        sizes.add(tensor.size(dim))
+    if len(sizes) != 1:
+        shapes = [f"{tuple(t.shape)} at dim {d}" for _, t, d in split]
+        raise ValueError(f"every tensor of the {what} tuple needs the same batch size along its batch dim ({name}), "
+                         f"got shapes {shapes}")
+    return sizes.pop()
+
+
+def scatter(input: TensorOrTensors, chunks: int, batch_dim: BatchDim = 0) -> List[Batch]:
+    """Split ``input`` along its batch dims (``batch_dim``, dim 0 by default) into at most ``chunks`` micro-batches.
 
     Like ``Tensor.chunk``: a batch of 10 in 4 chunks gives 3, 3, 3 and 1; a batch of 2 in 4
     chunks gives 2 micro-batches. With ``chunks == 1`` the input itself is the micro-batch,
-    so the un-pipelined arithmetic is reproduced bitwise.
+    so the un-pipelined arithmetic is reproduced bitwise. An item whose batch dim is None
+    (and any non-tensor) goes whole to every micro-batch.
     """
-    _check_input(input)
+    batch_size(input, batch_dim)
     if chunks == 1:
         return [Batch(input)]
+    dims = _item_dims(input, batch_dim, "batch_dim", "input")
     if isinstance(input, Tensor):
-        return [Batch(part) for part in input.chunk(chunks)]
-    pieces = [v.chunk(chunks) if isinstance(v, Tensor) else None for v in input]
+        return [Batch(part) for part in input.chunk(chunks, dims[0])]
+    pieces = [v.chunk(chunks, d) if d is not None else None for v, d in zip(input, dims)]
     count = min(len(p) for p in pieces if p is not None)
     return [Batch(rebuild(input, [p[i] if p is not None else v for p, v in zip(pieces, input)])) for i in range(count)]
+
+
+def samples(batch: Batch, batch_dim: BatchDim = 0) -> int:
+    """The samples in one micro-batch: the size of its first split tensor along its batch dim."""
+    dims = _item_dims(batch.value, batch_dim, "batch_dim", "input")
+    return next(v.size(d) for v, d in zip(batch.values, dims) if d is not None)
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -120,46 +193,58 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
-def why_not_gatherable(output: Batch) -> Optional[str]:
+def why_not_gatherable(output: Batch, batch_dim: BatchDim = 0) -> Optional[str]:
     """Why micro-batch outputs shaped like ``output`` cannot be concatenated, or None.
 
     A 0-dim tensor (a per-micro-batch scalar) has no batch dimension, and a container
-    holding tensors would keep only the first micro-batch's.
+    holding tensors would keep only the first micro-batch's. ``batch_dim`` is the output's
+    (:data:`BatchDim`); one that does not fit the output (out of range, an entry too many)
+    is a ValueError (TypeError: an int entry for a non-tensor) raised here.
     """
+    dims = _item_dims(output.value, batch_dim, "output_batch_dim", "output")
     if output.atomic:
-        if output.tensor.dim() == 0:
+        tensor, dim = output.tensor, dims[0]
+        if tensor.dim() == 0:
             return ("the pipeline's output is a 0-dim tensor per micro-batch, which cannot be "
                     "concatenated into the mini-batch's output; return it with a batch dimension")
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(f"output_batch_dim {dim} is out of range for the pipeline's output of shape "
+                             f"{tuple(tensor.shape)}")
         return None
-    for i, value in enumerate(output.values):
-        if isinstance(value, Tensor):
-            if value.dim() == 0:
-                return (f"output {i} of the pipeline is a 0-dim tensor per micro-batch, which cannot be "
-                        "concatenated into the mini-batch's output; return it with a batch dimension "
-                        "(e.g. aux.reshape(1)) or reduce it inside the model")
-        elif _holds_tensor(value):
+    for i, (value, dim) in enumerate(zip(output.values, dims)):
+        if dim is None:
+            if isinstance(batch_dim, tuple) or not _holds_tensor(value):
+                continue  # passed on from the first micro-batch, by the caller's own spec
             return (f"output {i} of the pipeline is a {type(value).__name__} holding tensors; only tensors "
                     "at the top level of the output tuple are concatenated across micro-batches")
+        if value.dim() == 0:
+            return (f"output {i} of the pipeline is a 0-dim tensor per micro-batch, which cannot be "
+                    "concatenated into the mini-batch's output; return it with a batch dimension "
+                    "(e.g. aux.reshape(1)), reduce it inside the model, or give it None in output_batch_dim "
+                    "to keep the first micro-batch's")
+        if not -value.dim() <= dim < value.dim():
+            raise ValueError(f"output_batch_dim {dim} is out of range for output {i} of shape {tuple(value.shape)}")
     return None
 
 
-def gather(outputs: Sequence[Batch]) -> TensorOrTensors:
-    """Concatenate micro-batch outputs along dim 0, in micro-batch order.
+def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0) -> TensorOrTensors:
+    """Concatenate micro-batch outputs along their batch dims (dim 0 by default), in micro-batch order.
 
-    Other values of an output tuple are taken from the first micro-batch, as they were
-    passed in. What cannot be put back together is refused with a TypeError naming its
-    position (see :func:`why_not_gatherable`).
+    Other values of an output tuple, and items whose batch dim is None, are taken from the
+    first micro-batch. What cannot be put back together is refused with a TypeError naming
+    its position (see :func:`why_not_gatherable`).
     """
     if len(outputs) == 1:
         return outputs[0].value
     first = outputs[0]
-    problem = why_not_gatherable(first)
+    problem = why_not_gatherable(first, batch_dim)
     if problem is not None:
         raise TypeError(problem)
+    dims = _item_dims(first.value, batch_dim, "output_batch_dim", "output")
     if first.atomic:
-        return torch.cat([b.tensor for b in outputs])
+        return torch.cat([b.tensor for b in outputs], dims[0])
     gathered = [
-        torch.cat([b.values[i] for b in outputs]) if isinstance(value, Tensor) else value
-        for i, value in enumerate(first.values)
+        torch.cat([b.values[i] for b in outputs], dim) if dim is not None else value
+        for i, (value, dim) in enumerate(zip(first.values, dims))
     ]
     return rebuild(first.values, gathered)

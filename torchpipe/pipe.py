@@ -7,6 +7,7 @@ thread, also when several partitions share a device, so pipelining happens on CP
 """
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import weakref
@@ -22,13 +23,13 @@ from .checkpoint import generator_state, is_checkpointing
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward
-from .microbatch import Batch, TensorOrTensors, gather, scatter
+from .microbatch import Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather, scatter
 from .partition import BalanceError, as_positive_int, infer_placement, split_module, verify_balance, verify_module
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build, schedule_options
 from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
-from .step_inputs import Upstream, microbatch_weights, split_targets
+from .step_inputs import Upstream, microbatch_weights, scalar_loss, split_targets
 from .step_report import StepReport, report
 from .thread_state import in_torch_checkpoint
 from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, available_cores, spawn_workers, stop_workers
@@ -86,7 +87,7 @@ def _moved(watched: List[Tuple[torch.Generator, Tensor]]) -> bool:
 
 
 _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "_chunks", "_checkpoint", "deferred_batch_norm",
-                   "last_memory", "_device_types", "_intra_op_threads")
+                   "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
 
 
 def _check_child_names(module: nn.Sequential) -> None:
@@ -121,6 +122,26 @@ def _check_checkpoint(mode: Any) -> str:
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never' (got {mode!r})")
     return cast(str, mode)
+
+
+def _resolve_batch_dims(given: Tuple[Any, Any, Any]) -> Tuple[BatchDim, BatchDim, BatchDim]:
+    """The input's, output's and target's batch dims from what was given (None: follow the one before).
+
+    The output follows the input, and the target follows the output, when the one before
+    names a single dim; otherwise there is nothing to follow, and a ValueError asks for it.
+    """
+    input_dim = check_batch_dim(given[0], "batch_dim")
+    output_dim: Optional[BatchDim] = (common_batch_dim(input_dim) if given[1] is None
+                                      else check_batch_dim(given[1], "output_batch_dim"))
+    if output_dim is None:
+        raise ValueError(f"batch_dim={input_dim!r} puts the input's batch on several dims, so the output's cannot "
+                         "follow it: pass output_batch_dim= (an int, or one int or None per output item)")
+    target_dim: Optional[BatchDim] = (common_batch_dim(output_dim) if given[2] is None
+                                      else check_batch_dim(given[2], "target_batch_dim"))
+    if target_dim is None:
+        raise ValueError(f"output_batch_dim={output_dim!r} puts the output's batch on several dims, so the target's "
+                         "cannot follow it: pass target_batch_dim= (an int, or one int or None per target item)")
+    return input_dim, output_dim, target_dim
 
 
 def _resolve_devices(devices: Optional[Sequence[DeviceLike]], partitions: int) -> List[torch.device]:
@@ -167,6 +188,12 @@ class Pipe(nn.Module):
         checkpoint: ``'always'``, ``'except_last'`` (default) or ``'never'``.
         deferred_batch_norm: track BatchNorm statistics over the whole mini-batch.
         intra_op_threads: intra-op threads per CPU worker (default: the cores divided evenly).
+        batch_dim: where the batch is in the input: one dim for every tensor (``1`` for a
+            sequence-first model), or one entry per item of an input tuple, ``None`` for an
+            item passed whole to every micro-batch (a shared mask). Default 0.
+        output_batch_dim: the same for the output, which is concatenated along it (``None``
+            in a tuple: the first micro-batch's item). Default: the input's batch dim.
+        target_batch_dim: the same for ``step``'s target. Default: the output's batch dim.
 
     The parameter names stay those of ``module`` (``pipe.state_dict()`` loads into the
     original model and back). Workers start once and are reused; ``close()`` (or ``with``,
@@ -183,10 +210,15 @@ class Pipe(nn.Module):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         intra_op_threads: Optional[int] = None,
+        batch_dim: BatchDim = 0,
+        output_batch_dim: Optional[BatchDim] = None,
+        target_batch_dim: Optional[BatchDim] = None,
     ) -> None:
         super().__init__()
         # Validate everything before touching the module: errors leave no state behind.
         chunks = _check_chunks(chunks)
+        given_batch_dims = (batch_dim, output_batch_dim, target_batch_dim)
+        batch_dims = _resolve_batch_dims(given_batch_dims)
         checkpoint = _check_checkpoint(checkpoint)
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
@@ -225,6 +257,8 @@ class Pipe(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
+        self._given_batch_dims = given_batch_dims
+        self._batch_dims = batch_dims
         object.__setattr__(self, "partitions", nn.ModuleList(partitions))
 
         self._intra_op_threads = budget.intra_op_threads
@@ -277,6 +311,8 @@ class Pipe(nn.Module):
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        state.setdefault("_given_batch_dims", (0, None, None))  # pickled before batch dims existed
+        state.setdefault("_batch_dims", (0, 0, 0))
         super().__setstate__(state)
         self._start_workers()
 
@@ -413,6 +449,39 @@ class Pipe(nn.Module):
     def checkpoint(self, value: Any) -> None:
         self._checkpoint = _check_checkpoint(value)
 
+    def _set_batch_dim(self, position: int, value: Any) -> None:
+        given = list(self._given_batch_dims)
+        given[position] = value
+        self._batch_dims = _resolve_batch_dims((given[0], given[1], given[2]))  # nothing changes if it raises
+        self._given_batch_dims = (given[0], given[1], given[2])
+
+    @property
+    def batch_dim(self) -> BatchDim:
+        """Where the batch is in the input (see the class docstring); may be changed between steps."""
+        return self._batch_dims[0]
+
+    @batch_dim.setter
+    def batch_dim(self, value: Any) -> None:
+        self._set_batch_dim(0, value)
+
+    @property
+    def output_batch_dim(self) -> BatchDim:
+        """Where the batch is in the output; set None to follow ``batch_dim`` again."""
+        return self._batch_dims[1]
+
+    @output_batch_dim.setter
+    def output_batch_dim(self, value: Any) -> None:
+        self._set_batch_dim(1, value)
+
+    @property
+    def target_batch_dim(self) -> BatchDim:
+        """Where the batch is in ``step``'s target; set None to follow ``output_batch_dim`` again."""
+        return self._batch_dims[2]
+
+    @target_batch_dim.setter
+    def target_batch_dim(self, value: Any) -> None:
+        self._set_batch_dim(2, value)
+
     @property
     def last_step(self) -> Optional[StepRecord]:
         """Timings of the most recent step: ``bubble_ratio``, ``chrome_trace()``."""
@@ -437,7 +506,11 @@ class Pipe(nn.Module):
             return _outside_compile(Pipe.forward)(self, input)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
-        batches = scatter(input, self.chunks)
+        input_dim, output_dim, _ = self._batch_dims
+        return gather(self._forward_batches(scatter(input, self.chunks, input_dim)), output_dim)
+
+    def _forward_batches(self, batches: List[Batch]) -> List[Batch]:
+        """Each micro-batch's output, in micro-batch order, ready on the caller's stream."""
         m = len(batches)
         if self.training and torch.is_grad_enabled():
             stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
@@ -447,7 +520,52 @@ class Pipe(nn.Module):
         plan, program = self._forward_program(m)
         results = self._run(plan, program, context)
         ordered = [value for _, value in sorted(results.items(), key=lambda item: item[0].microbatch)]
-        return gather(self._hand_back(ordered))
+        return self._hand_back(ordered)
+
+    def evaluate(
+        self,
+        input: TensorOrTensors,
+        target: Any,
+        loss_fn: Any,
+        *,
+        reduction: Optional[str] = None,
+        return_outputs: bool = False,
+        losses: Optional[List[Tensor]] = None,
+        loss_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Union[Tensor, Tuple[Tensor, TensorOrTensors]]:
+        """The loss of a validation batch, pipelined like ``pipe(x)``, without gradients.
+
+        What torch's pipelining schedules call ``eval(x, target=, losses=)`` (``nn.Module``
+        already owns the name ``eval``): every micro-batch goes forward through the pipeline
+        under ``no_grad`` and its loss is taken as it comes out, with the micro-batch weights
+        of :meth:`step`, so the result equals ``loss_fn(model(input), target)`` and
+        ``losses``/``return_outputs``/``loss_kwargs`` mean what they mean there. The train/eval mode is
+        yours: call ``pipe.eval()`` first for dropout off and batch norm's running statistics.
+        """
+        if torch.compiler.is_compiling():
+            return _outside_compile(Pipe.evaluate)(self, input, target, loss_fn, reduction=reduction,
+                                                   return_outputs=return_outputs, losses=losses,
+                                                   loss_kwargs=loss_kwargs)
+        if not self._finalizer.alive:
+            raise RuntimeError("this Pipe is closed")
+        reduction, call_loss = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs)
+        input_dim, output_dim, target_dim = self._batch_dims
+        with torch.no_grad():
+            batches = scatter(input, self.chunks, input_dim)
+            targets = split_targets(target, batch_size(input, input_dim), len(batches), self.chunks, target_dim)
+            scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim)
+            outputs = self._forward_batches(batches)
+            each = []
+            for output, part in zip(outputs, targets):
+                if isinstance(part, Tensor):
+                    part = part.to(next(output.tensors()).device)
+                each.append(scalar_loss(call_loss(output.value, part)).detach())
+        total = _weighted_total(each, scales)
+        if losses is not None:
+            losses[:] = each
+        if return_outputs:
+            return total, gather(outputs, output_dim)
+        return total
 
     def step(
         self,
@@ -459,6 +577,7 @@ class Pipe(nn.Module):
         reduction: Optional[str] = None,
         return_outputs: bool = False,
         losses: Optional[List[Tensor]] = None,
+        loss_kwargs: Optional[Dict[str, Any]] = None,
         **options: Any,
     ) -> Union[Tensor, Tuple[Tensor, TensorOrTensors]]:
         """Forward, loss and backward of every micro-batch, all on the workers, in plan order.
@@ -472,8 +591,9 @@ class Pipe(nn.Module):
         average over their class-weighted targets that are not ``ignore_index``: their
         micro-batches are weighted by that count instead (see ``torchpipe.step_inputs``); a
         custom loss that normalises otherwise should sum, with ``reduction='sum'``, and
-        divide the result. ``target`` is split along dim 0 like the input and must have
-        its batch size. ``schedule`` is one of ``torchpipe.schedule.SCHEDULES``;
+        divide the result. ``target`` is split along ``target_batch_dim`` (dim 0, or the
+        output's batch dim when that was set) and must have the input's batch size there;
+        samples are counted along ``batch_dim``. ``schedule`` is one of ``torchpipe.schedule.SCHEDULES``;
         ``options`` go to the plan (``virtual_stages`` for interleaved schedules). It may
         also be a :class:`~torchpipe.schedule.Plan` of your own (``Plan.from_lists``,
         ``Plan.load_csv``, ``Plan.from_torch``): one stage per partition, and as many
@@ -486,14 +606,18 @@ class Pipe(nn.Module):
         ``losses``: a list that, once the step has succeeded, holds each micro-batch's own
         loss (detached, before its weight), in micro-batch order, as in torch's pipelining
         ``step(..., losses=)``; its old items are removed.
+
+        ``loss_kwargs``: keyword arguments for every micro-batch's ``loss_fn(output, target,
+        **loss_kwargs)``, passed as they are (not split: a per-sample tensor belongs in the
+        target), as torch's pipelining ``step(..., loss_kwargs=)`` passes them.
         """
         if torch.compiler.is_compiling():
             return _outside_compile(Pipe.step)(self, input, target, loss_fn, schedule, reduction=reduction,
-                                               return_outputs=return_outputs, losses=losses, **options)
+                                               return_outputs=return_outputs, losses=losses,
+                                               loss_kwargs=loss_kwargs, **options)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        reduction, call_loss = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs)
         if isinstance(schedule, Plan):
             if options:
                 raise TypeError(f"options {sorted(options)} configure a named schedule; a Plan is already built, "
@@ -506,52 +630,40 @@ class Pipe(nn.Module):
             unknown = sorted(set(options) - set(schedule_options(schedule)))
             if unknown:
                 raise TypeError(f"Pipe.step got unexpected keyword argument(s) {unknown}: its own are reduction, "
-                                f"return_outputs and losses, and schedule {schedule!r} takes "
+                                f"return_outputs, losses and loss_kwargs, and schedule {schedule!r} takes "
                                 f"{schedule_options(schedule) or 'no options'}")
-        if losses is not None and not isinstance(losses, list):
-            raise TypeError(f"losses must be a list to fill with each micro-batch's loss, or None; got {losses!r}")
-        if reduction is None:
-            reduction = getattr(loss_fn, "reduction", "mean")
-        if reduction == "batchmean":  # KLDivLoss: the sum over the batch divided by its size
-            reduction = "mean"
-        if not isinstance(return_outputs, bool):
-            raise TypeError(f"return_outputs must be a bool, got {return_outputs!r}")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean', 'batchmean' or 'sum' (got {reduction!r}); "
-                             "pass reduction= for a custom loss_fn")
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipe.step computes gradients; it cannot run under torch.no_grad()")
         upstream = Upstream()
         input, target = upstream.cut(input), upstream.cut(target)
-        batches = scatter(input, self.chunks)
-        batch_size = sum(next(b.tensors()).size(0) for b in batches)
-        if batch_size == 0:
-            raise ValueError("the input batch is empty (0 samples along dim 0): there is no loss to back-propagate")
+        input_dim, output_dim, target_dim = self._batch_dims
+        batches = scatter(input, self.chunks, input_dim)
+        samples = batch_size(input, input_dim)
+        if samples == 0:
+            raise ValueError(f"the input batch is empty (0 samples along batch_dim={input_dim!r}): there is no loss "
+                             "to back-propagate")
         last_device = self.devices[-1]
         if isinstance(target, torch.Tensor) and target.device != last_device and target.device.type != "cpu":
             # An accelerator target goes to the loss's device here, on the caller's streams,
             # which the workers' streams wait for: a worker thread copying it would use its own
             # current stream of the target's device, unordered with the caller's.
             target = target.to(last_device)
-        targets = split_targets(target, batch_size, len(batches), self.chunks)
-        scales = microbatch_weights(loss_fn, reduction, batches, targets)
+        targets = split_targets(target, samples, len(batches), self.chunks, target_dim)
+        scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim)
         m = len(batches)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         plan, program = self._step_program(schedule, m, options)
-        context = StepContext(batches, targets, self._input_events(batches), loss_fn, scales, stop, len(self._stages),
-                              keep_outputs=return_outputs)
+        context = StepContext(batches, targets, self._input_events(batches), call_loss, scales, stop, len(self._stages),
+                              keep_outputs=return_outputs, output_batch_dim=output_dim)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn))
         upstream.backward()
         self.last_memory = context.memory
         each = cast(List[Tensor], context.losses)
-        device = each[-1].device
-        # A micro-batch of weight 0 (every target ignored) has a NaN loss that must not count.
-        counted = [(loss, scale) for loss, scale in zip(each, scales) if scale != 0] or list(zip(each, scales))
-        total = torch.stack([loss.to(device) * scale for loss, scale in counted]).sum()
+        total = _weighted_total(each, scales)
         if losses is not None:
             losses[:] = each
         if return_outputs:
-            return total, gather(cast(List[Batch], context.outputs))
+            return total, gather(cast(List[Batch], context.outputs), output_dim)
         return total
 
     def _step_leaves(self, input: Any, target: Any, loss_fn: Any) -> List[Tensor]:
@@ -708,6 +820,42 @@ class Pipe(nn.Module):
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)
         return f"balance={self.balance}, devices=[{devices}], chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+
+
+def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs: Any, losses: Any,
+                          loss_kwargs: Any) -> Tuple[str, Callable[[Any, Any], Tensor]]:
+    """The reduction ``step``/``evaluate`` weigh micro-batches for, and the loss to call per
+    micro-batch (``loss_fn`` with ``loss_kwargs``); TypeError/ValueError for a bad argument.
+
+    The reduction is ``reduction=``, else a ``reduction`` in ``loss_kwargs`` (a functional
+    loss told to sum), else ``loss_fn.reduction``, else ``'mean'``.
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+    if losses is not None and not isinstance(losses, list):
+        raise TypeError(f"losses must be a list to fill with each micro-batch's loss, or None; got {losses!r}")
+    if loss_kwargs is not None and (not isinstance(loss_kwargs, dict)
+                                    or not all(isinstance(key, str) for key in loss_kwargs)):
+        raise TypeError(f"loss_kwargs must be a dict of keyword arguments for loss_fn, or None; got {loss_kwargs!r}")
+    if reduction is None:
+        reduction = (loss_kwargs or {}).get("reduction", getattr(loss_fn, "reduction", "mean"))
+    if reduction == "batchmean":  # KLDivLoss: the sum over the batch divided by its size
+        reduction = "mean"
+    if not isinstance(return_outputs, bool):
+        raise TypeError(f"return_outputs must be a bool, got {return_outputs!r}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean', 'batchmean' or 'sum' (got {reduction!r}); "
+                         "pass reduction= for a custom loss_fn")
+    call_loss = functools.partial(loss_fn, **loss_kwargs) if loss_kwargs else loss_fn
+    return cast(str, reduction), call_loss
+
+
+def _weighted_total(each: List[Tensor], scales: List[float]) -> Tensor:
+    """The mini-batch loss from its micro-batches' losses and weights."""
+    device = each[-1].device
+    # A micro-batch of weight 0 (every target ignored) has a NaN loss that must not count.
+    counted = [(loss, scale) for loss, scale in zip(each, scales) if scale != 0] or list(zip(each, scales))
+    return torch.stack([loss.to(device) * scale for loss, scale in counted]).sum()
 
 
 def _outside_compile(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -23,10 +23,11 @@ from torch import Tensor, nn
 from . import engine
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
-from .microbatch import Batch, rebuild, why_not_gatherable
+from .microbatch import Batch, BatchDim, rebuild, why_not_gatherable
 from .runtime import Program
 from .skip.portal import SkipStore, StageSkips
 from .split_backward import WeightSplit
+from .step_inputs import scalar_loss
 from .thread_state import current_saved_tensors_hooks
 
 __all__ = ["StepContext", "lower_step", "MemoryRecord"]
@@ -65,6 +66,7 @@ class StepContext:
         checkpoint_stop: int,
         num_stages: int,
         keep_outputs: bool = False,
+        output_batch_dim: BatchDim = 0,
     ) -> None:
         self.batches = batches
         self.targets = targets
@@ -76,6 +78,7 @@ class StepContext:
         self.losses: List[Optional[Tensor]] = [None] * len(batches)
         # The last stage's outputs, detached, for ``Pipe.step(..., return_outputs=True)``.
         self.keep_outputs = keep_outputs
+        self.output_batch_dim = output_batch_dim
         self.outputs: List[Optional[Batch]] = [None] * len(batches)
         self.memory = MemoryRecord(num_stages)
         self.skips = SkipStore()
@@ -200,13 +203,10 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                 # A loss that draws random numbers must not interleave with a checkpointed
                 # forward of another stage on the same generator (its replay would differ).
                 with stage.rng.hold() if ctx.rng_sections else contextlib.nullcontext():
-                    loss = ctx.loss_fn(output.value, target)
-                if not isinstance(loss, Tensor) or loss.dim() != 0:
-                    shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
-                    raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {shape}")
+                    loss = scalar_loss(ctx.loss_fn(output.value, target))
                 ctx.losses[microbatch] = loss.detach()
                 if ctx.keep_outputs:
-                    problem = why_not_gatherable(output) if len(ctx.outputs) > 1 else None
+                    problem = why_not_gatherable(output, ctx.output_batch_dim) if len(ctx.outputs) > 1 else None
                     if problem is not None:  # now, while the failed step can still be undone
                         raise TypeError(f"return_outputs=True: {problem}")
                     ctx.outputs[microbatch] = output.map_tensors(Tensor.detach)

@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .microbatch import Batch, rebuild, scatter
+from .microbatch import Batch, BatchDim, batch_size, rebuild, samples, scatter
 
-__all__ = ["split_targets", "microbatch_weights", "Upstream"]
+__all__ = ["split_targets", "microbatch_weights", "Upstream", "scalar_loss"]
 
 
 class Upstream:
@@ -56,30 +56,29 @@ class Upstream:
             torch.autograd.backward([original for original, _ in pairs], [grad for _, grad in pairs])
 
 
-def split_targets(target: Any, batch_size: int, num_microbatches: int, chunks: int) -> List[Any]:
+def split_targets(target: Any, size: int, num_microbatches: int, chunks: int, batch_dim: BatchDim = 0) -> List[Any]:
     """``target`` split like the input; ValueError/TypeError, naming the target, if it cannot be.
 
-    Every tensor in the target must have the input's batch size along dim 0: a shorter one
-    would otherwise split into the same number of micro-batches and broadcast silently.
-    ``None`` (a model whose last stage computes its own loss) is passed to every micro-batch's
-    ``loss_fn`` as it is.
+    Every tensor split from the target must have the input's batch size along its batch dim
+    (``batch_dim``, :data:`~torchpipe.microbatch.BatchDim`): a shorter one would otherwise
+    split into the same number of micro-batches and broadcast silently. ``None`` (a model
+    whose last stage computes its own loss) is passed to every micro-batch's ``loss_fn`` as it is.
     """
     if target is None:
         return [None] * num_microbatches
+    along = f"dim {batch_dim}" if isinstance(batch_dim, int) else f"target_batch_dim={batch_dim!r}"
     if not isinstance(target, (Tensor, tuple)):
-        raise TypeError(f"target must be a tensor, a tuple of tensors (split along dim 0 like the input) or None; "
+        raise TypeError(f"target must be a tensor, a tuple of tensors (split along {along} like the input) or None; "
                         f"got {type(target).__name__}")
-    tensors = [target] if isinstance(target, Tensor) else [v for v in target if isinstance(v, Tensor)]
-    if not tensors:
-        raise TypeError("target is a tuple without tensors: it needs one to split along dim 0 like the input")
-    for tensor in tensors:
-        if tensor.dim() == 0:
-            raise ValueError("target has no batch dimension (a 0-dim tensor); it must split along dim 0 like the "
-                             f"input of {batch_size} samples")
-        if tensor.size(0) != batch_size:
-            raise ValueError(f"target has {tensor.size(0)} samples along dim 0 but the input has {batch_size}; "
-                             "they must match")
-    targets = [b.value for b in scatter(target, chunks)]
+    if isinstance(target, tuple) and not any(isinstance(v, Tensor) for v in target):
+        raise TypeError(f"target is a tuple without tensors: it needs one to split along {along} like the input")
+    if isinstance(target, Tensor) and target.dim() == 0:
+        raise ValueError(f"target has no batch dimension (a 0-dim tensor); it must split along {along} like the "
+                         f"input of {size} samples")
+    target_size = batch_size(target, batch_dim, "target_batch_dim", "target")
+    if target_size != size:
+        raise ValueError(f"target has {target_size} samples along {along} but the input has {size}; they must match")
+    targets = [b.value for b in scatter(target, chunks, batch_dim)]
     if len(targets) != num_microbatches:  # pragma: no cover - equal sizes split alike
         raise ValueError(f"target split into {len(targets)} micro-batches, the input into {num_microbatches}")
     return targets
@@ -101,16 +100,27 @@ def _target_weight(loss_fn: Any, target: Tensor) -> float:
     return float((weights * kept).sum())
 
 
-def microbatch_weights(loss_fn: Any, reduction: str, batches: Sequence[Batch], targets: Sequence[Any]) -> List[float]:
-    """Per micro-batch, the factor its loss is scaled by so that the weighted sum is the whole loss."""
+def microbatch_weights(loss_fn: Any, reduction: str, batches: Sequence[Batch], targets: Sequence[Any],
+                       batch_dim: BatchDim = 0) -> List[float]:
+    """Per micro-batch, the factor its loss is scaled by so that the weighted sum is the whole loss.
+
+    ``batch_dim`` is the input's: a micro-batch's samples are counted along it."""
     if reduction == "sum":
         return [1.0] * len(batches)
     first_target = targets[0]
     if _counted_targets(loss_fn) and isinstance(first_target, Tensor) and not first_target.is_floating_point():
         shares = [_target_weight(loss_fn, t) for t in targets]
     else:
-        shares = [float(next(b.tensors()).size(0)) for b in batches]
+        shares = [float(samples(b, batch_dim)) for b in batches]
     total = sum(shares)
     if total == 0:  # every target ignored: the loss is NaN and no gradient flows, as unpipelined
         return [0.0] * len(batches)
     return [share / total for share in shares]
+
+
+def scalar_loss(loss: Any) -> Tensor:
+    """``loss`` if ``loss_fn`` returned what a micro-batch's loss must be; TypeError otherwise."""
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {shape}")
+    return loss

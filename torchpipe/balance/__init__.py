@@ -24,6 +24,7 @@ from torchpipe.balance.profile_size import profile_sizes
 from torchpipe.balance.profile_time import profile_times
 from torchpipe.balance.solver import as_count, balance_by_cost, blockpartition, check_partitions
 from torchpipe.devices import as_device, usable_device
+from torchpipe.microbatch import BatchDim, batch_size, check_batch_dim
 
 __all__ = ["balance_by_time", "balance_by_size", "blockpartition", "balance_by_cost"]
 
@@ -31,7 +32,7 @@ Device = Union[torch.device, str, int]
 
 
 def balance_by_time(partitions: int, module: nn.Sequential, sample: Activation, *,
-                    timeout: float = 1.0, device: Optional[Device] = None) -> List[int]:
+                    timeout: float = 1.0, device: Optional[Device] = None, batch_dim: BatchDim = 0) -> List[int]:
     """Balance by the time each layer takes, forward plus backward, on ``device``.
 
     Why: a pipeline's throughput is bounded by its slowest partition. Each layer is run on
@@ -39,14 +40,15 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: Activation, 
     seconds, at least once, after one untimed warm-up run; its cost is the median time. The
     whole call takes about ``timeout`` seconds plus one warm-up per layer. ``device``
     defaults, as in torchgpipe, to the current accelerator (CUDA, NPU) when there is one,
-    else the CPU.
+    else the CPU. ``batch_dim`` says where the sample's batch is, as ``Pipe(batch_dim=...)``
+    does; it is only checked here (every split tensor has the same, non-empty, batch size).
 
     Returns the number of consecutive layers per partition, the ``balance`` a pipe takes.
     Raises ``TypeError`` if ``module`` is not an ``nn.Sequential`` or an argument has the
     wrong type, ``ValueError`` if ``partitions`` is below 1 or above ``len(module)``,
     ``timeout`` is negative or not finite, or ``device`` is ``meta``.
     """
-    partitions = _check_common(partitions, module, sample)
+    partitions = _check_common(partitions, module, sample, batch_dim)
     timeout = _non_negative("timeout", timeout, "a finite number of seconds >= 0")
     device = _profiling_device(device)
     with _profiling_mode(device):
@@ -56,12 +58,14 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample: Activation, 
 
 def balance_by_size(partitions: int, module: nn.Sequential, input: Activation, *,
                     chunks: int = 1, param_scale: float = 2.0,
-                    device: Optional[Device] = None) -> List[int]:
+                    device: Optional[Device] = None, batch_dim: BatchDim = 0) -> List[int]:
     """Balance by the memory each layer needs on its device while training.
 
     Why: a partition must fit its device, and the largest partition bounds the batch size.
     ``input`` is a mini-batch of the size to train with; ``chunks`` the number of
-    micro-batches the pipe will split it into. A layer's cost is the activation bytes of one
+    micro-batches the pipe will split it into, along ``batch_dim`` (as ``Pipe(batch_dim=...)``
+    splits it: ``1`` for a sequence-first model, ``None`` in a tuple for an item every
+    micro-batch gets whole). A layer's cost is the activation bytes of one
     (the largest) micro-batch plus ``param_scale`` times its parameter bytes plus its buffer
     bytes. Activations come from the allocator on an accelerator and from the tensors autograd
     keeps on CPU: see :mod:`torchpipe.balance.profile_size` for exactly what is counted.
@@ -74,27 +78,27 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: Activation, *
     ``chunks`` is below 1, ``param_scale`` is negative or not finite, or ``device`` is
     ``meta``. ``device`` defaults as for :func:`balance_by_time`.
     """
-    partitions = _check_common(partitions, module, input)
+    partitions = _check_common(partitions, module, input, batch_dim)
     chunks = as_count("chunks", chunks)
     param_scale = _non_negative("param_scale", param_scale, "a finite number >= 0")
     device = _profiling_device(device)
     with _profiling_mode(device):
-        sizes = profile_sizes(module, input, chunks, param_scale, device)
+        sizes = profile_sizes(module, input, chunks, param_scale, device, batch_dim)
     return balance_by_cost(sizes, partitions)
 
 
-def _check_common(partitions: int, module: nn.Sequential, sample: Activation) -> int:
+def _check_common(partitions: int, module: nn.Sequential, sample: Activation, batch_dim: BatchDim) -> int:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
     partitions = check_partitions(partitions, len(module))
-    tensors = tensors_of(sample)
-    if not tensors:
+    batch_dim = check_batch_dim(batch_dim)
+    if not tensors_of(sample):
         raise TypeError("the sample tuple holds no Tensor to run the layers on")
-    sizes = {t.size(0) if t.dim() else None for t in tensors}
-    if None in sizes or 0 in sizes or len(sizes) != 1:
-        shapes = [tuple(t.shape) for t in tensors]
-        raise ValueError(f"every tensor of the sample needs the same non-empty batch dimension (dim 0), "
-                         f"got shapes {shapes}")
+    if isinstance(sample, torch.Tensor) and sample.dim() == 0:
+        raise ValueError("the sample is a 0-dim tensor: it needs a batch dimension to stand for a mini-batch")
+    if batch_size(sample, batch_dim, what="sample") == 0:
+        raise ValueError(f"the sample has no samples along its batch dim (batch_dim={batch_dim!r}): "
+                         "there is nothing to run the layers on")
     return partitions
 
 

@@ -33,17 +33,18 @@ import torch
 from torch import Tensor, nn
 
 from torchpipe.balance.device_sync import allocated_bytes, has_allocator_statistics
-from torchpipe.balance.layer_call import (Activation, ProfilingSkipTracker, call_layer, cut, map_tensors,
-                                          partition_input, profiling_skips, tensors_of, to_device)
+from torchpipe.balance.layer_call import (Activation, ProfilingSkipTracker, call_layer, cut, partition_input,
+                                          profiling_skips, tensors_of, to_device)
 from torchpipe.balance.sandbox import blame_layer, layerwise_sandbox
+from torchpipe.microbatch import BatchDim, scatter
 
 __all__ = ["profile_sizes", "microbatch_of"]
 
 
 def profile_sizes(module: nn.Sequential, input: Activation, chunks: int, param_scale: float,
-                  device: torch.device) -> List[int]:
+                  device: torch.device, batch_dim: BatchDim = 0) -> List[int]:
     """Bytes each layer of ``module`` costs on ``device`` (see the module docstring)."""
-    value = to_device(microbatch_of(input, chunks), device)
+    value = to_device(microbatch_of(input, chunks, batch_dim), device)
     sizes: List[int] = []
     with profiling_skips() as skips:
         for index, layer in layerwise_sandbox(module, device):
@@ -72,11 +73,9 @@ def _size_layer(layer: nn.Module, value: Activation, param_scale: float, device:
     return output
 
 
-def microbatch_of(input: Activation, chunks: int) -> Activation:
-    """The largest micro-batch a batch splits into: its first ``ceil(batch / chunks)`` samples."""
-    batch = tensors_of(input)[0].size(0)
-    size = math.ceil(batch / chunks)
-    return map_tensors(input, lambda x: x[:size])
+def microbatch_of(input: Activation, chunks: int, batch_dim: BatchDim = 0) -> Activation:
+    """The largest micro-batch a batch splits into: the first, as the pipe splits it (``Tensor.chunk``)."""
+    return scatter(input, chunks, batch_dim)[0].value
 
 
 def _forward_measured_by_allocator(layer: nn.Module, value: Activation,

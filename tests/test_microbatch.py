@@ -1,0 +1,96 @@
+"""Splitting along a batch dim other than 0, replicated items, and gathering them back."""
+from collections import namedtuple
+
+import pytest
+import torch
+
+from torchpipe.microbatch import Batch, batch_size, check_batch_dim, common_batch_dim, gather, samples, scatter
+
+Pair = namedtuple("Pair", "src mask")
+
+
+def test_a_tensor_splits_along_its_batch_dim_like_tensor_chunk():
+    x = torch.arange(2 * 10 * 3).reshape(2, 10, 3)
+    batches = scatter(x, 4, 1)
+    assert [b.tensor.shape for b in batches] == [(2, 3, 3)] * 3 + [(2, 1, 3)]
+    assert [samples(b, 1) for b in batches] == [3, 3, 3, 1]
+    assert torch.equal(gather(batches, 1), x)
+    assert torch.equal(gather(scatter(x, 4, -2), -2), x)
+
+
+def test_chunks_1_passes_the_input_itself():
+    x = torch.randn(2, 5)
+    assert scatter(x, 1, 1)[0].value is x
+
+
+def test_a_tuple_splits_each_item_along_its_own_dim_and_passes_none_items_whole():
+    src, mask, weight = torch.randn(6, 10, 2), torch.randn(6, 6), torch.randn(10, 4)
+    batches = scatter((src, mask, weight, "tag"), 3, (1, None, 0, None))
+    assert len(batches) == 3
+    for i, b in enumerate(batches):
+        assert torch.equal(b[0], src[:, 4 * i:4 * i + 4][:, :b[0].size(1)])
+        assert b[1] is mask and b[3] == "tag"
+        assert torch.equal(b[2], weight.chunk(3)[i])
+    assert [samples(b, (1, None, 0, None)) for b in batches] == [4, 4, 2]
+    merged = gather(batches, (1, None, 0, None))
+    assert torch.equal(merged[0], src) and merged[1] is mask and torch.equal(merged[2], weight) and merged[3] == "tag"
+
+
+def test_an_int_spec_splits_every_tensor_of_a_tuple_and_keeps_a_namedtuple():
+    pair = Pair(torch.randn(3, 8), torch.randn(2, 8))
+    batches = scatter(pair, 2, 1)
+    assert all(type(b.value) is Pair for b in batches)
+    assert type(gather(batches, 1)) is Pair
+    assert torch.equal(gather(batches, 1).mask, pair.mask)
+
+
+def test_a_replicated_output_item_is_the_first_micro_batchs_and_may_be_a_scalar():
+    outputs = [Batch((torch.full((2,), float(i)), torch.tensor(7.0))) for i in range(3)]
+    merged = gather(outputs, (0, None))
+    assert merged[0].tolist() == [0, 0, 1, 1, 2, 2] and merged[1] is outputs[0][1]
+
+
+@pytest.mark.parametrize("spec, error, match", [
+    (True, TypeError, "batch_dim must be an int"),
+    (1.0, TypeError, "batch_dim must be an int"),
+    ((), TypeError, "non-empty tuple"),
+    ((0, "1"), TypeError, "batch_dim must be an int"),
+    ((None, None), ValueError, "splits nothing"),
+])
+def test_a_malformed_spec_is_refused_by_name(spec, error, match):
+    with pytest.raises(error, match=match):
+        check_batch_dim(spec)
+
+
+def test_the_common_dim_of_a_spec():
+    assert common_batch_dim(2) == 2
+    assert common_batch_dim((1, None, 1)) == 1
+    assert common_batch_dim((0, 1)) is None
+
+
+@pytest.mark.parametrize("value, spec, error, match", [
+    ((torch.randn(3, 4), torch.randn(4, 4)), (0, 0), ValueError, r"same batch size along its batch dim.*\(3, 4\) at dim 0"),
+    ((torch.randn(3, 4), torch.randn(3, 4)), (0,), ValueError, "has 1 entries, but the input tuple has 2 items"),
+    ((torch.randn(3, 4), 5), (0, 0), TypeError, r"batch_dim\[1\] is 0, but item 1 of the input is a int"),
+    (torch.randn(3, 4), 2, ValueError, r"batch_dim 2 is out of range for the input tensor of shape \(3, 4\)"),
+    (torch.randn(3, 4), (0, 1), ValueError, "is for a tuple of 2 items, but the input is a single tensor"),
+    ((torch.randn(3, 4), torch.tensor(1.0)), 0, ValueError, "item 1 of the input has no batch dimension"),
+    (torch.tensor(1.0), 0, TypeError, "the input tensor has no batch dimension"),
+    ((torch.randn(3),), (None,), ValueError, "splits nothing"),
+])
+def test_an_input_that_does_not_fit_its_spec_is_refused_naming_what(value, spec, error, match):
+    with pytest.raises(error, match=match):
+        batch_size(value, check_batch_dim(spec))
+    with pytest.raises(error, match=match):
+        scatter(value, 2, check_batch_dim(spec))
+
+
+def test_an_output_that_does_not_fit_its_spec_is_refused_naming_what():
+    outputs = [Batch((torch.randn(2, 3), torch.randn(2))) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"output_batch_dim 1 is out of range for output 1 of shape \(2,\)"):
+        gather(outputs, 1)
+    with pytest.raises(ValueError, match="output_batch_dim=.* has 3 entries, but the output tuple has 2"):
+        gather(outputs, (0, 0, 0))
+    scalars = [Batch((torch.randn(2), torch.tensor(1.0))) for _ in range(2)]
+    with pytest.raises(TypeError, match="give it None in output_batch_dim"):
+        gather(scalars, 0)
