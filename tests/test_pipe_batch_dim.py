@@ -278,7 +278,8 @@ def test_negative_batch_dim_counts_from_the_end():
     weight = torch.randn(T, N, D, dtype=torch.float64)
     expected = reference(x_ref)
     (expected * weight).sum().backward()
-    with Pipe(model, [2, 2, 2], chunks=4, checkpoint="except_last", batch_dim=-2) as pipe:
+    with Pipe(model, [2, 2, 2], chunks=4, checkpoint="except_last", batch_dim=-2, output_batch_dim=-2,
+              target_batch_dim=-2) as pipe:
         assert pipe.batch_dim == -2
         out = pipe(x)
         same(out, expected, False)
@@ -302,7 +303,8 @@ def test_negative_entries_of_a_tuple_spec():
     src_ref = leaf_like(src)
     expected = reference((src_ref, mask))
     expected.pow(2).sum().backward()
-    with Pipe(model, [3, 3], chunks=3, checkpoint="always", batch_dim=(-2, None)) as pipe:
+    with Pipe(model, [3, 3], chunks=3, checkpoint="always", batch_dim=(-2, None),
+              output_batch_dim=1) as pipe:
         out = pipe((src, mask))
         same(out, expected, False)
         out.pow(2).sum().backward()
@@ -319,9 +321,10 @@ def _shapes(value):
 
 @pytest.mark.parametrize("dims,make_input,expected", [
     ({"batch_dim": 1}, lambda: torch.randn(T, N, D), [(T, 3, D)] * 3 + [(T, 1, D)]),
-    ({"batch_dim": -2}, lambda: torch.randn(T, N, D), [(T, 3, D)] * 3 + [(T, 1, D)]),
+    ({"batch_dim": -2, "output_batch_dim": 1}, lambda: torch.randn(T, N, D), [(T, 3, D)] * 3 + [(T, 1, D)]),
     ({"batch_dim": 2}, lambda: torch.randn(2, 3, N), [(2, 3, 3)] * 3 + [(2, 3, 1)]),
-    ({"batch_dim": -1}, lambda: torch.randn(2, 3, N), [(2, 3, 3)] * 3 + [(2, 3, 1)]),
+    ({"batch_dim": -1, "output_batch_dim": -1, "target_batch_dim": 0}, lambda: torch.randn(2, 3, N),
+     [(2, 3, 3)] * 3 + [(2, 3, 1)]),
     ({"batch_dim": 1}, lambda: (torch.randn(T, N, D), "tag", torch.randn(2, N)),
      [((T, 3, D), "tag", (2, 3))] * 3 + [((T, 1, D), "tag", (2, 1))]),
     ({"batch_dim": (1, None, None), "output_batch_dim": (1, None, None)},
@@ -348,7 +351,8 @@ def test_microbatches_are_chunks_along_each_items_batch_dim(dims, make_input, ex
 def test_replicated_items_are_the_callers_tensor_in_every_microbatch():
     record = Record()
     src, mask = torch.randn(T, N, D), torch.randn(T, T)
-    with Pipe(nn.Sequential(record, First()), [1, 1], chunks=4, checkpoint="never", batch_dim=(1, None)) as pipe:
+    with Pipe(nn.Sequential(record, First()), [1, 1], chunks=4, checkpoint="never", batch_dim=(1, None),
+              output_batch_dim=1) as pipe:
         pipe((src, mask))
     assert len(record.seen) == 4
     for _, seen_mask in record.seen:
@@ -360,7 +364,8 @@ def test_one_chunk_passes_the_input_as_it_is(batch_dim):
     record = Record()
     src, mask = torch.randn(T, N, D), torch.randn(T, T)
     x = src if batch_dim == 1 else (src, mask)
-    with Pipe(nn.Sequential(record, First()), [1, 1], chunks=1, checkpoint="never", batch_dim=batch_dim) as pipe:
+    with Pipe(nn.Sequential(record, First()), [1, 1], chunks=1, checkpoint="never", batch_dim=batch_dim,
+              output_batch_dim=1) as pipe:
         out = pipe(x)
     assert len(record.seen) == 1
     seen = record.seen[0] if isinstance(record.seen[0], tuple) else (record.seen[0],)
@@ -381,8 +386,9 @@ def test_a_replicated_mask_goes_whole_to_every_microbatch(chunks, checkpoint):
     exact = chunks == 1 and checkpoint == "never"
     expected = reference((src_ref, mask))
     (expected * weight).sum().backward()
-    with Pipe(model, [1, 2, 3], batch_dim=(1, None), **pipe_kwargs(chunks, checkpoint, exact)) as pipe:
-        out = pipe((src, mask))  # output_batch_dim follows the one int entry: 1
+    with Pipe(model, [1, 2, 3], batch_dim=(1, None), output_batch_dim=1,
+              **pipe_kwargs(chunks, checkpoint, exact)) as pipe:
+        out = pipe((src, mask))
         assert out.shape == (T, N, D)
         same(out, expected, exact)
         (out * weight).sum().backward()
@@ -405,7 +411,7 @@ def test_a_replicated_mask_under_step(schedule, options, balance, checkpoint):
     expected_out = reference((src_ref, mask))
     expected = mse(expected_out, y)
     expected.backward()
-    with Pipe(model, balance, chunks=4, checkpoint=checkpoint, batch_dim=(1, None)) as pipe:
+    with Pipe(model, balance, chunks=4, checkpoint=checkpoint, batch_dim=(1, None), output_batch_dim=1) as pipe:
         loss, out = pipe.step((src, mask), y, mse, schedule=schedule, return_outputs=True, **options)
     same(loss, expected.detach(), False)
     same(out, expected_out.detach(), False)
@@ -567,7 +573,8 @@ def test_a_replicated_table_gets_the_plain_models_gradient_in_forward_backward(d
     exact = chunks == 1 and checkpoint == "never"
     expected = reference((x_ref, table_ref))
     (expected * weight).sum().backward()
-    with Pipe(model, [1, 1, 2], batch_dim=(1, None), **pipe_kwargs(chunks, checkpoint, exact)) as pipe:
+    with Pipe(model, [1, 1, 2], batch_dim=(1, None), output_batch_dim=1,
+              **pipe_kwargs(chunks, checkpoint, exact)) as pipe:
         out = pipe((x, table))
         same(out, expected, exact)
         (out * weight).sum().backward()
@@ -596,7 +603,7 @@ def test_a_replicated_table_gets_the_plain_models_gradient_under_step(schedule, 
     table_ref = leaf_ref * 1.5 if derived else leaf_ref
     expected = mse(reference((x_ref, table_ref)), y)
     expected.backward()
-    with Pipe(model, balance, chunks=4, checkpoint=checkpoint, batch_dim=(1, None)) as pipe:
+    with Pipe(model, balance, chunks=4, checkpoint=checkpoint, batch_dim=(1, None), output_batch_dim=1) as pipe:
         loss = pipe.step((x, table), y, mse, schedule=schedule, **options)
     same(loss, expected.detach(), False)
     same(leaf.grad, leaf_ref.grad, False)
@@ -606,7 +613,9 @@ def test_a_replicated_table_gets_the_plain_models_gradient_under_step(schedule, 
 
 # ---------------------------------------------------------------- 5. errors
 def test_the_constructor_accepts_every_form_of_spec():
-    for kwargs in ({"batch_dim": 1}, {"batch_dim": -2}, {"batch_dim": (1, None)}, {"batch_dim": (None, 1, None)},
+    for kwargs in ({"batch_dim": 1}, {"batch_dim": -2, "output_batch_dim": 1},
+                   {"batch_dim": -2, "output_batch_dim": -2, "target_batch_dim": 1},
+                   {"batch_dim": (1, None), "output_batch_dim": 1}, {"batch_dim": (None, 1, None), "output_batch_dim": 0},
                    {"batch_dim": 1, "output_batch_dim": 0}, {"batch_dim": 1, "output_batch_dim": (1, None)},
                    {"batch_dim": (0, 1), "output_batch_dim": 0},
                    {"batch_dim": (0, 1), "output_batch_dim": (0, 1), "target_batch_dim": 1},
@@ -627,6 +636,10 @@ def test_the_constructor_accepts_every_form_of_spec():
     ({"batch_dim": 1, "target_batch_dim": "0"}, TypeError, None),
     ({"batch_dim": (0, 1)}, ValueError, "output_batch_dim"),
     ({"batch_dim": (0, None, 1)}, ValueError, "output_batch_dim"),
+    ({"batch_dim": (1, None)}, ValueError, "output_batch_dim"),  # the mask may come out, or not
+    ({"batch_dim": (1, 1)}, ValueError, "output_batch_dim"),
+    ({"batch_dim": -2}, ValueError, "counts from the end"),  # -2 of a (T, N) target is its dim 0
+    ({"batch_dim": 1, "output_batch_dim": -1}, ValueError, "target_batch_dim"),
     ({"batch_dim": 1, "output_batch_dim": (0, 1)}, ValueError, "target_batch_dim"),
 ])
 def test_the_constructor_refuses_bad_specs(kwargs, error, match):
@@ -653,15 +666,15 @@ INPUT_ERRORS = [
     ({"batch_dim": 1}, lambda: (_x(), _x(7)), lambda: (_x(), _x()), ValueError, ["10", "7"]),
     ({"batch_dim": (1, 0), "output_batch_dim": 1}, lambda: (_x(), torch.zeros(7)), lambda: (_x(), torch.zeros(N)),
      ValueError, ["10", "7"]),
-    ({"batch_dim": (1, None)}, lambda: (_x(), causal_mask(), causal_mask()), lambda: (_x(), causal_mask()),
+    ({"batch_dim": (1, None), "output_batch_dim": 1}, lambda: (_x(), causal_mask(), causal_mask()), lambda: (_x(), causal_mask()),
      ValueError, []),
-    ({"batch_dim": (1, None, None)}, lambda: (_x(), causal_mask()), lambda: (_x(), causal_mask(), "tag"),
+    ({"batch_dim": (1, None, None), "output_batch_dim": 1}, lambda: (_x(), causal_mask()), lambda: (_x(), causal_mask(), "tag"),
      ValueError, []),
     ({"batch_dim": (1, 0), "output_batch_dim": 1}, lambda: (_x(), "tag"), lambda: (_x(), torch.zeros(N)),
      TypeError, []),
     ({"batch_dim": 7}, lambda: _x(), lambda: torch.randn(1, 1, 1, 1, 1, 1, 1, N, D, dtype=torch.float64),
      ValueError, ["7"]),
-    ({"batch_dim": -4}, lambda: _x(), lambda: torch.randn(N, T, T, D, dtype=torch.float64),
+    ({"batch_dim": -4, "output_batch_dim": 0}, lambda: _x(), lambda: torch.randn(N, T, T, D, dtype=torch.float64),
      ValueError, ["-4"]),
     ({"batch_dim": (1, 2), "output_batch_dim": 1}, lambda: (_x(), causal_mask()),
      lambda: (_x(), torch.zeros(T, T, N)), ValueError, ["2"]),
@@ -836,6 +849,9 @@ def test_a_tuple_spec_set_between_calls():
         with pytest.raises(ValueError):
             pipe((src, mask))  # the (T, T) mask has 5 along dim 1, src 10
         assert pipe.last_step is None
+        with pytest.raises(ValueError, match="output_batch_dim"):
+            pipe.batch_dim = (1, None)  # the output follows batch_dim=1, and cannot follow a tuple
+        pipe.output_batch_dim = 1
         pipe.batch_dim = (1, None)
         assert tuple(pipe.batch_dim) == (1, None)
         with torch.no_grad():
@@ -855,3 +871,83 @@ def test_a_pipe_pickled_before_batch_dims_existed_loads_splitting_along_dim_0():
         x = torch.randn(N, D, dtype=torch.float64)
         with torch.no_grad():
             same(old(x), reference(x), False)
+
+
+# ---------------------------------------------------------------- regressions from the review
+class MeanTime(nn.Module):
+    def forward(self, x):
+        return x.mean(0)  # (T, N, F) -> (N, F): pooled over a sequence-first input
+
+
+@pytest.mark.parametrize("n", [10, 8])  # uneven and even splits
+def test_a_pooled_output_that_follows_batch_dim_1_is_refused_before_the_step_leaves_anything(n):
+    model = nn.Sequential(nn.Linear(D, 3), MeanTime()).double()
+    x, y = torch.randn(T, n, D, dtype=torch.float64), torch.randn(n, 3, dtype=torch.float64)
+    with Pipe(model, [1, 1], chunks=4, batch_dim=1, target_batch_dim=0) as pipe:
+        each = ["kept"]
+        with pytest.raises(ValueError, match=r"3 along dim 1, where its micro-batch has \d samples; "
+                                             "output_batch_dim follows batch_dim"):
+            pipe.step(x, y, mse, losses=each, return_outputs=True)
+        assert each == ["kept"] and no_grads(model)
+        with pytest.raises(ValueError, match="output_batch_dim follows batch_dim"), torch.no_grad():
+            pipe(x)  # an even split would otherwise concatenate (2, 3) pieces into (2, 12)
+        pipe.output_batch_dim = 0
+        reference = copy.deepcopy(model)
+        expected = mse(reference(x), y)
+        expected.backward()
+        loss, out = pipe.step(x, y, mse, return_outputs=True)
+    same(loss, expected.detach(), False)
+    same(out, reference(x).detach(), False)
+    same_grads(model, reference)
+
+
+class Shrink(nn.Module):
+    def forward(self, x):
+        return x[:, :, : x.size(1)]  # the feature count depends on the micro-batch: cannot be joined
+
+
+def test_outputs_that_differ_outside_their_batch_dim_are_refused_inside_the_step():
+    model = nn.Sequential(nn.Linear(D, 4), Shrink()).double()
+    x = torch.randn(T, N, D, dtype=torch.float64)
+    with Pipe(model, [1, 1], chunks=4, batch_dim=1, output_batch_dim=1) as pipe:
+        each = ["kept"]
+        with pytest.raises(ValueError, match=r"shape \(5, 1, 1\) in one micro-batch and \(5, 3, 3\) in another: "
+                                             "they differ outside dim 1"):
+            pipe.step(x, torch.zeros(T, N, 1), lambda out, y: out.sum(), losses=each, return_outputs=True)
+        assert each == ["kept"] and no_grads(model)
+        with pytest.raises(ValueError, match="they differ outside dim 1"), torch.no_grad():
+            pipe(x)
+
+
+@pytest.mark.parametrize("output_batch_dim, weight", [(0, "mean"), (1, "sum")])
+def test_kl_batchmean_divides_by_dim_0_whatever_the_batch_dim(output_batch_dim, weight):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 6), nn.Tanh(), nn.Linear(6, 4), nn.LogSoftmax(-1)).double()
+    reference = copy.deepcopy(model)
+    if output_batch_dim == 0:
+        x = torch.randn(N, T, D, dtype=torch.float64)
+    else:
+        x = torch.randn(T, N, D, dtype=torch.float64)
+    y = torch.softmax(torch.randn(*x.shape[:2], 4, dtype=torch.float64), -1)
+    loss_fn = nn.KLDivLoss(reduction="batchmean")
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    with Pipe(model, [2, 2], chunks=4, batch_dim=output_batch_dim) as pipe:
+        loss = pipe.step(x, y, loss_fn)
+        same(loss, expected.detach(), False)
+        same_grads(model, reference)
+        pipe.eval()
+        same(pipe.evaluate(x, y, loss_fn), expected.detach(), False)
+        pipe.output_batch_dim, pipe.target_batch_dim = (output_batch_dim, None), output_batch_dim
+        with pytest.raises(ValueError, match="'batchmean' divides by the output's dim 0"):
+            pipe.evaluate(x, y, loss_fn)
+
+
+def test_evaluate_leaves_losses_alone_when_its_outputs_cannot_be_gathered():
+    model = nn.Sequential(nn.Linear(D, 3), MeanTime()).double()
+    x, y = torch.randn(T, N, D, dtype=torch.float64), torch.randn(N, 3, dtype=torch.float64)
+    with Pipe(model, [1, 1], chunks=4, batch_dim=1, target_batch_dim=0) as pipe:
+        each = ["kept"]
+        with pytest.raises(ValueError, match="output_batch_dim follows batch_dim"):
+            pipe.evaluate(x, y, mse, losses=each, return_outputs=True)
+        assert each == ["kept"]

@@ -222,3 +222,58 @@ def test_loss_kwargs_that_are_not_a_dict_of_names_are_refused_before_anything_ru
         with pytest.raises(TypeError, match="loss_kwargs must be a dict of keyword arguments for loss_fn"):
             pipe.step(torch.randn(4, 4), torch.randn(4, 2), nn.MSELoss(), loss_kwargs=loss_kwargs)
         assert pipe.last_step is None and all(p.grad is None for p in pipe.parameters())
+
+
+# Regression (review): the functional cross-entropy's ignore_index and class weights came
+# through loss_kwargs but the micro-batches were weighted by samples (NaN with a fully padded one).
+_WEIGHT = torch.tensor([0.1, 1.0, 5.0])
+
+
+@pytest.mark.parametrize("loss_fn, loss_kwargs", [
+    (F.cross_entropy, {}), (F.nll_loss, {}),  # the default ignore_index, -100
+    (F.cross_entropy, {"ignore_index": 0}), (F.nll_loss, {"ignore_index": 0}),
+    (F.cross_entropy, {"weight": _WEIGHT}), (F.nll_loss, {"weight": _WEIGHT}),
+    (F.cross_entropy, {"ignore_index": 0, "weight": _WEIGHT, "label_smoothing": 0.2}),
+], ids=["ce", "nll", "ce-ignore", "nll-ignore", "ce-weight", "nll-weight", "ce-all"])
+def test_functional_class_index_losses_weigh_micro_batches_by_their_counted_targets(loss_fn, loss_kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.LogSoftmax(dim=1))
+    x = torch.randn(8, 4)
+    y = torch.tensor([-100, -100, 2, 1, 0, 0, 1, 0]) if not loss_kwargs else torch.tensor([0, 0, 2, 1, 0, 0, 1, 0])
+    reference = copy.deepcopy(model)
+    expected = loss_fn(reference(x), y, **loss_kwargs)
+    expected.backward()
+    with Pipe(copy.deepcopy(model), [2, 2], chunks=4) as pipe:
+        loss = pipe.step(x, y, loss_fn, loss_kwargs=loss_kwargs)
+        torch.testing.assert_close(loss, expected.detach())
+        assert_same_grads((pipe,), (reference,))
+        pipe.eval()
+        torch.testing.assert_close(pipe.evaluate(x, y, loss_fn, loss_kwargs=loss_kwargs), expected.detach())
+
+
+def test_a_reduction_that_disagrees_with_loss_kwargs_is_refused():
+    with Pipe(body(), [1, 1, 1, 1], chunks=2) as pipe:
+        with pytest.raises(ValueError, match="reduction='sum' and loss_kwargs' reduction 'mean' disagree"):
+            pipe.step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss, reduction="sum",
+                      loss_kwargs={"reduction": "mean"})
+        with pytest.raises(ValueError, match="reduction must be 'mean', 'batchmean' or 'sum' \\(got 'none'\\)"):
+            pipe.step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss, loss_kwargs={"reduction": "none"})
+        assert pipe.last_step is None
+
+
+# Regression (review): a tensor in loss_kwargs kept a partial .grad after a failed step.
+def test_a_failed_step_removes_the_gradient_it_gave_a_tensor_in_loss_kwargs():
+    temperature = torch.tensor(2.0, requires_grad=True)
+    calls = []
+
+    def loss_fn(output, target, temperature):
+        calls.append(None)
+        if len(calls) == 3:
+            raise RuntimeError("bad micro-batch")
+        return F.mse_loss(output / temperature, target)
+
+    with Pipe(body(), [1, 1, 1, 1], chunks=4) as pipe:
+        with pytest.raises(RuntimeError, match="bad micro-batch"):
+            pipe.step(torch.randn(8, 4), torch.randn(8, 2), loss_fn, schedule="1f1b",
+                      loss_kwargs={"temperature": temperature})
+        assert temperature.grad is None and all(p.grad is None for p in pipe.parameters())

@@ -17,7 +17,7 @@ from torch import Tensor
 
 __all__ = [
     "Batch", "BatchDim", "scatter", "gather", "rebuild", "why_not_gatherable", "TensorOrTensors", "batch_size",
-    "samples", "check_batch_dim", "common_batch_dim",
+    "samples", "check_batch_dim", "common_batch_dim", "check_joins",
 ]
 
 TensorOrTensors = Union[Tensor, Tuple[Any, ...]]
@@ -227,12 +227,43 @@ def why_not_gatherable(output: Batch, batch_dim: BatchDim = 0) -> Optional[str]:
     return None
 
 
-def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0) -> TensorOrTensors:
+def check_joins(output: Batch, batch_dim: BatchDim, first: Optional[Batch], samples: Optional[int] = None) -> None:
+    """ValueError unless ``output`` can be concatenated after ``first`` along its batch dims.
+
+    Every split item must match ``first``'s shape but along its batch dim; and with
+    ``samples`` (an output batch dim that was not given but follows the input's) it must
+    hold that many samples there: a pooled ``(N, C)`` output following ``batch_dim=1``
+    would otherwise be concatenated along its classes, silently when the sizes allow it.
+    """
+    dims = _item_dims(output.value, batch_dim, "output_batch_dim", "output")
+    for i, (value, dim) in enumerate(zip(output.values, dims)):
+        if dim is None or not isinstance(value, Tensor):
+            continue
+        where = "the pipeline's output" if output.atomic else f"output {i} of the pipeline"
+        if samples is not None and value.size(dim) != samples:
+            raise ValueError(f"{where} has shape {tuple(value.shape)}: {value.size(dim)} along dim {dim}, where its "
+                             f"micro-batch has {samples} samples; output_batch_dim follows batch_dim, which does not "
+                             "fit this output: pass output_batch_dim= (0 for an output pooled over a sequence-first "
+                             "input, None in a tuple for an item that is the same in every micro-batch)")
+        if first is None or first is output:
+            continue
+        reference = first.values[i] if i < len(first.values) else None
+        axis = dim % value.dim()
+        if (not isinstance(reference, Tensor) or reference.dim() != value.dim()
+                or any(a != b for k, (a, b) in enumerate(zip(reference.shape, value.shape)) if k != axis)):
+            shape = tuple(reference.shape) if isinstance(reference, Tensor) else type(reference).__name__
+            raise ValueError(f"{where} has shape {tuple(value.shape)} in one micro-batch and {shape} in another: "
+                             f"they differ outside dim {dim}, its output_batch_dim, so they cannot be concatenated "
+                             "along it; is output_batch_dim right?")
+
+
+def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0, samples: Optional[Sequence[int]] = None) -> TensorOrTensors:
     """Concatenate micro-batch outputs along their batch dims (dim 0 by default), in micro-batch order.
 
     Other values of an output tuple, and items whose batch dim is None, are taken from the
     first micro-batch. What cannot be put back together is refused with a TypeError naming
-    its position (see :func:`why_not_gatherable`).
+    its position (see :func:`why_not_gatherable`), or a ValueError for shapes that do not
+    join (:func:`check_joins`; ``samples``: each micro-batch's, to check them against).
     """
     if len(outputs) == 1:
         return outputs[0].value
@@ -240,6 +271,8 @@ def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0) -> TensorOrTensors
     problem = why_not_gatherable(first, batch_dim)
     if problem is not None:
         raise TypeError(problem)
+    for index, output in enumerate(outputs):
+        check_joins(output, batch_dim, first, None if samples is None else samples[index])
     dims = _item_dims(first.value, batch_dim, "output_batch_dim", "output")
     if first.atomic:
         return torch.cat([b.tensor for b in outputs], dims[0])

@@ -23,7 +23,8 @@ from .checkpoint import generator_state, is_checkpointing
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward
-from .microbatch import Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather, scatter
+from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
+                         samples, scatter)
 from .partition import BalanceError, as_positive_int, infer_placement, split_module, verify_balance, verify_module
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build, schedule_options
@@ -127,20 +128,30 @@ def _check_checkpoint(mode: Any) -> str:
 def _resolve_batch_dims(given: Tuple[Any, Any, Any]) -> Tuple[BatchDim, BatchDim, BatchDim]:
     """The input's, output's and target's batch dims from what was given (None: follow the one before).
 
-    The output follows the input, and the target follows the output, when the one before
-    names a single dim; otherwise there is nothing to follow, and a ValueError asks for it.
+    The output follows an input batch dim that is one non-negative int, and the target
+    follows the output's when that names one non-negative dim. Nothing else is guessed: a
+    tuple's items need not come out in the same places, and a dim counted from the end is
+    another dim in an output or target of another rank; a ValueError then asks for it.
     """
     input_dim = check_batch_dim(given[0], "batch_dim")
-    output_dim: Optional[BatchDim] = (common_batch_dim(input_dim) if given[1] is None
-                                      else check_batch_dim(given[1], "output_batch_dim"))
-    if output_dim is None:
-        raise ValueError(f"batch_dim={input_dim!r} puts the input's batch on several dims, so the output's cannot "
-                         "follow it: pass output_batch_dim= (an int, or one int or None per output item)")
-    target_dim: Optional[BatchDim] = (common_batch_dim(output_dim) if given[2] is None
-                                      else check_batch_dim(given[2], "target_batch_dim"))
-    if target_dim is None:
-        raise ValueError(f"output_batch_dim={output_dim!r} puts the output's batch on several dims, so the target's "
-                         "cannot follow it: pass target_batch_dim= (an int, or one int or None per target item)")
+    if given[1] is not None:
+        output_dim = check_batch_dim(given[1], "output_batch_dim")
+    elif isinstance(input_dim, int) and input_dim >= 0:
+        output_dim = input_dim
+    else:
+        why = ("counts from the end, and the output may have another rank" if isinstance(input_dim, int)
+               else "is per item of the input tuple, and the output's items may be others")
+        raise ValueError(f"batch_dim={input_dim!r} {why}, so the output's batch dim cannot follow it: pass "
+                         "output_batch_dim= (an int, or one int or None per item of an output tuple)")
+    if given[2] is not None:
+        target_dim = check_batch_dim(given[2], "target_batch_dim")
+    else:
+        common = common_batch_dim(output_dim)
+        if common is None or common < 0:
+            raise ValueError(f"output_batch_dim={output_dim!r} names no single dim counted from the start, so the "
+                             "target's batch dim cannot follow it: pass target_batch_dim= (an int, or one int or None "
+                             "per item of a target tuple)")
+        target_dim = common
     return input_dim, output_dim, target_dim
 
 
@@ -192,8 +203,10 @@ class Pipe(nn.Module):
             sequence-first model), or one entry per item of an input tuple, ``None`` for an
             item passed whole to every micro-batch (a shared mask). Default 0.
         output_batch_dim: the same for the output, which is concatenated along it (``None``
-            in a tuple: the first micro-batch's item). Default: the input's batch dim.
-        target_batch_dim: the same for ``step``'s target. Default: the output's batch dim.
+            in a tuple: the first micro-batch's item). Default: ``batch_dim`` when that is
+            one int >= 0 (checked against each micro-batch's samples); otherwise required.
+        target_batch_dim: the same for ``step``'s target. Default: the output's batch dim
+            when that names one dim >= 0; otherwise required.
 
     The parameter names stay those of ``module`` (``pipe.state_dict()`` loads into the
     original model and back). Workers start once and are reused; ``close()`` (or ``with``,
@@ -507,7 +520,16 @@ class Pipe(nn.Module):
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
         input_dim, output_dim, _ = self._batch_dims
-        return gather(self._forward_batches(scatter(input, self.chunks, input_dim)), output_dim)
+        batches = scatter(input, self.chunks, input_dim)
+        sizes = self._followed_samples(batches)
+        return gather(self._forward_batches(batches), output_dim, sizes)
+
+    def _followed_samples(self, batches: List[Batch]) -> Optional[List[int]]:
+        """Each micro-batch's samples, when the output's batch dim was not given but follows a
+        batch dim other than 0 (see :func:`~torchpipe.microbatch.check_joins`); else None."""
+        if self._given_batch_dims[1] is not None or self._batch_dims[1] == 0:
+            return None
+        return [samples(batch, self._batch_dims[0]) for batch in batches]
 
     def _forward_batches(self, batches: List[Batch]) -> List[Batch]:
         """Each micro-batch's output, in micro-batch order, ready on the caller's stream."""
@@ -548,12 +570,14 @@ class Pipe(nn.Module):
                                                    loss_kwargs=loss_kwargs)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
-        reduction, call_loss = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs)
+        reduction, call_loss = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
+                                                     self._batch_dims[1])
         input_dim, output_dim, target_dim = self._batch_dims
         with torch.no_grad():
             batches = scatter(input, self.chunks, input_dim)
             targets = split_targets(target, batch_size(input, input_dim), len(batches), self.chunks, target_dim)
-            scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim)
+            scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim, loss_kwargs)
+            sizes = self._followed_samples(batches)
             outputs = self._forward_batches(batches)
             each = []
             for output, part in zip(outputs, targets):
@@ -561,10 +585,11 @@ class Pipe(nn.Module):
                     part = part.to(next(output.tensors()).device)
                 each.append(scalar_loss(call_loss(output.value, part)).detach())
         total = _weighted_total(each, scales)
+        gathered = gather(outputs, output_dim, sizes) if return_outputs else None  # may fail: before losses
         if losses is not None:
             losses[:] = each
         if return_outputs:
-            return total, gather(outputs, output_dim)
+            return total, gathered
         return total
 
     def step(
@@ -587,7 +612,8 @@ class Pipe(nn.Module):
         of ``n_i`` samples out of ``N`` is back-propagated with weight ``n_i / N`` when the loss
         averages over samples (``reduction='mean'``, the default, read from
         ``loss_fn.reduction`` when it has one) and with weight 1 when it sums
-        (``reduction='sum'``). ``CrossEntropyLoss`` and ``NLLLoss`` with class-index targets
+        (``reduction='sum'``). ``CrossEntropyLoss`` and ``NLLLoss`` (or their functional
+        forms, configured through ``loss_kwargs``) with class-index targets
         average over their class-weighted targets that are not ``ignore_index``: their
         micro-batches are weighted by that count instead (see ``torchpipe.step_inputs``); a
         custom loss that normalises otherwise should sum, with ``reduction='sum'``, and
@@ -617,7 +643,8 @@ class Pipe(nn.Module):
                                                loss_kwargs=loss_kwargs, **options)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
-        reduction, call_loss = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs)
+        reduction, call_loss = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
+                                                     self._batch_dims[1])
         if isinstance(schedule, Plan):
             if options:
                 raise TypeError(f"options {sorted(options)} configure a named schedule; a Plan is already built, "
@@ -638,8 +665,8 @@ class Pipe(nn.Module):
         input, target = upstream.cut(input), upstream.cut(target)
         input_dim, output_dim, target_dim = self._batch_dims
         batches = scatter(input, self.chunks, input_dim)
-        samples = batch_size(input, input_dim)
-        if samples == 0:
+        size = batch_size(input, input_dim)
+        if size == 0:
             raise ValueError(f"the input batch is empty (0 samples along batch_dim={input_dim!r}): there is no loss "
                              "to back-propagate")
         last_device = self.devices[-1]
@@ -648,14 +675,15 @@ class Pipe(nn.Module):
             # which the workers' streams wait for: a worker thread copying it would use its own
             # current stream of the target's device, unordered with the caller's.
             target = target.to(last_device)
-        targets = split_targets(target, samples, len(batches), self.chunks, target_dim)
-        scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim)
+        targets = split_targets(target, size, len(batches), self.chunks, target_dim)
+        scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim, loss_kwargs)
         m = len(batches)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         plan, program = self._step_program(schedule, m, options)
         context = StepContext(batches, targets, self._input_events(batches), call_loss, scales, stop, len(self._stages),
-                              keep_outputs=return_outputs, output_batch_dim=output_dim)
-        self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn))
+                              keep_outputs=return_outputs, output_batch_dim=output_dim,
+                              output_samples=self._followed_samples(batches) if return_outputs else None)
+        self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
         upstream.backward()
         self.last_memory = context.memory
         each = cast(List[Tensor], context.losses)
@@ -666,13 +694,13 @@ class Pipe(nn.Module):
             return total, gather(cast(List[Batch], context.outputs), output_dim)
         return total
 
-    def _step_leaves(self, input: Any, target: Any, loss_fn: Any) -> List[Tensor]:
+    def _step_leaves(self, input: Any, target: Any, loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> List[Tensor]:
         """What a ``Pipe.step`` may give a ``.grad``: the parameters, the loss module's, and
-        the input's and target's tensors that require grad."""
+        the tensors that require grad in the input, the target and ``loss_kwargs``."""
         leaves = list(self.parameters())
         if isinstance(loss_fn, nn.Module):
             leaves += list(loss_fn.parameters())
-        for value in (input, target):
+        for value in (input, target, tuple((loss_kwargs or {}).values())):
             for tensor in (value if isinstance(value, (tuple, list)) else (value,)):
                 if isinstance(tensor, Tensor) and tensor.requires_grad and tensor.is_leaf:
                     leaves.append(tensor)
@@ -823,12 +851,15 @@ class Pipe(nn.Module):
 
 
 def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs: Any, losses: Any,
-                          loss_kwargs: Any) -> Tuple[str, Callable[[Any, Any], Tensor]]:
+                          loss_kwargs: Any, output_dim: BatchDim) -> Tuple[str, Callable[[Any, Any], Tensor]]:
     """The reduction ``step``/``evaluate`` weigh micro-batches for, and the loss to call per
     micro-batch (``loss_fn`` with ``loss_kwargs``); TypeError/ValueError for a bad argument.
 
     The reduction is ``reduction=``, else a ``reduction`` in ``loss_kwargs`` (a functional
-    loss told to sum), else ``loss_fn.reduction``, else ``'mean'``.
+    loss told to sum), else ``loss_fn.reduction``, else ``'mean'``. ``'batchmean'``
+    (``KLDivLoss``) divides by the output's dim 0: a mean over samples when the output's
+    batch dim (``output_dim``) is 0, and the same divisor in every micro-batch, so a sum of
+    micro-batch losses, when it is another.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
@@ -839,8 +870,15 @@ def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs
         raise TypeError(f"loss_kwargs must be a dict of keyword arguments for loss_fn, or None; got {loss_kwargs!r}")
     if reduction is None:
         reduction = (loss_kwargs or {}).get("reduction", getattr(loss_fn, "reduction", "mean"))
-    if reduction == "batchmean":  # KLDivLoss: the sum over the batch divided by its size
-        reduction = "mean"
+    elif loss_kwargs and "reduction" in loss_kwargs and loss_kwargs["reduction"] != reduction:
+        raise ValueError(f"reduction={reduction!r} and loss_kwargs' reduction {loss_kwargs['reduction']!r} disagree; "
+                         "give one of them")
+    if reduction == "batchmean":  # KLDivLoss: the sum over the output's dim 0 divided by its size
+        if isinstance(output_dim, int) and output_dim >= 0:
+            reduction = "mean" if output_dim == 0 else "sum"
+        else:
+            raise ValueError(f"reduction 'batchmean' divides by the output's dim 0, but output_batch_dim={output_dim!r} "
+                             "does not say whether that is the batch: pass reduction='mean' if it is, 'sum' if not")
     if not isinstance(return_outputs, bool):
         raise TypeError(f"return_outputs must be a bool, got {return_outputs!r}")
     if reduction not in ("mean", "sum"):

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from . import engine
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
-from .microbatch import Batch, BatchDim, rebuild, why_not_gatherable
+from .microbatch import Batch, BatchDim, check_joins, rebuild, why_not_gatherable
 from .runtime import Program
 from .skip.portal import SkipStore, StageSkips
 from .split_backward import WeightSplit
@@ -67,6 +67,7 @@ class StepContext:
         num_stages: int,
         keep_outputs: bool = False,
         output_batch_dim: BatchDim = 0,
+        output_samples: Optional[List[int]] = None,
     ) -> None:
         self.batches = batches
         self.targets = targets
@@ -79,6 +80,7 @@ class StepContext:
         # The last stage's outputs, detached, for ``Pipe.step(..., return_outputs=True)``.
         self.keep_outputs = keep_outputs
         self.output_batch_dim = output_batch_dim
+        self.output_samples = output_samples  # checked against, when the output's batch dim follows the input's
         self.outputs: List[Optional[Batch]] = [None] * len(batches)
         self.memory = MemoryRecord(num_stages)
         self.skips = SkipStore()
@@ -206,9 +208,13 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                     loss = scalar_loss(ctx.loss_fn(output.value, target))
                 ctx.losses[microbatch] = loss.detach()
                 if ctx.keep_outputs:
-                    problem = why_not_gatherable(output, ctx.output_batch_dim) if len(ctx.outputs) > 1 else None
-                    if problem is not None:  # now, while the failed step can still be undone
-                        raise TypeError(f"return_outputs=True: {problem}")
+                    if len(ctx.outputs) > 1:  # now, while the failed step can still be undone
+                        problem = why_not_gatherable(output, ctx.output_batch_dim)
+                        if problem is not None:
+                            raise TypeError(f"return_outputs=True: {problem}")
+                        first = next((kept for kept in ctx.outputs if kept is not None), None)
+                        expected = None if ctx.output_samples is None else ctx.output_samples[microbatch]
+                        check_joins(output, ctx.output_batch_dim, first, expected)
                     ctx.outputs[microbatch] = output.map_tensors(Tensor.detach)
         grad_positions = () if last else _grad_positions(output)
         outputs = [loss] if last else [output.values[i] for i in grad_positions]

@@ -3,8 +3,9 @@
 ``Pipe.step`` back-propagates every micro-batch's loss on its own, so it must weigh them so
 that their sum is the loss of the whole mini-batch. With ``reduction='sum'`` each weighs 1.
 With ``reduction='mean'`` the weight is the micro-batch's share of the loss's denominator:
-its share of the samples for most losses, but for ``CrossEntropyLoss`` and ``NLLLoss`` with
-class-index targets the denominator is the (class-weighted) count of targets that are not
+its share of the samples for most losses, but for ``CrossEntropyLoss`` and ``NLLLoss`` (or
+``F.cross_entropy``/``F.nll_loss`` given their settings in ``loss_kwargs``) with class-index
+targets the denominator is the (class-weighted) count of targets that are not
 ``ignore_index``, so padding in one micro-batch must not skew the others.
 
 An input or target that is itself the output of a graph built before the step (an encoder
@@ -15,10 +16,11 @@ leaf and sent upstream once, after the step, as one ``loss.backward()`` would.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from .microbatch import Batch, BatchDim, batch_size, rebuild, samples, scatter
 
@@ -84,32 +86,40 @@ def split_targets(target: Any, size: int, num_microbatches: int, chunks: int, ba
     return targets
 
 
-def _counted_targets(loss_fn: Any) -> bool:
-    """Whether ``loss_fn`` averages over its (weighted, non-ignored) class-index targets."""
-    return isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss))
+def _counted_targets(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Optional[Tuple[int, Optional[Tensor]]]:
+    """``(ignore_index, class weights)`` when ``loss_fn`` averages over its (class-weighted,
+    non-ignored) class-index targets, or None: a module's own settings, or those the
+    functional form gets through ``loss_kwargs``."""
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return loss_fn.ignore_index, loss_fn.weight
+    if loss_fn is F.cross_entropy or loss_fn is F.nll_loss:
+        given = loss_kwargs or {}
+        return given.get("ignore_index", -100), given.get("weight")
+    return None
 
 
-def _target_weight(loss_fn: Any, target: Tensor) -> float:
-    """The denominator ``loss_fn`` uses for ``target`` under ``reduction='mean'``."""
+def _target_weight(ignore_index: int, weight: Optional[Tensor], target: Tensor) -> float:
+    """The denominator a class-index loss uses for ``target`` under ``reduction='mean'``."""
     target = target.long()  # torch takes uint8 class indices too; indexing with them would mask
-    kept = target != loss_fn.ignore_index
-    if loss_fn.weight is None:
+    kept = target != ignore_index
+    if weight is None:
         return float(kept.sum())
     classes = torch.where(kept, target, torch.zeros_like(target))
-    weights = loss_fn.weight.to(target.device)[classes]
+    weights = weight.to(target.device)[classes]
     return float((weights * kept).sum())
 
 
 def microbatch_weights(loss_fn: Any, reduction: str, batches: Sequence[Batch], targets: Sequence[Any],
-                       batch_dim: BatchDim = 0) -> List[float]:
+                       batch_dim: BatchDim = 0, loss_kwargs: Optional[Dict[str, Any]] = None) -> List[float]:
     """Per micro-batch, the factor its loss is scaled by so that the weighted sum is the whole loss.
 
     ``batch_dim`` is the input's: a micro-batch's samples are counted along it."""
     if reduction == "sum":
         return [1.0] * len(batches)
     first_target = targets[0]
-    if _counted_targets(loss_fn) and isinstance(first_target, Tensor) and not first_target.is_floating_point():
-        shares = [_target_weight(loss_fn, t) for t in targets]
+    counted = _counted_targets(loss_fn, loss_kwargs)
+    if counted is not None and isinstance(first_target, Tensor) and not first_target.is_floating_point():
+        shares = [_target_weight(*counted, t) for t in targets]
     else:
         shares = [float(samples(b, batch_dim)) for b in batches]
     total = sum(shares)
