@@ -169,9 +169,9 @@ def scatter(input: TensorOrTensors, chunks: int, batch_dim: BatchDim = 0) -> Lis
     batch_size(input, batch_dim)
     if chunks == 1:
         return [Batch(input)]
-    dims = _item_dims(input, batch_dim, "batch_dim", "input")
     if isinstance(input, Tensor):
-        return [Batch(part) for part in input.chunk(chunks, dims[0])]
+        return [Batch(part) for part in input.chunk(chunks, batch_dim if isinstance(batch_dim, int) else batch_dim[0])]
+    dims = _item_dims(input, batch_dim, "batch_dim", "input")
     pieces = [v.chunk(chunks, d) if d is not None else None for v, d in zip(input, dims)]
     count = min(len(p) for p in pieces if p is not None)
     return [Batch(rebuild(input, [p[i] if p is not None else v for p, v in zip(pieces, input)])) for i in range(count)]
@@ -271,13 +271,19 @@ def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0, samples: Optional[
     problem = why_not_gatherable(first, batch_dim)
     if problem is not None:
         raise TypeError(problem)
-    for index, output in enumerate(outputs):
-        check_joins(output, batch_dim, first, None if samples is None else samples[index])
+    if samples is not None:
+        for output, size in zip(outputs, samples):
+            check_joins(output, batch_dim, None, size)
     dims = _item_dims(first.value, batch_dim, "output_batch_dim", "output")
-    if first.atomic:
-        return torch.cat([b.tensor for b in outputs], dims[0])
-    gathered = [
-        torch.cat([b.values[i] for b in outputs], dim) if dim is not None else value
-        for i, (value, dim) in enumerate(zip(first.values, dims))
-    ]
+    try:
+        if first.atomic:
+            return torch.cat([b.tensor for b in outputs], dims[0])
+        gathered = [
+            torch.cat([b.values[i] for b in outputs], dim) if dim is not None else value
+            for i, (value, dim) in enumerate(zip(first.values, dims))
+        ]
+    except (RuntimeError, TypeError):  # torch.cat refused: name what does not join, if that is it
+        for output in outputs:
+            check_joins(output, batch_dim, first)
+        raise
     return rebuild(first.values, gathered)
