@@ -951,3 +951,61 @@ def test_evaluate_leaves_losses_alone_when_its_outputs_cannot_be_gathered():
         with pytest.raises(ValueError, match="output_batch_dim follows batch_dim"):
             pipe.evaluate(x, y, mse, losses=each, return_outputs=True)
         assert each == ["kept"]
+
+
+class AuxWhen(nn.Module):
+    """(x, aux): aux a tensor in micro-batches of more than one sample and None otherwise, or the reverse."""
+
+    def __init__(self, tensor_when_big: bool):
+        super().__init__()
+        self.tensor_when_big = tensor_when_big
+
+    def forward(self, x):
+        big = x.size(0) > 1
+        return x, (x.sum(1, keepdim=True) if big == self.tensor_when_big else None)
+
+
+def _first_item_mse(output, target):
+    return F.mse_loss(output[0], target)
+
+
+def test_an_output_item_that_is_a_tensor_first_and_none_later_fails_the_step_before_it_keeps_anything():
+    model = nn.Sequential(nn.Linear(4, 4), AuxWhen(tensor_when_big=True)).double()
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)  # last micro-batch: 1
+    with Pipe(model, [1, 1], chunks=4) as pipe:
+        each = ["kept"]
+        with pytest.raises(ValueError, match=r"output 1 of the pipeline is a tensor of shape \(2, 1\) in one "
+                                             "micro-batch and NoneType in another"):
+            pipe.step(x, y, _first_item_mse, losses=each, return_outputs=True)
+        assert each == ["kept"] and no_grads(model) and pipe.last_memory is None
+
+
+def test_an_output_item_that_is_none_first_is_taken_from_the_first_micro_batch_by_step_as_by_forward():
+    model = nn.Sequential(nn.Linear(4, 4), AuxWhen(tensor_when_big=False)).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    expected = _first_item_mse(reference(x), y)
+    expected.backward()
+    with Pipe(model, [1, 1], chunks=4) as pipe:
+        with torch.no_grad():
+            assert pipe(x)[1] is None
+        loss, (out, aux) = pipe.step(x, y, _first_item_mse, return_outputs=True)
+    assert aux is None
+    same(loss, expected.detach(), False)
+    same(out, reference(x)[0].detach(), False)
+    same_grads(model, reference)
+
+
+class Squeeze(nn.Module):
+    def forward(self, x):
+        return x.squeeze()  # a micro-batch of one sample loses its batch dim
+
+
+@pytest.mark.parametrize("dims", [{}, {"batch_dim": 1}])
+def test_a_micro_batch_output_that_lost_its_batch_dim_is_a_clear_value_error(dims):
+    model = nn.Sequential(nn.Linear(4, 1), Squeeze()).double()
+    x = torch.randn(7, 4, dtype=torch.float64) if not dims else torch.randn(3, 7, 4, dtype=torch.float64)
+    with Pipe(model, [1, 1], chunks=4, **dims) as pipe, torch.no_grad():
+        with pytest.raises(ValueError, match=r"is a tensor of shape \((3, )?2,?\) in one micro-batch and a tensor of "
+                                             r"shape \((3,)?\) in another"):
+            pipe(x)

@@ -253,7 +253,7 @@ def test_functional_class_index_losses_weigh_micro_batches_by_their_counted_targ
 
 def test_a_reduction_that_disagrees_with_loss_kwargs_is_refused():
     with Pipe(body(), [1, 1, 1, 1], chunks=2) as pipe:
-        with pytest.raises(ValueError, match="reduction='sum' and loss_kwargs' reduction 'mean' disagree"):
+        with pytest.raises(ValueError, match="reduction='sum', but the loss itself reduces by 'mean'"):
             pipe.step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss, reduction="sum",
                       loss_kwargs={"reduction": "mean"})
         with pytest.raises(ValueError, match="reduction must be 'mean', 'batchmean' or 'sum' \\(got 'none'\\)"):
@@ -277,3 +277,54 @@ def test_a_failed_step_removes_the_gradient_it_gave_a_tensor_in_loss_kwargs():
             pipe.step(torch.randn(8, 4), torch.randn(8, 2), loss_fn, schedule="1f1b",
                       loss_kwargs={"temperature": temperature})
         assert temperature.grad is None and all(p.grad is None for p in pipe.parameters())
+
+
+def test_batchmean_in_loss_kwargs_may_be_told_how_to_weigh_and_a_modules_own_reduction_may_not_be_contradicted():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LogSoftmax(dim=1))
+    x, y = torch.randn(6, 4), torch.softmax(torch.randn(6, 3), dim=1)
+    reference = copy.deepcopy(model)
+    expected = F.kl_div(reference(x), y, reduction="batchmean")
+    with Pipe(copy.deepcopy(model), [1, 1], chunks=3, output_batch_dim=(0,), target_batch_dim=0) as pipe:
+        with pytest.raises(ValueError, match="'batchmean' divides by the output's dim 0"):
+            pipe.step(x, y, F.kl_div, loss_kwargs={"reduction": "batchmean"})
+        loss = pipe.step(x, y, F.kl_div, reduction="mean", loss_kwargs={"reduction": "batchmean"})
+        torch.testing.assert_close(loss, expected.detach())
+        with pytest.raises(ValueError, match="reduction='mean', but the loss itself reduces by 'sum'"):
+            pipe.step(x, y, nn.MSELoss(reduction="sum"), reduction="mean")
+
+
+def test_a_tensor_computed_before_the_step_in_loss_kwargs_gets_its_gradient_once():
+    torch.manual_seed(0)
+    model = body()
+    log_scale = nn.Parameter(torch.tensor(0.3))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def loss_fn(output, target, scale, extra):
+        return F.mse_loss(output, target) * scale + extra[0]
+
+    reference = copy.deepcopy(model)
+    reference_scale = nn.Parameter(log_scale.detach().clone())
+    expected = loss_fn(reference(x), y, reference_scale.exp(), [reference_scale * 0.5])
+    expected.backward()
+    with Pipe(model, [1, 1, 1, 1], chunks=4) as pipe:
+        loss = pipe.step(x, y, loss_fn, loss_kwargs={"scale": log_scale.exp(), "extra": [log_scale * 0.5]})
+        torch.testing.assert_close(loss, expected.detach())
+        assert_same_grads((pipe,), (reference,))
+        torch.testing.assert_close(log_scale.grad, reference_scale.grad)
+
+
+def test_a_failed_step_rolls_back_a_leaf_nested_in_loss_kwargs():
+    nested = torch.tensor(1.5, requires_grad=True)
+    calls = []
+
+    def loss_fn(output, target, extra):
+        calls.append(None)
+        if len(calls) == 3:
+            raise RuntimeError("bad micro-batch")
+        return F.mse_loss(output, target) * extra[0]
+
+    with Pipe(body(), [1, 1, 1, 1], chunks=4) as pipe:
+        with pytest.raises(RuntimeError, match="bad micro-batch"):
+            pipe.step(torch.randn(8, 4), torch.randn(8, 2), loss_fn, loss_kwargs={"extra": [nested]})
+        assert nested.grad is None

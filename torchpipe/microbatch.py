@@ -230,31 +230,39 @@ def why_not_gatherable(output: Batch, batch_dim: BatchDim = 0) -> Optional[str]:
 def check_joins(output: Batch, batch_dim: BatchDim, first: Optional[Batch], samples: Optional[int] = None) -> None:
     """ValueError unless ``output`` can be concatenated after ``first`` along its batch dims.
 
-    Every split item must match ``first``'s shape but along its batch dim; and with
-    ``samples`` (an output batch dim that was not given but follows the input's) it must
-    hold that many samples there: a pooled ``(N, C)`` output following ``batch_dim=1``
-    would otherwise be concatenated along its classes, silently when the sizes allow it.
+    ``gather`` takes each item's treatment from ``first``: a tensor item with a batch dim is
+    concatenated, so ``output`` must have a tensor of the same rank and shape there but
+    along that dim; anything else is taken from ``first``, whatever ``output`` holds there.
+    With ``samples`` (an output batch dim that was not given but follows the input's) each
+    concatenated item must hold that many samples along its batch dim: a pooled ``(N, C)``
+    output following ``batch_dim=1`` would otherwise be concatenated along its classes,
+    silently when the sizes allow it.
     """
-    dims = _item_dims(output.value, batch_dim, "output_batch_dim", "output")
-    for i, (value, dim) in enumerate(zip(output.values, dims)):
-        if dim is None or not isinstance(value, Tensor):
-            continue
+    template = output if first is None else first
+    dims = _item_dims(template.value, batch_dim, "output_batch_dim", "output")
+    if len(output.values) != len(template.values):
+        raise ValueError(f"the pipeline's output has {len(output.values)} items in one micro-batch and "
+                         f"{len(template.values)} in another: they cannot be put together")
+    for i, (reference, value, dim) in enumerate(zip(template.values, output.values, dims)):
+        if dim is None or not isinstance(reference, Tensor):
+            continue  # taken from the first micro-batch
         where = "the pipeline's output" if output.atomic else f"output {i} of the pipeline"
+        if not isinstance(value, Tensor) or value.dim() != reference.dim() or value.dim() == 0:
+            got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"{where} is a tensor of shape {tuple(reference.shape)} in one micro-batch and {got} in "
+                             f"another: they cannot be concatenated along dim {dim}")
+        if not -value.dim() <= dim < value.dim():
+            raise ValueError(f"output_batch_dim {dim} is out of range for {where} of shape {tuple(value.shape)}")
         if samples is not None and value.size(dim) != samples:
             raise ValueError(f"{where} has shape {tuple(value.shape)}: {value.size(dim)} along dim {dim}, where its "
                              f"micro-batch has {samples} samples; output_batch_dim follows batch_dim, which does not "
                              "fit this output: pass output_batch_dim= (0 for an output pooled over a sequence-first "
                              "input, None in a tuple for an item that is the same in every micro-batch)")
-        if first is None or first is output:
-            continue
-        reference = first.values[i] if i < len(first.values) else None
         axis = dim % value.dim()
-        if (not isinstance(reference, Tensor) or reference.dim() != value.dim()
-                or any(a != b for k, (a, b) in enumerate(zip(reference.shape, value.shape)) if k != axis)):
-            shape = tuple(reference.shape) if isinstance(reference, Tensor) else type(reference).__name__
-            raise ValueError(f"{where} has shape {tuple(value.shape)} in one micro-batch and {shape} in another: "
-                             f"they differ outside dim {dim}, its output_batch_dim, so they cannot be concatenated "
-                             "along it; is output_batch_dim right?")
+        if any(a != b for k, (a, b) in enumerate(zip(reference.shape, value.shape)) if k != axis):
+            raise ValueError(f"{where} has shape {tuple(value.shape)} in one micro-batch and "
+                             f"{tuple(reference.shape)} in another: they differ outside dim {dim}, its "
+                             "output_batch_dim, so they cannot be concatenated along it; is output_batch_dim right?")
 
 
 def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0, samples: Optional[Sequence[int]] = None) -> TensorOrTensors:
@@ -273,7 +281,7 @@ def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0, samples: Optional[
         raise TypeError(problem)
     if samples is not None:
         for output, size in zip(outputs, samples):
-            check_joins(output, batch_dim, None, size)
+            check_joins(output, batch_dim, first, size)
     dims = _item_dims(first.value, batch_dim, "output_batch_dim", "output")
     try:
         if first.atomic:

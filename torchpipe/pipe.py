@@ -663,6 +663,9 @@ class Pipe(nn.Module):
             raise RuntimeError("Pipe.step computes gradients; it cannot run under torch.no_grad()")
         upstream = Upstream()
         input, target = upstream.cut(input), upstream.cut(target)
+        if loss_kwargs:  # a tensor computed before the step, shared by every micro-batch's loss
+            loss_kwargs = upstream.cut(loss_kwargs)
+            call_loss = functools.partial(loss_fn, **loss_kwargs)
         input_dim, output_dim, target_dim = self._batch_dims
         batches = scatter(input, self.chunks, input_dim)
         size = batch_size(input, input_dim)
@@ -684,6 +687,8 @@ class Pipe(nn.Module):
                               keep_outputs=return_outputs, output_batch_dim=output_dim,
                               output_samples=self._followed_samples(batches) if return_outputs else None)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
+        # Checked on the workers already (check_joins), before any gradient was kept.
+        gathered = gather(cast(List[Batch], context.outputs), output_dim) if return_outputs else None
         upstream.backward()
         self.last_memory = context.memory
         each = cast(List[Tensor], context.losses)
@@ -691,7 +696,7 @@ class Pipe(nn.Module):
         if losses is not None:
             losses[:] = each
         if return_outputs:
-            return total, gather(cast(List[Batch], context.outputs), output_dim)
+            return total, gathered
         return total
 
     def _step_leaves(self, input: Any, target: Any, loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> List[Tensor]:
@@ -700,10 +705,7 @@ class Pipe(nn.Module):
         leaves = list(self.parameters())
         if isinstance(loss_fn, nn.Module):
             leaves += list(loss_fn.parameters())
-        for value in (input, target, tuple((loss_kwargs or {}).values())):
-            for tensor in (value if isinstance(value, (tuple, list)) else (value,)):
-                if isinstance(tensor, Tensor) and tensor.requires_grad and tensor.is_leaf:
-                    leaves.append(tensor)
+        leaves += [tensor for tensor in _tensors_in((input, target, loss_kwargs)) if tensor.requires_grad and tensor.is_leaf]
         return leaves
 
     def _run(self, plan: Plan, program: Program, context: Any,
@@ -868,11 +870,12 @@ def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs
     if loss_kwargs is not None and (not isinstance(loss_kwargs, dict)
                                     or not all(isinstance(key, str) for key in loss_kwargs)):
         raise TypeError(f"loss_kwargs must be a dict of keyword arguments for loss_fn, or None; got {loss_kwargs!r}")
+    own = (loss_kwargs or {}).get("reduction", getattr(loss_fn, "reduction", None))
     if reduction is None:
-        reduction = (loss_kwargs or {}).get("reduction", getattr(loss_fn, "reduction", "mean"))
-    elif loss_kwargs and "reduction" in loss_kwargs and loss_kwargs["reduction"] != reduction:
-        raise ValueError(f"reduction={reduction!r} and loss_kwargs' reduction {loss_kwargs['reduction']!r} disagree; "
-                         "give one of them")
+        reduction = "mean" if own is None else own
+    elif own in ("mean", "sum") and own != reduction:  # 'batchmean' may be told which it is
+        raise ValueError(f"reduction={reduction!r}, but the loss itself reduces by {own!r} (its reduction, or "
+                         "loss_kwargs'); give one reduction")
     if reduction == "batchmean":  # KLDivLoss: the sum over the output's dim 0 divided by its size
         if isinstance(output_dim, int) and output_dim >= 0:
             reduction = "mean" if output_dim == 0 else "sum"
@@ -886,6 +889,18 @@ def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs
                          "pass reduction= for a custom loss_fn")
     call_loss = functools.partial(loss_fn, **loss_kwargs) if loss_kwargs else loss_fn
     return cast(str, reduction), call_loss
+
+
+def _tensors_in(value: Any) -> Iterator[Tensor]:
+    """Every tensor in ``value``, through tuples, lists and dicts."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
 
 
 def _weighted_total(each: List[Tensor], scales: List[float]) -> Tensor:

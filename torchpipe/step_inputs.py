@@ -34,12 +34,17 @@ class Upstream:
         self._leaves: Dict[int, Tuple[Tensor, Tensor]] = {}  # id(original) -> (original, stand-in leaf)
 
     def cut(self, value: Any) -> Any:
-        """``value`` (a tensor or a tuple) with each non-leaf tensor that requires grad replaced by
-        a leaf of the same data; the same tensor twice gets one leaf, so its gradients add up."""
+        """``value`` (a tensor, or tuples, lists and dicts of them) with each non-leaf tensor that
+        requires grad replaced by a leaf of the same data; the same tensor twice gets one leaf,
+        so its gradients add up."""
         if isinstance(value, Tensor):
             return self._cut_one(value)
         if isinstance(value, tuple):
-            return rebuild(value, [self._cut_one(v) if isinstance(v, Tensor) else v for v in value])
+            return rebuild(value, [self.cut(v) for v in value])
+        if isinstance(value, list):
+            return [self.cut(v) for v in value]
+        if isinstance(value, dict):
+            return {key: self.cut(v) for key, v in value.items()}
         return value
 
     def _cut_one(self, tensor: Tensor) -> Tensor:
