@@ -570,8 +570,8 @@ class Pipe(nn.Module):
                                                    loss_kwargs=loss_kwargs)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
-        reduction, call_loss = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
-                                                     self._batch_dims[1])
+        reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
+                                          self._batch_dims[1])
         input_dim, output_dim, target_dim = self._batch_dims
         with torch.no_grad():
             batches = scatter(input, self.chunks, input_dim)
@@ -579,11 +579,12 @@ class Pipe(nn.Module):
             scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim, loss_kwargs)
             sizes = self._followed_samples(batches)
             outputs = self._forward_batches(batches)
+            loss_call = _loss_call(loss_fn, loss_kwargs)
             each = []
             for output, part in zip(outputs, targets):
                 if isinstance(part, Tensor):
                     part = part.to(next(output.tensors()).device)
-                each.append(scalar_loss(call_loss(output.value, part)).detach())
+                each.append(scalar_loss(loss_call(output.value, part)).detach())
         total = _weighted_total(each, scales)
         gathered = gather(outputs, output_dim, sizes) if return_outputs else None  # may fail: before losses
         if losses is not None:
@@ -643,8 +644,8 @@ class Pipe(nn.Module):
                                                loss_kwargs=loss_kwargs, **options)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
-        reduction, call_loss = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
-                                                     self._batch_dims[1])
+        reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
+                                          self._batch_dims[1])
         if isinstance(schedule, Plan):
             if options:
                 raise TypeError(f"options {sorted(options)} configure a named schedule; a Plan is already built, "
@@ -665,7 +666,6 @@ class Pipe(nn.Module):
         input, target = upstream.cut(input), upstream.cut(target)
         if loss_kwargs:  # a tensor computed before the step, shared by every micro-batch's loss
             loss_kwargs = upstream.cut(loss_kwargs)
-            call_loss = functools.partial(loss_fn, **loss_kwargs)
         input_dim, output_dim, target_dim = self._batch_dims
         batches = scatter(input, self.chunks, input_dim)
         size = batch_size(input, input_dim)
@@ -683,7 +683,7 @@ class Pipe(nn.Module):
         m = len(batches)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         plan, program = self._step_program(schedule, m, options)
-        context = StepContext(batches, targets, self._input_events(batches), call_loss, scales, stop, len(self._stages),
+        context = StepContext(batches, targets, self._input_events(batches), _loss_call(loss_fn, loss_kwargs), scales, stop, len(self._stages),
                               keep_outputs=return_outputs, output_batch_dim=output_dim,
                               output_samples=self._followed_samples(batches) if return_outputs else None)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
@@ -853,9 +853,8 @@ class Pipe(nn.Module):
 
 
 def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs: Any, losses: Any,
-                          loss_kwargs: Any, output_dim: BatchDim) -> Tuple[str, Callable[[Any, Any], Tensor]]:
-    """The reduction ``step``/``evaluate`` weigh micro-batches for, and the loss to call per
-    micro-batch (``loss_fn`` with ``loss_kwargs``); TypeError/ValueError for a bad argument.
+                          loss_kwargs: Any, output_dim: BatchDim) -> str:
+    """The reduction ``step``/``evaluate`` weigh micro-batches for; TypeError/ValueError for a bad argument.
 
     The reduction is ``reduction=``, else a ``reduction`` in ``loss_kwargs`` (a functional
     loss told to sum), else ``loss_fn.reduction``, else ``'mean'``. ``'batchmean'``
@@ -887,8 +886,12 @@ def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean', 'batchmean' or 'sum' (got {reduction!r}); "
                          "pass reduction= for a custom loss_fn")
-    call_loss = functools.partial(loss_fn, **loss_kwargs) if loss_kwargs else loss_fn
-    return cast(str, reduction), call_loss
+    return cast(str, reduction)
+
+
+def _loss_call(loss_fn: Callable[..., Tensor], loss_kwargs: Optional[Dict[str, Any]]) -> Callable[[Any, Any], Tensor]:
+    """What each micro-batch's loss calls: ``loss_fn``, with ``loss_kwargs`` when there are any."""
+    return functools.partial(loss_fn, **loss_kwargs) if loss_kwargs else loss_fn
 
 
 def _tensors_in(value: Any) -> Iterator[Tensor]:
