@@ -190,6 +190,55 @@ def test_profile_sizes_counts_exactly_what_is_documented() -> None:
     assert sizes[3] <= output + 3 * bn_params + bn_buffers + 2 * 8 * float_bytes
 
 
+class _AllocatorStandIn:
+    """The accelerator path of profile_sizes on CPU: "device bytes" are the bytes of live
+    blobs, which may sit in reference cycles that only the cyclic collector frees."""
+
+    def __init__(self) -> None:
+        self.live = 0
+
+    def blob(self) -> object:
+        counter = self
+
+        class Blob:
+            def __init__(self) -> None:
+                counter.live += 512
+                self.cycle = self
+
+            def __del__(self) -> None:
+                counter.live -= 512
+
+        return Blob()
+
+
+def test_the_allocator_measurement_does_not_charge_earlier_garbage_to_a_layer(monkeypatch) -> None:
+    """Regression (seen on an H100 host): the collector freed an earlier test's device
+    tensors while an in-place ReLU was measured, and balance_by_size failed on a size of
+    -1536 bytes."""
+    import torchpipe.balance.profile_size as profile_size
+
+    allocator = _AllocatorStandIn()
+    monkeypatch.setattr(profile_size, "has_allocator_statistics", lambda device: True)
+    monkeypatch.setattr(profile_size, "allocated_bytes", lambda device: allocator.live)
+    collector_on = []
+
+    class CollectsAndAllocates(nn.Module):
+        def forward(self, x):
+            collector_on.append(gc.isenabled())
+            gc.collect()  # what an automatic collection would free, mid-measurement
+            self.kept = allocator.blob()  # one blob that this layer keeps
+            return x * 2
+
+    for _ in range(3):
+        allocator.blob()  # garbage from earlier work, still counted by the allocator
+    assert allocator.live == 3 * 512
+    was_enabled = gc.isenabled()
+    sizes = profile_sizes(nn.Sequential(CollectsAndAllocates(), nn.ReLU(inplace=True)), torch.randn(4, 3), 1, 0.0, CPU)
+    assert sizes == [512, 0]
+    assert collector_on == [False]  # the collector is off while a layer is measured...
+    assert gc.isenabled() == was_enabled  # ...and back as it was afterwards
+
+
 def test_profilers_accept_tuples() -> None:
     model = nn.Sequential(AddPair(), AddPair(), AddPair())
     pair = (torch.randn(4, 2, requires_grad=True), torch.randn(4, 2))

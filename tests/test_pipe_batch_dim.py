@@ -34,7 +34,7 @@ class CumTime(nn.Module):
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, steps).reshape(steps, 1, 1))
 
     def forward(self, x):
-        return x.cumsum(0) * self.scale[: x.size(0)] / torch.arange(1, x.size(0) + 1, dtype=x.dtype).reshape(-1, 1, 1)
+        return x.cumsum(0) * self.scale[: x.size(0)] / torch.arange(1, x.size(0) + 1, dtype=x.dtype, device=x.device).reshape(-1, 1, 1)
 
 
 class LSTMOut(nn.Module):

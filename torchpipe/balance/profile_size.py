@@ -10,7 +10,11 @@ The cost of layer ``i`` is::
 
   - on an accelerator (CUDA, NPU, ...): the allocator's ``memory_allocated`` after the
     forward (output alive) minus before it, as torchgpipe does. The input and the layer are
-    already on the device, so only new allocations count.
+    already on the device, so only new allocations count. Python's garbage is collected
+    before profiling and the cyclic collector is off during each measured call, so that
+    device tensors freed with reference cycles are not subtracted from a layer's size.
+    Tensors that other threads of the process allocate or free meanwhile are counted:
+    profile on a quiet device.
   - on CPU, which has no allocator statistics: the bytes of every distinct storage among the
     layer's outputs, the tensors it stashes for a skip connection and the tensors autograd
     saves for backward (captured with ``torch.autograd.graph.saved_tensors_hooks``),
@@ -26,6 +30,7 @@ The cost of layer ``i`` is::
 """
 from __future__ import annotations
 
+import gc
 import math
 from typing import Dict, Iterable, List, Set
 
@@ -45,6 +50,8 @@ def profile_sizes(module: nn.Sequential, input: Activation, chunks: int, param_s
                   device: torch.device, batch_dim: BatchDim = 0) -> List[int]:
     """Bytes each layer of ``module`` costs on ``device`` (see the module docstring)."""
     value = to_device(microbatch_of(input, chunks, batch_dim), device)
+    if has_allocator_statistics(device):
+        gc.collect()  # once (it can take 0.2 s): earlier garbage must not be freed mid-measurement
     sizes: List[int] = []
     with profiling_skips() as skips:
         for index, layer in layerwise_sandbox(module, device):
@@ -80,9 +87,18 @@ def microbatch_of(input: Activation, chunks: int, batch_dim: BatchDim = 0) -> Ac
 
 def _forward_measured_by_allocator(layer: nn.Module, value: Activation,
                                    device: torch.device) -> tuple[Activation, int]:
-    before = allocated_bytes(device)
-    output = call_layer(layer, value)
-    return output, allocated_bytes(device) - before
+    # The allocator counts the whole process: device tensors freed by the cyclic collector
+    # during the call would be charged to this layer as a negative size. profile_sizes has
+    # collected what was garbage before profiling; keep the collector out of the call.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        before = allocated_bytes(device)
+        output = call_layer(layer, value)
+        return output, allocated_bytes(device) - before
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _forward_measured_by_autograd(layer: nn.Module, value: Activation, popped: List[Tensor],
