@@ -206,7 +206,8 @@ def test_training_loop_with_the_optimizer_on_the_callers_stream(path, input_on):
     """optimizer.step() and loss.item() run on the caller's stream, the stages on their own:
     the pipeline must order its streams after the caller's and the caller's after its own.
     A CPU input carries no ready event from the caller's stream, so only the step's own
-    fence orders the first stage after the optimizer step."""
+    fence orders the first stage after the optimizer step (a CUDA input's ready event, recorded
+    when the step starts, orders it too)."""
     # The last stage stalls its stream before the loss (a caller reading the loss too early
     # sees stale memory), and the caller stalls its own before each optimizer step (a stage
     # reading the parameters too early sees the old ones).
@@ -222,12 +223,15 @@ def test_training_loop_with_the_optimizer_on_the_callers_stream(path, input_on):
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())
+    # Copied to the CPU once, here: x.cpu() in the loop would wait for the caller's stream
+    # itself (the optimizer step included) and hide a missing fence.
+    x_cpu = x.cpu()
     with Pipe(model, [2, 2, 2, 3], devices=["cuda:0"] * 4, chunks=4, checkpoint="never") as pipe:
         opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
         losses = []
         for _ in range(4):
             opt.zero_grad()
-            given = x if input_on == "cuda" else x.cpu()
+            given = x if input_on == "cuda" else x_cpu
             if path.startswith("step"):
                 loss = pipe.step(given, y, loss_fn, schedule=path.split()[1])
             else:
