@@ -216,3 +216,33 @@ def test_thread_chain_baseline_matches_the_model_and_reports_stage_errors():
     finally:
         chain.close()
     assert not any(t.name.startswith("thread-chain-") and t.is_alive() for t in threading.enumerate())
+
+
+def test_release_waits_for_the_peers_stopped_workers_to_end():
+    """A peer's daemon worker that is still ending when a suite returns can abort the
+    interpreter at exit (seen on a 16-core host); release() waits for it, up to a limit."""
+    import time
+
+    from torchpipe.bench.peers import join_stopped_peer_workers, release
+
+    stop = threading.Event()
+
+    def worker():  # the target name torchgpipe's and fairscale's worker threads have
+        stop.wait()
+        time.sleep(0.2)  # still ending after its stop message
+
+    ending = threading.Thread(target=worker, daemon=True)
+    ending.start()
+    assert ending.name.endswith("(worker)")
+    stop.set()
+    release({})
+    assert not ending.is_alive()
+
+    forever = threading.Event()
+    stuck = threading.Thread(target=lambda: forever.wait(), name="stuck (worker)", daemon=True)
+    stuck.start()
+    began = time.monotonic()
+    join_stopped_peer_workers(timeout=0.2)  # a live peer's worker: the wait is bounded
+    assert stuck.is_alive() and time.monotonic() - began < 5
+    forever.set()
+    stuck.join(5)
