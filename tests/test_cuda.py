@@ -172,8 +172,6 @@ def test_step_frees_outputs_copied_across_devices(schedule, options):
     copied = 4 * 4 * 32 * 4  # four micro-batches of 4 x 32 floats, each copied to the next device
     assert memory.freed_output_bytes == [copied if here != there else 0
                                          for here, there in zip(devices, devices[1:])] + [0]
-    if schedule != "zb-v":  # alternating devices: every stage but the last sends across
-        assert memory.freed_output_bytes == [copied] * (partitions - 1) + [0]
     close(loss, expected, rtol=1e-5, atol=1e-6)
     for name, want in grads(reference).items():
         close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
