@@ -136,3 +136,13 @@ def test_a_plan_from_another_process_hashes_like_its_equals_here() -> None:
     received, local = pickle.loads(sent), build("zb-v", 4, 3)
     assert received == local and hash(received) == hash(local)
     assert {local: "program"}[received] == "program"
+
+
+def test_blank_lines_at_the_end_of_a_csv_are_not_workers(tmp_path) -> None:
+    plan = build("1f1b", 2, 3)
+    path = tmp_path / "trailing.csv"
+    plan.save_csv(path)
+    path.write_text(path.read_text() + "\n \n,,\n")
+    again = Plan.load_csv(path)
+    assert again.worker_actions == plan.worker_actions
+    assert again.stage_to_worker == plan.stage_to_worker

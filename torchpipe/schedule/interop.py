@@ -100,9 +100,13 @@ def load_csv(path: PathLike, name: Optional[str] = None) -> Plan:
 
     The format is torch's ``compute_only`` CSV (``_dump_csv``): cells such as ``2F0``,
     empty cells for idle slots. The name defaults to the file's name without extension.
+    Blank lines at the end of the file (an editor's habit) are not workers; a blank line
+    between rows is a worker with nothing to do, as in torch's ``_load_csv``.
     """
     with open(path, newline="") as handle:
         rows = list(csv.reader(handle))
+    while rows and not any(cell.strip() for cell in rows[-1]):
+        rows.pop()
     if name is None:
         name = os.path.splitext(os.path.basename(os.fspath(path)))[0]
     return _plan_from_rows(name, rows, f"{os.fspath(path)}: row")
