@@ -112,7 +112,7 @@ def test_a_plan_that_cannot_run_here_is_refused_before_anything_runs(plan, optio
 
 def test_a_schedule_that_is_neither_a_name_nor_a_plan_is_refused():
     with Pipe(make_model(2), [1, 1], chunks=2) as pipe:
-        with pytest.raises(TypeError, match="schedule must be a str, one of .*, or a Plan; got 3"):
+        with pytest.raises(TypeError, match=r"schedule is named by a str \(one of .*\) or by a torch.distributed.pipelining schedule class, or a torchpipe.schedule.Plan; got 3"):
             pipe.step(torch.randn(4, 6), torch.randn(4, 6), nn.MSELoss(), schedule=3)
 
 

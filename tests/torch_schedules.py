@@ -53,3 +53,12 @@ def torch_schedule(name: str, ranks: int, microbatches: int) -> Any:
 def torch_order(schedule: Any) -> Dict[int, List[Optional[str]]]:
     """Each rank's entries as text, ``None`` kept: what a plan read from it must follow."""
     return {rank: [None if a is None else str(a) for a in actions] for rank, actions in schedule.pipeline_order.items()}
+
+
+def torch_single_schedule(name: str, ranks: int, microbatches: int) -> Any:
+    """torch's one-stage-per-rank schedule ``name`` (``ScheduleGPipe``) for ``ranks`` ranks."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = getattr(schedules, name, None)
+    if cls is None:
+        pytest.skip(f"this torch has no {name}")
+    return cls(_stand_in_stage(0, ranks, ranks), microbatches, loss_fn=lambda out, target: out.sum())

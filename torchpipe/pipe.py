@@ -28,6 +28,7 @@ from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_bat
 from .partition import BalanceError, as_positive_int, infer_placement, split_module, verify_balance, verify_module
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build, schedule_options
+from .schedule.names import resolve as resolve_schedule
 from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import Upstream, microbatch_weights, scalar_loss, split_targets
@@ -368,7 +369,7 @@ class Pipe(nn.Module):
         return super().to(*args, **kwargs)
 
     # ------------------------------------------------------------------ planning
-    def plan(self, num_microbatches: Optional[int] = None, schedule: str = "1f1b", **options: Any) -> Plan:
+    def plan(self, num_microbatches: Optional[int] = None, schedule: Union[str, type] = "1f1b", **options: Any) -> Plan:
         """The plan ``step(..., schedule=schedule, **options)`` runs on ``num_microbatches``.
 
         The defaults are ``step``'s: ``chunks`` micro-batches and ``'1f1b'``. A batch may
@@ -598,7 +599,7 @@ class Pipe(nn.Module):
         input: TensorOrTensors,
         target: Any,
         loss_fn: Any,
-        schedule: Union[str, Plan] = "1f1b",
+        schedule: Union[str, type, Plan] = "1f1b",
         *,
         reduction: Optional[str] = None,
         return_outputs: bool = False,
@@ -620,8 +621,9 @@ class Pipe(nn.Module):
         custom loss that normalises otherwise should sum, with ``reduction='sum'``, and
         divide the result. ``target`` is split along ``target_batch_dim`` (dim 0, or the
         output's batch dim when that was set) and must have the input's batch size there;
-        samples are counted along ``batch_dim``. ``schedule`` is one of ``torchpipe.schedule.SCHEDULES``;
-        ``options`` go to the plan (``virtual_stages`` for interleaved schedules). It may
+        samples are counted along ``batch_dim``. ``schedule`` is one of ``torchpipe.schedule.SCHEDULES``
+        or torch's pipelining name or class for one of them (``"Interleaved1F1B"``,
+        ``Schedule1F1B``: see ``torchpipe.schedule.schedule_name``); ``options`` go to the plan (``virtual_stages`` for interleaved schedules). It may
         also be a :class:`~torchpipe.schedule.Plan` of your own (``Plan.from_lists``,
         ``Plan.load_csv``, ``Plan.from_torch``): one stage per partition, and as many
         micro-batches as this batch gives; it runs exactly as written.
@@ -650,11 +652,8 @@ class Pipe(nn.Module):
             if options:
                 raise TypeError(f"options {sorted(options)} configure a named schedule; a Plan is already built, "
                                 "so pass none with it")
-        elif not isinstance(schedule, str):
-            raise TypeError(f"schedule must be a str, one of {list(SCHEDULES)}, or a Plan; got {schedule!r}")
-        elif schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}, or a Plan")
         else:
+            schedule = resolve_schedule(schedule, SCHEDULES, besides="a torchpipe.schedule.Plan")
             unknown = sorted(set(options) - set(schedule_options(schedule)))
             if unknown:
                 raise TypeError(f"Pipe.step got unexpected keyword argument(s) {unknown}: its own are reduction, "

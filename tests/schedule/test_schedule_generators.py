@@ -208,7 +208,7 @@ def test_forward_only_keeps_order(name: str) -> None:
 def test_build_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'.*gpipe.*1f1b"):
         build("pipedream", 2, 2)
-    with pytest.raises(TypeError, match=r"schedule name must be a str.*got \['gpipe'\]"):
+    with pytest.raises(TypeError, match=r"schedule is named by a str.*got \['gpipe'\]"):
         build(["gpipe"], 2, 2)  # type: ignore[arg-type]
     for flag in (None, "no", 0):
         with pytest.raises(TypeError, match=f"backward must be a bool, got {flag!r}"):

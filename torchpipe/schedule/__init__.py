@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from .action import Action
 from .errors import InvalidPlanError, ScheduleDeadlockError
-from .generators import SCHEDULES, build, schedule_options
+from .generators import SCHEDULES, build, schedule_name, schedule_options
 from .plan import Plan
 from .simulate import Simulation
 
 __all__ = ["Action", "Plan", "build", "Simulation", "InvalidPlanError", "ScheduleDeadlockError", "SCHEDULES",
-           "schedule_options"]
+           "schedule_name", "schedule_options"]

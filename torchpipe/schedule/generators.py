@@ -11,9 +11,10 @@ from typing import Any
 
 from .action import BACKWARD, FORWARD, INPUT_GRAD, Action
 from .greedy import fill_weight_grads, greedy_order
+from .names import resolve
 from .plan import Plan
 
-__all__ = ["SCHEDULES", "build", "schedule_options"]
+__all__ = ["SCHEDULES", "build", "schedule_name", "schedule_options"]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -147,23 +148,32 @@ SCHEDULES: tuple[str, ...] = tuple(_GENERATORS)
 """Names accepted by ``build``."""
 
 
-def schedule_options(name: str) -> list[str]:
-    """The keyword options schedule ``name`` takes (see :func:`build`); ``name`` must be known."""
-    params = inspect.signature(_GENERATORS[name]).parameters.values()
+def schedule_name(schedule: Any) -> str:
+    """Our name (one of ``SCHEDULES``) for a schedule named by us or by torch's pipelining.
+
+    ``schedule`` is one of ``SCHEDULES`` in any case, or what torch's pipelining calls the
+    same schedule: ``"Interleaved1F1B"``, ``"ScheduleInterleaved1F1B"`` or the class
+    ``ScheduleInterleaved1F1B`` (see ``torchpipe.schedule.names``), so code written for torch
+    moves over without renaming its schedules.
+    """
+    return resolve(schedule, SCHEDULES)
+
+
+def schedule_options(name: Any) -> list[str]:
+    """The keyword options schedule ``name`` takes (see :func:`build`)."""
+    params = inspect.signature(_GENERATORS[schedule_name(name)]).parameters.values()
     return [prm.name for prm in params if prm.kind is prm.KEYWORD_ONLY]
 
 
-def build(name: str, num_stages: int, num_microbatches: int, **options: Any) -> Plan:
+def build(name: Any, num_stages: int, num_microbatches: int, **options: Any) -> Plan:
     """Generate a schedule by name; the result is validated before it is returned.
 
-    Options: ``gpipe`` takes ``backward=False`` for a forward-only plan;
-    ``interleaved-1f1b`` takes ``virtual_stages=v`` with ``num_stages = workers * v``;
+    ``name`` is one of ``SCHEDULES`` or torch's name for one of them (:func:`schedule_name`);
+    the plan carries our name. Options: ``gpipe`` takes ``backward=False`` for a forward-only
+    plan; ``interleaved-1f1b`` takes ``virtual_stages=v`` with ``num_stages = workers * v``;
     ``zb-v`` uses ``num_stages = 2 * workers``.
     """
-    if not isinstance(name, str):
-        raise TypeError(f"schedule name must be a str, one of {SCHEDULES}; got {name!r}")
-    if name not in _GENERATORS:
-        raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
+    name = schedule_name(name)
     p = _positive_int("num_stages", num_stages)
     m = _positive_int("num_microbatches", num_microbatches)
     generator = _GENERATORS[name]
