@@ -3,6 +3,7 @@ import collections
 import copy
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 import torchpipe
 import torchpipe.profiling
+import torchpipe.thread_state
 from torchpipe import MovingDenied, Pipe, RNGReplayError, is_checkpointing, is_recomputing
 
 
@@ -794,6 +796,34 @@ def test_profiler_sees_labelled_tasks_from_worker_threads():
             pipe(torch.randn(4, 8)).sum().backward()
     names = {event.name for event in prof.events()}
     assert "stage 0 F mb 0" in names and "stage 2 F mb 1" in names
+
+
+@pytest.mark.parametrize("profiler", [torch.profiler.profile, torch.autograd.profiler.profile])
+def test_a_profiler_that_records_the_caller_only_is_named_once(monkeypatch, profiler):
+    # A plain profiler drops every event of the worker threads; the user is told what records them.
+    monkeypatch.setattr(torchpipe.thread_state, "_warned_profiler_misses_workers", False)
+    with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with profiler():
+                pipe(torch.randn(4, 8)).sum().backward()
+                pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
+    told = [w for w in caught if "records only the thread that started it" in str(w.message)]
+    assert len(told) == 1, [str(w.message) for w in caught]
+    assert "torchpipe.profiling.profile" in str(told[0].message)
+    assert told[0].filename == __file__  # points at the call, not into torchpipe or torch
+
+
+def test_no_profiler_warning_when_every_thread_is_recorded_or_none_is(monkeypatch):
+    monkeypatch.setattr(torchpipe.thread_state, "_warned_profiler_misses_workers", False)
+    with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe(torch.randn(4, 8)).sum().backward()
+            with torchpipe.profiling.profile() as prof:
+                pipe(torch.randn(4, 8)).sum().backward()
+    assert not [w for w in caught if "profiler" in str(w.message)], [str(w.message) for w in caught]
+    assert "stage 2 F mb 1" in {event.name for event in prof.events()}
 
 
 class _CountingHooks:

@@ -7,6 +7,9 @@ call chain (:mod:`torchpipe.call_chain`) travels the same way.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -57,6 +60,44 @@ def _carried_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Calla
     return None if in_torch_checkpoint() else current_saved_tensors_hooks()
 
 
+_PROFILER_ON_THIS_THREAD: Optional[Callable[[], bool]] = getattr(torch._C._autograd, "_profiler_enabled", None)
+_warned_profiler_misses_workers = False
+
+
+def _warn_if_the_profiler_records_this_thread_only() -> None:
+    """Warn, once, that a plain ``torch.profiler.profile()`` will not show the workers' jobs.
+
+    A plain profiler keeps its state on the thread that started it, so events on any other
+    thread (every pipeline job) are dropped, and a trace of a pipeline shows the caller
+    waiting and nothing else. Recording every thread (``torchpipe.profiling.profile``) keeps
+    the state process-wide instead, and this thread then reports none of its own. Read
+    through a private binding; without it, nothing is said.
+    """
+    global _warned_profiler_misses_workers
+    if _warned_profiler_misses_workers or _PROFILER_ON_THIS_THREAD is None or not _PROFILER_ON_THIS_THREAD():
+        return
+    _warned_profiler_misses_workers = True
+    warnings.warn(
+        "this profiler records only the thread that started it, so the pipeline's jobs, which run on worker "
+        "threads, are missing from its trace; profile with torchpipe.profiling.profile(...) (it takes "
+        "torch.profiler.profile's arguments) to record them as 'stage 2 F mb 5' events",
+        UserWarning, stacklevel=_first_frame_outside_torchpipe())
+
+
+def _first_frame_outside_torchpipe() -> int:
+    """The ``stacklevel`` that points a warning at the caller's code.
+
+    It skips torchpipe's frames and ``nn.Module.__call__``'s (``pipe(x)`` goes through it).
+    """
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    module_call = torch.nn.modules.module.__file__
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(package)
+                                 or frame.f_code.co_filename == module_call):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class ThreadState:
     """The caller's thread-local state that each job must run under.
 
@@ -81,6 +122,8 @@ class ThreadState:
                 )
         self.saved_hooks = _carried_saved_tensors_hooks()
         self.profiling = bool(torch.autograd.profiler._is_profiler_enabled)
+        if self.profiling:
+            _warn_if_the_profiler_records_this_thread_only()
         # Nothing to enter around a job: the per-job fast path.
         self.plain = not (self.inference or self.autocast or self.saved_hooks or self.profiling)
 
