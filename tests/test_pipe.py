@@ -814,6 +814,38 @@ def test_a_profiler_that_records_the_caller_only_is_named_once(monkeypatch, prof
     assert told[0].filename == __file__  # points at the call, not into torchpipe or torch
 
 
+def test_the_profiler_warning_as_an_error_changes_nothing(monkeypatch):
+    # Under -W error the warning is an exception: raised before the step touched the Pipe.
+    monkeypatch.setattr(torchpipe.thread_state, "_warned_profiler_misses_workers", False)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
+        pipe.step(x, y, nn.MSELoss(), schedule="1f1b")
+        record, memory = pipe.last_step, pipe.last_memory
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.profiler.profile():
+                with pytest.raises(UserWarning, match="records only the thread that started it"):
+                    pipe.step(x, y, nn.MSELoss(), schedule="gpipe")
+        assert pipe.last_step is record and pipe.last_memory is memory
+        assert pipe.last_report().schedule == "1f1b"
+
+
+def test_the_profiler_warning_points_past_torchs_wrappers_and_covers_host_tasks(monkeypatch):
+    model = make_model()
+    with Pipe(model, [3, 3, 3], chunks=2) as pipe, torchpipe.HostPool(1) as pool:
+        for call in ("checkpoint", "host task"):
+            monkeypatch.setattr(torchpipe.thread_state, "_warned_profiler_misses_workers", False)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.profiler.profile():
+                    if call == "checkpoint":
+                        torch.utils.checkpoint.checkpoint(pipe, torch.randn(4, 8), use_reentrant=False)
+                    else:
+                        pool.submit(torch.ones, 2).result()
+            told = [w for w in caught if "records only the thread" in str(w.message)]
+            assert [(w.filename, call) for w in told] == [(__file__, call)]
+
+
 def test_no_profiler_warning_when_every_thread_is_recorded_or_none_is(monkeypatch):
     monkeypatch.setattr(torchpipe.thread_state, "_warned_profiler_misses_workers", False)
     with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:

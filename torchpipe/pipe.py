@@ -33,7 +33,7 @@ from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import Upstream, microbatch_weights, scalar_loss, split_targets
 from .step_report import StepReport, report
-from .thread_state import in_torch_checkpoint
+from .thread_state import in_torch_checkpoint, warn_if_the_profiler_records_this_thread_only
 from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, available_cores, spawn_workers, stop_workers
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
@@ -726,10 +726,12 @@ class Pipe(nn.Module):
         ``.grad`` tensors cannot be told apart). Read under the lock: another thread's
         step, done meanwhile, keeps its gradients.
         """
+        warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
         self._runtime.refuse_worker_caller()  # before the lock: a stage calling its own Pipe
         with self._step_lock:
             if not self._finalizer.alive:  # closed by another thread since the caller's check
                 raise RuntimeError("this Pipe is closed")
+            previous = self._runtime.last_step
             without_grad = []
             if step_leaves is not None:
                 self.last_memory = None  # set again by a step that completes
@@ -767,7 +769,7 @@ class Pipe(nn.Module):
                 raise
             finally:
                 record = self._runtime.last_step
-                if record is not None:
+                if record is not None and record is not previous:  # this plan ran (part of it)
                     self._last_run = (plan, record)
 
     def _worker_streams(self) -> List[Tuple[torch.device, Any]]:

@@ -17,7 +17,8 @@ import torch
 from .call_chain import Chain
 from .call_chain import current as current_chain
 
-__all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "current_saved_tensors_hooks", "in_torch_checkpoint"]
+__all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "current_saved_tensors_hooks", "in_torch_checkpoint",
+           "warn_if_the_profiler_records_this_thread_only"]
 
 
 _TOP_SAVED_TENSORS_HOOKS: Optional[Callable[[bool], Any]] = getattr(
@@ -64,36 +65,38 @@ _PROFILER_ON_THIS_THREAD: Optional[Callable[[], bool]] = getattr(torch._C._autog
 _warned_profiler_misses_workers = False
 
 
-def _warn_if_the_profiler_records_this_thread_only() -> None:
+def warn_if_the_profiler_records_this_thread_only() -> None:
     """Warn, once, that a plain ``torch.profiler.profile()`` will not show the workers' jobs.
 
     A plain profiler keeps its state on the thread that started it, so events on any other
-    thread (every pipeline job) are dropped, and a trace of a pipeline shows the caller
+    thread (every pipeline job, every host task) are dropped, and a trace shows the caller
     waiting and nothing else. Recording every thread (``torchpipe.profiling.profile``) keeps
     the state process-wide instead, and this thread then reports none of its own. Read
-    through a private binding; without it, nothing is said.
+    through a private binding; without it, nothing is said. Call it before changing any
+    state: under ``-W error`` the warning is an exception.
     """
     global _warned_profiler_misses_workers
-    if _warned_profiler_misses_workers or _PROFILER_ON_THIS_THREAD is None or not _PROFILER_ON_THIS_THREAD():
+    if (_warned_profiler_misses_workers or not torch.autograd.profiler._is_profiler_enabled
+            or _PROFILER_ON_THIS_THREAD is None or not _PROFILER_ON_THIS_THREAD()):
         return
     _warned_profiler_misses_workers = True
     warnings.warn(
-        "this profiler records only the thread that started it, so the pipeline's jobs, which run on worker "
-        "threads, are missing from its trace; profile with torchpipe.profiling.profile(...) (it takes "
-        "torch.profiler.profile's arguments) to record them as 'stage 2 F mb 5' events",
+        "this profiler records only the thread that started it, so work on torchpipe's worker and host "
+        "threads is missing from its trace; profile with torchpipe.profiling.profile(...) (it takes "
+        "torch.profiler.profile's arguments), or pass torch.profiler.profile an experimental_config built "
+        "with profile_all_threads=True, to record it as 'stage 2 F mb 5' events",
         UserWarning, stacklevel=_first_frame_outside_torchpipe())
 
 
 def _first_frame_outside_torchpipe() -> int:
     """The ``stacklevel`` that points a warning at the caller's code.
 
-    It skips torchpipe's frames and ``nn.Module.__call__``'s (``pipe(x)`` goes through it).
+    It skips torchpipe's frames and torch's (``nn.Module.__call__``, ``torch.utils.checkpoint``
+    and other wrappers a call may pass through).
     """
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    module_call = torch.nn.modules.module.__file__
+    packages = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__))
     frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(package)
-                                 or frame.f_code.co_filename == module_call):
+    while frame is not None and frame.f_code.co_filename.startswith(packages):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -122,8 +125,6 @@ class ThreadState:
                 )
         self.saved_hooks = _carried_saved_tensors_hooks()
         self.profiling = bool(torch.autograd.profiler._is_profiler_enabled)
-        if self.profiling:
-            _warn_if_the_profiler_records_this_thread_only()
         # Nothing to enter around a job: the per-job fast path.
         self.plain = not (self.inference or self.autocast or self.saved_hooks or self.profiling)
 

@@ -28,7 +28,7 @@ import torch
 from .call_chain import Chain, adopt
 from .checks import check_positive_int
 from .devices import Backend, get_backend
-from .thread_state import ThreadState
+from .thread_state import ThreadState, warn_if_the_profiler_records_this_thread_only
 
 __all__ = [
     "Task",
@@ -339,6 +339,7 @@ class HostPool:
 
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
+        warn_if_the_profiler_records_this_thread_only()
         future: "Future[Any]" = Future()
         state = ThreadState(("cpu",))
         # The steps it serves, but no RNG sub-lock: a nested pipeline's stages may use the

@@ -138,11 +138,22 @@ def test_a_plan_from_another_process_hashes_like_its_equals_here() -> None:
     assert {local: "program"}[received] == "program"
 
 
-def test_blank_lines_at_the_end_of_a_csv_are_not_workers(tmp_path) -> None:
+def test_empty_lines_at_the_end_of_a_csv_are_not_workers(tmp_path) -> None:
     plan = build("1f1b", 2, 3)
     path = tmp_path / "trailing.csv"
     plan.save_csv(path)
-    path.write_text(path.read_text() + "\n \n,,\n")
+    path.write_text(path.read_text() + "\n\n")
     again = Plan.load_csv(path)
     assert again.worker_actions == plan.worker_actions
     assert again.stage_to_worker == plan.stage_to_worker
+
+
+@pytest.mark.parametrize("idle", [0, 1])
+def test_a_worker_with_nothing_to_do_survives_a_csv_round_trip(tmp_path, idle) -> None:
+    busy = ["0F0", "1F0", "1B0", "0B0"]
+    plan = Plan.from_lists("idle", [busy, []] if idle == 1 else [[], busy])
+    path = tmp_path / "idle.csv"
+    plan.save_csv(path)
+    again = Plan.load_csv(path, name="idle")
+    assert again == plan
+    assert len(again.worker_actions) == 2

@@ -49,6 +49,13 @@ def test_torchs_schedules_without_a_generator_here_point_to_from_torch(torch_nam
 def test_names_that_are_not_schedules_are_refused() -> None:
     with pytest.raises(ValueError, match=r"unknown schedule 'Schedule'; expected one of \['gpipe'"):
         schedule_name("Schedule")
+    # torch's abstract bases have no order to build or run
+    for base in ("PipelineScheduleSingle", schedules.PipelineScheduleMulti, "SchedulePipelineScheduleSingle"):
+        with pytest.raises(ValueError, match=r"unknown schedule '(Schedule)?PipelineSchedule(Single|Multi)'"):
+            schedule_name(base)
+    for odd in ("", " ", " 1f1b", "1f1b ", "ScheduleSchedule1F1B", "zbv"):
+        with pytest.raises(ValueError, match="unknown schedule"):
+            schedule_name(odd)
     with pytest.raises(ValueError, match=r"unknown schedule 'zbh1'; expected one of .*GPipe, 1F1B, Interleaved1F1B"):
         schedule_name("zbh1")
 

@@ -100,12 +100,13 @@ def load_csv(path: PathLike, name: Optional[str] = None) -> Plan:
 
     The format is torch's ``compute_only`` CSV (``_dump_csv``): cells such as ``2F0``,
     empty cells for idle slots. The name defaults to the file's name without extension.
-    Blank lines at the end of the file (an editor's habit) are not workers; a blank line
-    between rows is a worker with nothing to do, as in torch's ``_load_csv``.
+    Empty lines at the end of the file (an editor's habit) are not workers; an empty line
+    between rows is a worker with nothing to do, as in torch's ``_load_csv``. ``save_csv``
+    writes a worker with nothing to do as ``""``, which is kept wherever it stands.
     """
     with open(path, newline="") as handle:
         rows = list(csv.reader(handle))
-    while rows and not any(cell.strip() for cell in rows[-1]):
+    while rows and rows[-1] == []:
         rows.pop()
     if name is None:
         name = os.path.splitext(os.path.basename(os.fspath(path)))[0]
@@ -120,4 +121,4 @@ def save_csv(plan: Plan, path: PathLike) -> None:
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         for actions in plan.worker_actions:
-            writer.writerow([str(a) for a in actions])
+            writer.writerow([str(a) for a in actions] or [""])  # not an empty line: see load_csv

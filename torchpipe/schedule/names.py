@@ -12,7 +12,7 @@ schedules without a counterpart here are refused with that advice.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Sequence
 
 __all__ = ["TORCH_NAMES", "resolve"]
 
@@ -24,8 +24,12 @@ TORCH_NAMES: dict[str, str] = {
 }
 """torch's schedule names (``get_schedule_class``) with a schedule of ours: ours for each."""
 
-_TORCH_ONLY = ("LoopedBFS", "InterleavedZeroBubble", "DualPipeV", "PipelineScheduleSingle", "PipelineScheduleMulti")
-"""torch's names with no generator here; their orders run through ``Plan.from_torch``."""
+_TORCH_ONLY = ("LoopedBFS", "InterleavedZeroBubble", "DualPipeV")
+"""torch's schedules with no generator here; their orders run through ``Plan.from_torch``.
+
+(``get_schedule_class`` also names the abstract bases ``PipelineScheduleSingle`` and
+``PipelineScheduleMulti``, which have no order: they are unknown names here.)
+"""
 
 _PREFIX = "schedule"
 
@@ -36,15 +40,16 @@ def _folded(text: str) -> str:
     return key[len(_PREFIX):] if key.startswith(_PREFIX) and key != _PREFIX else key
 
 
-def resolve(schedule: Any, ours: Iterable[str], *, besides: str = "") -> str:
+def resolve(schedule: Any, ours: Sequence[str], *, besides: str = "") -> str:
     """Our name for ``schedule``: one of ``ours``, or torch's name or class for the same schedule.
 
     Raises TypeError for anything but a str or a torch schedule class, and ValueError for an
     unknown name or a torch schedule that has no generator here. ``besides`` names what the
     caller takes besides a name (``"a Plan"``), for the messages.
     """
-    names = tuple(ours)
-    known = f"one of {list(names)}, or torch's name for one of them ({', '.join(TORCH_NAMES)})"
+    if isinstance(schedule, str) and schedule in ours:  # every step passes here: keep it cheap
+        return schedule
+    known = f"one of {list(ours)}, or torch's name for one of them ({', '.join(TORCH_NAMES)})"
     other = f", or {besides}" if besides else ""
     if isinstance(schedule, type) and schedule.__module__.startswith("torch.distributed.pipelining"):
         text = schedule.__name__
@@ -56,14 +61,12 @@ def resolve(schedule: Any, ours: Iterable[str], *, besides: str = "") -> str:
             hint = "; to run this schedule object's own order, pass Plan.from_torch(schedule)"
         raise TypeError(f"a schedule is named by a str ({known}) or by a torch.distributed.pipelining "
                         f"schedule class{other}; got {schedule!r}{hint}")
-    if text in names:
-        return text
-    lowered = {name.lower(): name for name in names}
-    if text.lower() in lowered:
-        return lowered[text.lower()]
+    for name in ours:
+        if name.lower() == text.lower():
+            return name
     key = _folded(text)
     for torch_name, name in TORCH_NAMES.items():
-        if _folded(torch_name) == key and name in names:
+        if _folded(torch_name) == key and name in ours:
             return name
     if any(_folded(torch_name) == key for torch_name in _TORCH_ONLY):
         raise ValueError(f"torch's schedule {text!r} has no generator in torchpipe; build its order with "
