@@ -1159,3 +1159,46 @@ def test_a_drawing_pipe_inside_torch_checkpoint_is_refused():
         one.close()
     finally:
         pipe.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGUSR1"), reason="needs POSIX signals")
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_close_from_a_signal_handler_during_a_call_closes_after_it(monkeypatch, call):
+    # A shutdown handler runs on the thread that is inside pipe(x)/step, which holds the step
+    # lock: close() waited STOP_TIMEOUT_S for it (here raised so that the old wait fails the test).
+    import signal
+
+    monkeypatch.setattr(torchpipe.pipe, "STOP_TIMEOUT_S", 600.0)
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            time.sleep(0.5)
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), Slow())
+    pipe = Pipe(model, [1, 1], chunks=2)
+    threads = [worker._thread for worker in pipe._workers]
+    closed_in_handler = []
+
+    def on_signal(signum, frame):
+        pipe.close()
+        closed_in_handler.append(True)
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        x = torch.randn(4, 4)
+        if call == "forward":
+            out = pipe(x)
+            torch.testing.assert_close(out, model(x))
+        else:
+            pipe.step(x, torch.randn(4, 4), nn.MSELoss())
+    finally:
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
+    assert closed_in_handler == [True]
+    assert not any(thread.is_alive() for thread in threads)
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe(torch.randn(4, 4))

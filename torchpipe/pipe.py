@@ -282,7 +282,8 @@ class Pipe(nn.Module):
 
     # What a running Pipe holds besides its model: threads, queues, locks, compiled programs.
     # Not copied or pickled; a copy (deepcopy, unpickling) starts workers of its own.
-    _RUNTIME_STATE = ("_workers", "_runtime", "_stages", "_programs", "_last_run", "_step_lock", "_finalizer")
+    _RUNTIME_STATE = ("_workers", "_runtime", "_stages", "_programs", "_last_run", "_step_lock", "_step_thread",
+                      "_close_after_step", "_finalizer")
 
     def _start_workers(self) -> None:
         device_list = self.devices
@@ -314,6 +315,8 @@ class Pipe(nn.Module):
         self._programs: Dict[Tuple[Any, ...], Tuple[Plan, Program]] = {}
         self._last_run: Optional[Tuple[Plan, StepRecord]] = None  # set together, read by last_report
         self._step_lock = threading.Lock()
+        self._step_thread: Optional[int] = None  # the thread holding _step_lock, while it does
+        self._close_after_step = False  # close() was called on that thread: see close()
         self._finalizer = weakref.finalize(self, stop_workers, list(workers))
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -728,49 +731,63 @@ class Pipe(nn.Module):
         """
         warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
         self._runtime.refuse_worker_caller()  # before the lock: a stage calling its own Pipe
-        with self._step_lock:
-            if not self._finalizer.alive:  # closed by another thread since the caller's check
-                raise RuntimeError("this Pipe is closed")
-            previous = self._runtime.last_step
-            without_grad = []
-            if step_leaves is not None:
-                self.last_memory = None  # set again by a step that completes
-                without_grad = [t for t in step_leaves if t.grad is None]
-            self._prepare_batch_norm(plan.num_microbatches)
-            if context.rng_sections:
-                for stage in self._stages:
-                    stage.rng.begin_step()
-            # Called by a checkpointed forward (a layer of another Pipe's checkpointed stage,
-            # or inside torch.utils.checkpoint): its recompute will call this Pipe again and
-            # must draw the same random numbers. Several partitions draw in an order that
-            # depends on thread timing, so draws here cannot be replayed: refuse them.
-            replayed = _watched_generators(self._stages)
-            try:
-                device_types = self._device_types
-                if device_types == ["cpu"]:  # no streams, nothing to fence
+        try:
+            with self._step_lock:
+                self._step_thread = threading.get_ident()
+                try:
+                    return self._run_holding_lock(plan, program, context, step_leaves)
+                finally:
+                    self._step_thread = None
+        finally:
+            if self._close_after_step:  # close() was called on this thread during the step: see close()
+                self._close_after_step = False
+                self.close()
+
+    def _run_holding_lock(self, plan: Plan, program: Program, context: Any,
+                          step_leaves: Optional[List[Tensor]]) -> Dict[Any, Any]:
+        """``_run``'s step itself, on the thread that holds ``_step_lock``."""
+        if not self._finalizer.alive:  # closed by another thread since the caller's check
+            raise RuntimeError("this Pipe is closed")
+        previous = self._runtime.last_step
+        without_grad = []
+        if step_leaves is not None:
+            self.last_memory = None  # set again by a step that completes
+            without_grad = [t for t in step_leaves if t.grad is None]
+        self._prepare_batch_norm(plan.num_microbatches)
+        if context.rng_sections:
+            for stage in self._stages:
+                stage.rng.begin_step()
+        # Called by a checkpointed forward (a layer of another Pipe's checkpointed stage,
+        # or inside torch.utils.checkpoint): its recompute will call this Pipe again and
+        # must draw the same random numbers. Several partitions draw in an order that
+        # depends on thread timing, so draws here cannot be replayed: refuse them.
+        replayed = _watched_generators(self._stages)
+        try:
+            device_types = self._device_types
+            if device_types == ["cpu"]:  # no streams, nothing to fence
+                results = self._runtime.run(program, context, device_types)
+            else:
+                streams_wait_for_caller(self._worker_streams())
+                try:
                     results = self._runtime.run(program, context, device_types)
-                else:
-                    streams_wait_for_caller(self._worker_streams())
-                    try:
-                        results = self._runtime.run(program, context, device_types)
-                    finally:
-                        caller_waits_for_streams(self._worker_streams())
-                if replayed and _moved(replayed):
-                    raise RuntimeError(
-                        f"this Pipe of {len(self._stages)} partitions drew random numbers inside a checkpointed "
-                        "forward (another pipeline's checkpointed stage, or torch.utils.checkpoint); its partitions "
-                        "draw in no fixed order, so the recompute would redraw differently and give wrong gradients. "
-                        "Use checkpoint='never' around it, one partition here, or no randomness (dropout) in this Pipe"
-                    )
-                return results
-            except BaseException:
-                for tensor in without_grad:
-                    tensor.grad = None
-                raise
-            finally:
-                record = self._runtime.last_step
-                if record is not None and record is not previous:  # this plan ran (part of it)
-                    self._last_run = (plan, record)
+                finally:
+                    caller_waits_for_streams(self._worker_streams())
+            if replayed and _moved(replayed):
+                raise RuntimeError(
+                    f"this Pipe of {len(self._stages)} partitions drew random numbers inside a checkpointed "
+                    "forward (another pipeline's checkpointed stage, or torch.utils.checkpoint); its partitions "
+                    "draw in no fixed order, so the recompute would redraw differently and give wrong gradients. "
+                    "Use checkpoint='never' around it, one partition here, or no randomness (dropout) in this Pipe"
+                )
+            return results
+        except BaseException:
+            for tensor in without_grad:
+                tensor.grad = None
+            raise
+        finally:
+            record = self._runtime.last_step
+            if record is not None and record is not previous:  # this plan ran (part of it)
+                self._last_run = (plan, record)
 
     def _worker_streams(self) -> List[Tuple[torch.device, Any]]:
         """Each distinct (device, stream) the stages queue work on, copy streams included."""
@@ -828,8 +845,14 @@ class Pipe(nn.Module):
         """Stop and join the worker threads (idempotent). The Pipe cannot run afterwards.
 
         A call in progress on another thread finishes first. From inside one of the Pipe's own
-        stages, close() raises RuntimeError: the stage's own step could never finish.
+        stages, close() raises RuntimeError: the stage's own step could never finish. Called
+        on the thread that is running a call of this Pipe (a signal handler, say a SIGTERM
+        handler that shuts down), it cannot wait for that call, which resumes only once the
+        handler returns: the Pipe then closes as soon as the call ends, failed or not.
         """
+        if self._step_thread == threading.get_ident():
+            self._close_after_step = True
+            return
         if self._finalizer.alive:  # the workers' thread ids are current only while they run
             self._runtime.refuse_worker_caller(
                 "close() was called from one of this Pipe's own stages; close it from outside the pipeline")

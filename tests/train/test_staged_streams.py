@@ -145,3 +145,46 @@ def test_work_a_later_clock_of_the_same_call_waits_on_is_refused():
     finally:
         pipeline.close()
         pool.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("caller", ["admit", "after_clock", "data iterator"])
+def test_the_thread_inside_progress_calling_back_is_refused_or_closes_after_the_call(caller):
+    # Callbacks and the data iterator run on the caller's thread while progress() holds the
+    # pipeline: calling progress()/flush() from there deadlocked on that lock, and so did
+    # close() (a signal handler's too). progress()/flush() are refused; close() waits for
+    # the call to end.
+    seen = []
+
+    def call_back(batch):
+        if batch != 1:
+            return
+        for call in (lambda: pipeline.progress(iter([100])), pipeline.flush):
+            try:
+                call()
+                seen.append("ran")
+            except RuntimeError as exc:
+                seen.append("inside this pipeline's progress()" in str(exc))
+        pipeline.close()
+        seen.append("close returned")
+
+    def data():
+        for batch in range(4):
+            if caller == "data iterator":
+                call_back(batch)
+            yield batch
+
+    options = {}
+    if caller == "admit":
+        options["admit"] = call_back
+    elif caller == "after_clock":
+        options["after_clock"] = lambda clock, outputs: call_back(1) if clock.index == 1 else None
+    pipeline = StagedPipeline([PipelineStage("a", lambda v: v, "copy"), PipelineStage("b", lambda v: v, "device")],
+                              **options)
+    threads = [worker._thread for worker in pipeline._workers]
+    batches = data()
+    first = pipeline.progress(batches)  # the call during which close() was asked for still ends
+    assert first == 0 and seen == [True, True, "close returned"]
+    with pytest.raises(RuntimeError, match="closed"):
+        pipeline.progress(batches)
+    assert not any(thread.is_alive() for thread in threads)  # closed when that call returned

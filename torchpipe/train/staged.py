@@ -33,7 +33,7 @@ from .. import call_chain
 from ..devices import Backend, get_backend, usable_device
 from ..checks import check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
-from ..workers import Worker, available_cores, check_intra_op_threads, stop_workers
+from ..workers import STOP_TIMEOUT_S, Worker, available_cores, check_intra_op_threads, stop_workers
 from .schedule import Clock, ClockSchedule, schedule_table
 
 __all__ = ["PipelineStage", "StagedPipeline", "PipelineFailure"]
@@ -208,6 +208,8 @@ class StagedPipeline:
         self._ready: List[Any] = [None] * len(stages)
         self._programs: Dict[Tuple[int, ...], Program] = {}
         self._lock = threading.Lock()
+        self._lock_thread: Optional[int] = None  # the thread inside progress(), holding _lock
+        self._close_after_call = False  # close() was called on that thread: see close()
         self._closed = False
         self._failure = _FirstFailure()
         self._call_owner: Optional[int] = None  # the token of the progress() call in flight
@@ -373,33 +375,46 @@ class StagedPipeline:
         is exhausted *and* every in-flight batch was returned.
         """
         self._refuse_own_work("progress()")
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("this pipeline is closed")
-
-            def pull() -> bool:
+        try:
+            with self._lock:
+                self._lock_thread = threading.get_ident()
                 try:
-                    batch = next(dataloader_iter)
-                except StopIteration:
-                    return False
-                if self._admit is not None:
-                    self._admit(batch)
-                self._values[0] = batch
-                if self._streamed:  # the batch may still be in the making on the caller's stream
-                    ready = self._backend.new_event()
-                    self._backend.record_event(ready, self._backend.current_stream(self.device))
-                    self._ready[0] = ready
-                return True
+                    return self._progress_holding_lock(dataloader_iter)
+                finally:
+                    self._lock_thread = None
+        finally:
+            if self._close_after_call:  # close() was called on this thread during the call: see close()
+                self._close_after_call = False
+                self.close()
 
-            self._call_owner = call_chain.new_owner()  # one token for every clock of this call
+    def _progress_holding_lock(self, dataloader_iter: Iterator[Any]) -> Any:
+        """``progress``'s work, on the thread that holds ``_lock``."""
+        if self._closed:
+            raise RuntimeError("this pipeline is closed")
+
+        def pull() -> bool:
             try:
-                for clock in self._schedule.progress_clocks(pull):
-                    outputs = self._run_clock(clock)
-                    if clock.finished is not None:
-                        return outputs[self.depth - 1]
-                raise StopIteration
-            finally:
-                self._call_owner = None
+                batch = next(dataloader_iter)
+            except StopIteration:
+                return False
+            if self._admit is not None:
+                self._admit(batch)
+            self._values[0] = batch
+            if self._streamed:  # the batch may still be in the making on the caller's stream
+                ready = self._backend.new_event()
+                self._backend.record_event(ready, self._backend.current_stream(self.device))
+                self._ready[0] = ready
+            return True
+
+        self._call_owner = call_chain.new_owner()  # one token for every clock of this call
+        try:
+            for clock in self._schedule.progress_clocks(pull):
+                outputs = self._run_clock(clock)
+                if clock.finished is not None:
+                    return outputs[self.depth - 1]
+            raise StopIteration
+        finally:
+            self._call_owner = None
 
     def _refuse_own_work(self, what: str) -> None:
         """RuntimeError for a call from work a ``progress()`` in flight waits on (it would deadlock).
@@ -407,6 +422,10 @@ class StagedPipeline:
         That call spans several runtime steps, one per clock: work a stage started in one
         clock may be waited on by a later one, so the whole call has one token.
         """
+        if self._lock_thread == threading.get_ident():
+            raise RuntimeError(
+                f"{what} was called on the thread that is inside this pipeline's progress() (from admit, "
+                "after_clock, on_failure, the data iterator or a signal handler): it would deadlock")
         message = f"a stage called {what} of its own pipeline (directly or through work it waits on): it would deadlock"
         self._runtime.refuse_worker_caller(message)
         owner = self._call_owner
@@ -415,6 +434,7 @@ class StagedPipeline:
 
     def flush(self) -> List[Any]:
         """Run every in-flight batch to the end (admitting none); their outputs, in order."""
+        self._refuse_own_work("flush()")
         outputs = []
         empty: Iterator[Any] = iter(())
         while True:
@@ -427,10 +447,23 @@ class StagedPipeline:
         raise TypeError("call progress(dataloader_iter) instead of iterating the pipeline")
 
     def close(self) -> None:
-        """Stop the worker threads (idempotent). In-flight batches are dropped; flush first."""
+        """Stop the worker threads (idempotent). In-flight batches are dropped; flush first.
+
+        A ``progress()`` call on another thread finishes first, as long as its stages return
+        (a stuck one is given up on, as ``Pipe.close`` does). Called on the thread that is
+        inside ``progress()`` (a callback, the data iterator, a signal handler), close() cannot
+        wait for that call: the pipeline closes as soon as the call returns or fails.
+        """
+        if self._lock_thread == threading.get_ident():
+            self._close_after_call = True
+            return
         self._refuse_own_work("close()")
-        with self._lock:
+        locked = self._lock.acquire(timeout=STOP_TIMEOUT_S)
+        try:
             self._closed = True
+        finally:
+            if locked:
+                self._lock.release()
         self._finalizer()
 
     def __enter__(self) -> "StagedPipeline":
