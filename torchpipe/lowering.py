@@ -116,13 +116,31 @@ def _starts_in_place(partition: nn.Module) -> bool:
     return False
 
 
-def _on_private_copy(partition: nn.Module) -> Callable[[Any], Any]:
+def _on_private_copy(partition: nn.Module, aliased_skip: Optional[Tuple[int, str]] = None) -> Callable[[Any], Any]:
     """Checkpointing saves the partition input for recompute; an in-place first layer would
-    overwrite that saved input, so such a partition computes on a private copy."""
+    overwrite that saved input, so such a partition computes on a private copy.
+
+    ``aliased_skip`` (partition index, skip name): the input is also a skip stashed for a
+    later layer. The plain model's skip would see an in-place change of the input, the
+    copy's would not, so a change of the copy is refused. A partition whose in-place layer
+    does not touch the input (registered first, run later) passes.
+    """
 
     def run(value: Any) -> Any:
-        copied = Batch(value).map_tensors(lambda t: t.clone() if t.is_floating_point() else t)
-        return partition(copied.value)
+        clones: List[Tensor] = []
+
+        def private(tensor: Tensor) -> Tensor:
+            if not tensor.is_floating_point():
+                return tensor
+            clones.append(tensor.clone())
+            return clones[-1]
+
+        copied = Batch(value).map_tensors(private)
+        versions = [t._version for t in clones]
+        output = partition(copied.value)
+        if aliased_skip is not None and [t._version for t in clones] != versions:
+            _refuse_stashed_input(*aliased_skip)
+        return output
 
     return run
 
@@ -140,19 +158,25 @@ def _has_view(batch: Batch) -> bool:
     return any(t._is_view() for t in batch.tensors())
 
 
-def _refuse_stashed_input(stage: StageRunner, skips: SkipStore, microbatch: int, batch: Batch) -> None:
-    """A stage that starts in place works on a private copy; if its input is also a waiting skip,
-    the plain model would change that skip through the alias, and the copy would not."""
+def _stashed_alias(skips: SkipStore, microbatch: int, batch: Batch) -> Optional[str]:
+    """The name of a skip, stashed for a later layer, that is also one of ``batch``'s tensors."""
     for tensor in batch.tensors():
         key = skips.aliased_by(microbatch, tensor)
         if key is not None:
-            raise RuntimeError(
-                f"partition {stage.index} changes its input in place, and that input is also the skip "
-                f"{key[1]!r} stashed for a later layer: the pipeline must give the partition a copy "
-                "here (checkpointing, Pipe.step, or a chunked input), so the skip would not see the "
-                "change as in the plain model; make the first layer out-of-place (inplace=False) or "
-                "stash a copy (stash(name, x.clone()))"
-            )
+            return key[1]
+    return None
+
+
+def _refuse_stashed_input(index: int, skip: str) -> None:
+    """A stage that starts in place works on a private copy; if its input is also a waiting skip,
+    the plain model would change that skip through the alias, and the copy did not."""
+    raise RuntimeError(
+        f"partition {index} changes its input in place, and that input is also the skip "
+        f"{skip!r} stashed for a later layer: the pipeline must give the partition a copy "
+        "here (checkpointing, Pipe.step, or a chunked input), so the skip would not see the "
+        "change as in the plain model; make the first layer out-of-place (inplace=False) or "
+        "stash a copy (stash(name, x.clone()))"
+    )
 
 
 def needs_receive(stage: StageRunner, batch: Batch, event: Any) -> bool:
@@ -217,8 +241,8 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
     if stage.starts_in_place and (checkpointed or record is not None or _has_view(batch)):
         # Overwriting the input in place would break the checkpoint's saved input, Pipe.step's
         # leaves, or the sibling micro-batches that share a chunked input's version counter.
-        _refuse_stashed_input(stage, ctx.skips, microbatch, batch)
-        partition = stage.checkpointed_function
+        skip = _stashed_alias(ctx.skips, microbatch, batch)
+        partition = stage.checkpointed_function if skip is None else _on_private_copy(stage.partition, (stage.index, skip))
     if not (checkpointed or ctx.rng_sections or stage.has_skips):
         return Batch(partition(batch.value))  # the common case: nothing to set up around the call
     training = stage.partition.training
@@ -236,7 +260,7 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
         if replay is not None:
             versions = tuple(t._version for t in batch.tensors())
             with stage.rng.forward_section(training):
-                output = checkpoint(stage.checkpointed_function, batch, replay)
+                output = checkpoint(partition, batch, replay)
             _check_input_untouched(stage, batch, versions)
             if tracker is not None:
                 tracker.check_popped_untouched()
