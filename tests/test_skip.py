@@ -118,6 +118,91 @@ def test_verify_sees_skippables_nested_in_containers():
         verify_skippables(nn.Sequential(nn.Sequential(Down(4), nn.Linear(4, 4)), nn.Linear(4, 4)))
 
 
+@skippable(stash=["identity"])
+class StashIdentity(nn.Module):
+    def forward(self, x):
+        yield stash("identity", x)
+        return x
+
+
+@skippable(pop=["identity"])
+class PopAdd(nn.Module):
+    def forward(self, x):
+        identity = yield pop("identity")
+        return torch.tanh(x + identity)
+
+
+def residual_block(width=4):
+    """A residual block as torchgpipe users write it: every block reuses the name 'identity'."""
+    return nn.Sequential(StashIdentity(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), PopAdd())
+
+
+class RegisteredOutOfOrder(nn.Module):
+    """Registers the pop layer before the stash layer it runs first."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.up = PopAdd()
+        self.body = nn.Linear(width, width)
+        self.down = StashIdentity()
+
+    def forward(self, x):
+        return self.up(self.body(self.down(x)))
+
+
+def repeated_blocks(kind):
+    torch.manual_seed(0)
+    if kind == "repeated":  # stashed again once popped
+        return nn.Sequential(nn.Linear(4, 4), residual_block(), residual_block(), residual_block(), nn.Linear(4, 2))
+    if kind == "grouped":  # the blocks inside one top-level child
+        return nn.Sequential(nn.Linear(4, 4), nn.Sequential(residual_block(), residual_block()), nn.Linear(4, 2))
+    return nn.Sequential(nn.Linear(4, 4), RegisteredOutOfOrder(), RegisteredOutOfOrder(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("kind", ["repeated", "grouped", "out of order"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b", "zb-h1"])
+def test_blocks_that_reuse_a_skip_name_run_as_in_the_plain_model(kind, checkpoint, schedule):
+    # torchgpipe runs these; verify_skippables refused them: it read a name stashed again
+    # after its pop as stashed twice, and registration order as run order.
+    model = repeated_blocks(kind).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    expected = reference(x)
+    nn.MSELoss()(expected, y).backward()
+    layers = len(model)
+    for balance in ([1] * layers, [2, layers - 2]):
+        model.zero_grad()
+        with Pipe(model, balance, chunks=3, checkpoint=checkpoint) as pipe:
+            if schedule is None:
+                out = pipe(x)
+                torch.testing.assert_close(out, expected)
+                nn.MSELoss()(out, y).backward()
+            else:
+                loss = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+                torch.testing.assert_close(loss, nn.MSELoss()(expected, y).detach())
+        for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, msg=f"{balance} {name}")
+
+
+def test_verify_follows_sequential_order_and_matches_inside_other_modules():
+    verify_skippables(repeated_blocks("repeated"))
+    verify_skippables(repeated_blocks("out of order"))
+    layout = inspect_skip_layout([nn.Sequential(*repeated_blocks("out of order"))])
+    assert layout.routes == {}  # every pair stays inside its block: nothing crosses
+    with pytest.raises(TypeError, match=r"layer '1\.3' pops 'identity', already popped by layer '1\.2' and not "
+                                        r"stashed again since"):
+        verify_skippables(nn.Sequential(nn.Linear(4, 4), nn.Sequential(StashIdentity(), nn.Linear(4, 4),
+                                                                       PopAdd(), PopAdd())))
+    with pytest.raises(TypeError, match=r"layer '2\.0' stashes 'identity', already stashed by layer '1\.0' and "
+                                        r"not popped since"):
+        verify_skippables(nn.Sequential(nn.Linear(4, 4), nn.Sequential(StashIdentity()),
+                                        nn.Sequential(StashIdentity(), PopAdd())))
+    # A module of unknown order: a pop it cannot match inside needs a stash before it.
+    with pytest.raises(TypeError, match=r"layer '0\.up' pops 'identity', which no earlier layer stashes"):
+        verify_skippables(nn.Sequential(nn.ModuleDict({"up": PopAdd()})))
+
+
 def test_a_plain_forward_that_failed_after_a_stash_does_not_break_the_next_one():
     model = nn.Sequential(Down(4), nn.Linear(4, 4), Up(4))
     with pytest.raises(RuntimeError):

@@ -6,7 +6,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from .skippable import Skippable
+from .skippable import skip_events
 from .tracker import SkipKey
 
 __all__ = ["SkipLayout", "inspect_skip_layout"]
@@ -30,17 +30,19 @@ class SkipLayout:
 
 
 def inspect_skip_layout(partitions: Sequence[nn.Sequential]) -> SkipLayout:
-    """Map every skip name to the partitions that stash and pop it (pops before stashes fail)."""
+    """Map every skip name to the partitions that stash and pop it (pops before stashes fail).
+
+    Layers are read in run order where it is known (:func:`skip_events`). A name stashed
+    again after its pop maps to its last route.
+    """
     stash_at: Dict[SkipKey, int] = {}
     routes: Dict[SkipKey, Tuple[int, int]] = {}
     for index, partition in enumerate(partitions):
-        for layer in partition.modules():
-            if not isinstance(layer, Skippable):
-                continue
-            for key in layer.poppable():
-                if key not in stash_at:
-                    raise ValueError(f"skip {key[1]!r} is popped in partition {index} before any partition stashes it")
-                routes[key] = (stash_at[key], index)
-            for key in layer.stashable():
+        for kind, key, _ in skip_events(partition):
+            if kind == "stash":
                 stash_at[key] = index
+            elif key not in stash_at:
+                raise ValueError(f"skip {key[1]!r} is popped in partition {index} before any partition stashes it")
+            else:
+                routes[key] = (stash_at[key], index)
     return SkipLayout(routes)

@@ -7,14 +7,14 @@ it runs (:func:`verify_skippables`) and the pipeline knows which partitions talk
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, FrozenSet, Generator, Iterable, List, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, FrozenSet, Generator, Iterable, Iterator, List, Optional, Tuple, Type
 
 from torch import Tensor, nn
 
 from .namespace import DEFAULT_NAMESPACE, Namespace
 from .tracker import SkipKey, current_skip_tracker, skip_name
 
-__all__ = ["skippable", "stash", "pop", "Skippable", "verify_skippables"]
+__all__ = ["skippable", "stash", "pop", "Skippable", "SkipEvent", "skip_events", "verify_skippables"]
 
 
 class stash:
@@ -176,34 +176,83 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()) -> Any:
     return decorate
 
 
+SkipEvent = Tuple[str, SkipKey, str]
+"""``("pop" | "stash", key, qualified layer name)``, in the order the model runs them."""
+
+
+def skip_events(module: nn.Module, prefix: str = "") -> Iterator[SkipEvent]:
+    """The stashes and pops of ``module``'s skippable layers, in run order where it is known.
+
+    An ``nn.Sequential`` runs its children in order, so its skippable layers are listed in
+    that order, nested ``nn.Sequential`` containers included. Another module that holds
+    skippable layers may run them in any order (registration order is not run order), so it
+    counts as one unit: a name it both stashes and pops is matched inside it, and only what
+    is left over leaves it, its pops before its stashes.
+    """
+    for name, child in module.named_children():
+        qualified = f"{prefix}{name}"
+        if isinstance(child, Skippable):
+            yield from (("pop", key, qualified) for key in sorted(child.poppable(), key=_order))
+            yield from (("stash", key, qualified) for key in sorted(child.stashable(), key=_order))
+        elif isinstance(child, nn.Sequential):
+            yield from skip_events(child, f"{qualified}.")
+        else:
+            yield from _unit_events(child, qualified)
+
+
+def _order(key: SkipKey) -> Tuple[str, int]:
+    return key[1], id(key[0])
+
+
+def _unit_events(unit: nn.Module, qualified: str) -> Iterator[SkipEvent]:
+    """A module of unknown run order: what its skippable layers exchange with the outside."""
+    pops: Dict[SkipKey, List[str]] = {}
+    stashes: Dict[SkipKey, List[str]] = {}
+    for name, layer in unit.named_modules(prefix=qualified):
+        if isinstance(layer, Skippable):
+            for key in layer.poppable():
+                pops.setdefault(key, []).append(name)
+            for key in layer.stashable():
+                stashes.setdefault(key, []).append(name)
+    for key in sorted(pops, key=_order):
+        matched = len(stashes.get(key, ()))
+        yield from (("pop", key, name) for name in pops[key][matched:])
+    for key in sorted(stashes, key=_order):
+        matched = len(pops.get(key, ()))
+        yield from (("stash", key, name) for name in stashes[key][matched:])
+
+
 def verify_skippables(module: nn.Sequential) -> None:
     """Check that every stashed name is popped exactly once by a later layer, and vice versa.
 
     Raises TypeError listing every problem: a pop without an earlier stash, a stash never
-    popped, a name stashed or popped twice. Skippable layers nested in containers count too,
-    in the order ``named_modules()`` lists them (the order a nested ``nn.Sequential`` runs
-    them), under their qualified names ("0.1").
+    popped, a name stashed again before its pop. Once popped, a name may be stashed again (a
+    residual block repeated without a ``Namespace``). Skippable layers nested in containers
+    count too, under their qualified names ("0.1"), in the order :func:`skip_events` gives:
+    the run order of nested ``nn.Sequential`` containers; another module holding skippable
+    layers is one unit whose own stashes and pops match each other in any order.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"verify_skippables takes an nn.Module (an nn.Sequential), got {module!r}")
-    stashed: Dict[SkipKey, str] = {}
-    popped: Dict[SkipKey, str] = {}
+    waiting: Dict[SkipKey, str] = {}  # stashed and not popped yet: by whom
+    popped: Dict[SkipKey, str] = {}  # the last pop of each name, for the messages
     problems: List[str] = []
-    for layer_name, layer in module.named_modules():
-        if not isinstance(layer, Skippable):
-            continue
-        for key in layer.poppable():
-            if key not in stashed:
-                problems.append(f"layer {layer_name!r} pops {skip_name(key)}, which no earlier layer stashes")
+    for kind, key, layer_name in skip_events(module):
+        if kind == "pop":
+            if key in waiting:
+                popped[key] = layer_name
+                del waiting[key]
             elif key in popped:
-                problems.append(f"layer {layer_name!r} pops {skip_name(key)}, already popped by layer {popped[key]!r}")
-            popped[key] = layer_name
-        for key in layer.stashable():
-            if key in stashed:
-                problems.append(f"layer {layer_name!r} stashes {skip_name(key)}, already stashed by layer {stashed[key]!r}")
-            stashed[key] = layer_name
-    for key, layer_name in stashed.items():
-        if key not in popped:
-            problems.append(f"layer {layer_name!r} stashes {skip_name(key)}, which no later layer pops")
+                problems.append(f"layer {layer_name!r} pops {skip_name(key)}, already popped by layer "
+                                f"{popped[key]!r} and not stashed again since")
+            else:
+                problems.append(f"layer {layer_name!r} pops {skip_name(key)}, which no earlier layer stashes")
+        elif key in waiting:
+            problems.append(f"layer {layer_name!r} stashes {skip_name(key)}, already stashed by layer "
+                            f"{waiting[key]!r} and not popped since")
+        else:
+            waiting[key] = layer_name
+    for key, layer_name in waiting.items():
+        problems.append(f"layer {layer_name!r} stashes {skip_name(key)}, which no later layer pops")
     if problems:
         raise TypeError("skippable layers do not match:\n  " + "\n  ".join(problems) + "\n(isolate repeated blocks with Namespace)")
