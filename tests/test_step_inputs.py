@@ -328,3 +328,40 @@ def test_a_failed_step_rolls_back_a_leaf_nested_in_loss_kwargs():
         with pytest.raises(RuntimeError, match="bad micro-batch"):
             pipe.step(torch.randn(8, 4), torch.randn(8, 2), loss_fn, loss_kwargs={"extra": [nested]})
         assert nested.grad is None
+
+
+def masked_mse(output, target):
+    """MSE over the rows whose target is not all zero; a constant 0 for a fully masked micro-batch."""
+    keep = target.abs().sum(dim=1) != 0
+    if not keep.any():
+        return torch.zeros(())
+    return F.mse_loss(output[keep], target[keep], reduction="sum")
+
+
+@pytest.mark.parametrize("schedule,options,balance", SCHEDULES)
+def test_a_micro_batch_whose_loss_is_a_constant_contributes_nothing(schedule, options, balance):
+    # Its loss has no graph: the step failed with autograd's "does not require grad" error,
+    # where the sum of the micro-batch losses back-propagates.
+    torch.manual_seed(0)
+    model = body()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    y[6:] = 0  # the last of 4 micro-batches is fully masked
+    expected = sum(masked_mse(reference(a), b) for a, b in zip(x.chunk(4), y.chunk(4)))
+    expected.backward()
+    with Pipe(model, balance, chunks=4) as pipe:
+        losses = []
+        loss = pipe.step(x, y, masked_mse, schedule=schedule, reduction="sum", losses=losses, **options)
+    torch.testing.assert_close(loss, expected.detach())
+    assert float(losses[-1]) == 0.0
+    assert_same_grads([model], [reference])
+
+
+def test_a_step_whose_losses_all_lack_a_graph_is_refused_as_the_plain_backward_is():
+    model = body()
+    with Pipe(model, [2, 2], chunks=2) as pipe:
+        with pytest.raises(RuntimeError, match="no loss with a graph in any micro-batch"):
+            pipe.step(torch.randn(4, 4), torch.randn(4, 2), lambda out, target: F.mse_loss(out, target).detach())
+        assert all(param.grad is None for param in model.parameters())
+        pipe.step(torch.randn(4, 4), torch.randn(4, 2), nn.MSELoss())  # usable afterwards
+    assert all(param.grad is not None for param in model.parameters())

@@ -689,6 +689,13 @@ class Pipe(nn.Module):
                               keep_outputs=return_outputs, output_batch_dim=output_dim,
                               output_samples=self._followed_samples(batches) if return_outputs else None)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
+        if not any(context.loss_has_graph):
+            # The plain model's loss.backward() refuses such a loss too; nothing was changed.
+            raise RuntimeError(
+                "loss_fn returned no loss with a graph in any micro-batch (none requires grad or has a "
+                "grad_fn), so there is nothing to back-propagate: do the model's parameters or its input "
+                "require grad? (a micro-batch whose loss is a constant, a fully masked one say, is "
+                "allowed when another micro-batch's loss has a graph)")
         # Checked on the workers already (check_joins), before any gradient was kept.
         gathered = gather(cast(List[Batch], context.outputs), output_dim) if return_outputs else None
         upstream.backward()

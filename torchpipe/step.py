@@ -77,6 +77,9 @@ class StepContext:
         self.checkpoint_stop = checkpoint_stop
         self.rng_sections = checkpoint_stop > 0
         self.losses: List[Optional[Tensor]] = [None] * len(batches)
+        # Whether each micro-batch's loss has a graph; one without (a constant for a fully
+        # masked micro-batch) contributes nothing to the gradients, as a constant term would.
+        self.loss_has_graph: List[bool] = [False] * len(batches)
         # The last stage's outputs, detached, for ``Pipe.step(..., return_outputs=True)``.
         self.keep_outputs = keep_outputs
         self.output_batch_dim = output_batch_dim
@@ -207,6 +210,7 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                 with stage.rng.hold() if ctx.rng_sections else contextlib.nullcontext():
                     loss = scalar_loss(ctx.loss_fn(output.value, target))
                 ctx.losses[microbatch] = loss.detach()
+                ctx.loss_has_graph[microbatch] = loss.requires_grad
                 if ctx.keep_outputs:
                     if len(ctx.outputs) > 1:  # now, while the failed step can still be undone
                         problem = why_not_gatherable(output, ctx.output_batch_dim)
@@ -277,7 +281,8 @@ def _drop_storage(tensor: Tensor) -> int:
 def _received_grads(stage: StageRunner, saved: _Saved, handoff: Optional[_Handoff], last: bool, microbatch: int, ctx: StepContext) -> List[Optional[Tensor]]:
     """Gradients for ``saved.outputs``: from the next stage (or the loss scale), then skips."""
     if last:
-        grads = [torch.full_like(saved.outputs[0], ctx.scales[microbatch])]
+        loss = saved.outputs[0]
+        grads = [torch.full_like(loss, ctx.scales[microbatch]) if loss.requires_grad else None]
     else:
         assert handoff is not None and handoff.batch is not None
         batch = handoff.batch
