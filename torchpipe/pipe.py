@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
@@ -19,6 +18,7 @@ from torch import Tensor, nn
 
 from .call_chain import current as current_chain
 from .call_chain import holds_rng_section
+from .call_lock import CallLock
 from .checkpoint import generator_state, is_checkpointing
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
@@ -282,8 +282,7 @@ class Pipe(nn.Module):
 
     # What a running Pipe holds besides its model: threads, queues, locks, compiled programs.
     # Not copied or pickled; a copy (deepcopy, unpickling) starts workers of its own.
-    _RUNTIME_STATE = ("_workers", "_runtime", "_stages", "_programs", "_last_run", "_step_lock", "_step_thread",
-                      "_close_after_step", "_finalizer")
+    _RUNTIME_STATE = ("_workers", "_runtime", "_stages", "_programs", "_last_run", "_step_lock", "_finalizer")
 
     def _start_workers(self) -> None:
         device_list = self.devices
@@ -314,9 +313,7 @@ class Pipe(nn.Module):
             raise
         self._programs: Dict[Tuple[Any, ...], Tuple[Plan, Program]] = {}
         self._last_run: Optional[Tuple[Plan, StepRecord]] = None  # set together, read by last_report
-        self._step_lock = threading.Lock()
-        self._step_thread: Optional[int] = None  # the thread holding _step_lock, while it does
-        self._close_after_step = False  # close() was called on that thread: see close()
+        self._step_lock = CallLock()
         self._finalizer = weakref.finalize(self, stop_workers, list(workers))
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -738,21 +735,11 @@ class Pipe(nn.Module):
         """
         warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
         self._runtime.refuse_worker_caller()  # before the lock: a stage calling its own Pipe
-        try:
-            with self._step_lock:
-                self._step_thread = threading.get_ident()
-                try:
-                    return self._run_holding_lock(plan, program, context, step_leaves)
-                finally:
-                    self._step_thread = None
-        finally:
-            if self._close_after_step:  # close() was called on this thread during the step: see close()
-                self._close_after_step = False
-                self.close()
+        return self._step_lock.call(self._run_holding_lock, plan, program, context, step_leaves)
 
     def _run_holding_lock(self, plan: Plan, program: Program, context: Any,
                           step_leaves: Optional[List[Tensor]]) -> Dict[Any, Any]:
-        """``_run``'s step itself, on the thread that holds ``_step_lock``."""
+        """``_run``'s step itself, under ``_step_lock``."""
         if not self._finalizer.alive:  # closed by another thread since the caller's check
             raise RuntimeError("this Pipe is closed")
         previous = self._runtime.last_step
@@ -857,8 +844,8 @@ class Pipe(nn.Module):
         handler that shuts down), it cannot wait for that call, which resumes only once the
         handler returns: the Pipe then closes as soon as the call ends, failed or not.
         """
-        if self._step_thread == threading.get_ident():
-            self._close_after_step = True
+        if self._step_lock.held_here():
+            self._step_lock.after_call(self.close)
             return
         if self._finalizer.alive:  # the workers' thread ids are current only while they run
             self._runtime.refuse_worker_caller(

@@ -21,7 +21,6 @@ for the last stage before ``progress`` returns.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 import torch
 
 from .. import call_chain
+from ..call_lock import CallLock
 from ..devices import Backend, get_backend, usable_device
 from ..checks import check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
@@ -207,9 +207,7 @@ class StagedPipeline:
         self._streamed = self._backend.type != "cpu"  # stages hand over through events
         self._ready: List[Any] = [None] * len(stages)
         self._programs: Dict[Tuple[int, ...], Program] = {}
-        self._lock = threading.Lock()
-        self._lock_thread: Optional[int] = None  # the thread inside progress(), holding _lock
-        self._close_after_call = False  # close() was called on that thread: see close()
+        self._lock = CallLock()  # one progress() at a time
         self._closed = False
         self._failure = _FirstFailure()
         self._call_owner: Optional[int] = None  # the token of the progress() call in flight
@@ -375,20 +373,10 @@ class StagedPipeline:
         is exhausted *and* every in-flight batch was returned.
         """
         self._refuse_own_work("progress()")
-        try:
-            with self._lock:
-                self._lock_thread = threading.get_ident()
-                try:
-                    return self._progress_holding_lock(dataloader_iter)
-                finally:
-                    self._lock_thread = None
-        finally:
-            if self._close_after_call:  # close() was called on this thread during the call: see close()
-                self._close_after_call = False
-                self.close()
+        return self._lock.call(self._progress_holding_lock, dataloader_iter)
 
     def _progress_holding_lock(self, dataloader_iter: Iterator[Any]) -> Any:
-        """``progress``'s work, on the thread that holds ``_lock``."""
+        """``progress``'s work, under ``_lock``."""
         if self._closed:
             raise RuntimeError("this pipeline is closed")
 
@@ -422,7 +410,7 @@ class StagedPipeline:
         That call spans several runtime steps, one per clock: work a stage started in one
         clock may be waited on by a later one, so the whole call has one token.
         """
-        if self._lock_thread == threading.get_ident():
+        if self._lock.held_here():
             raise RuntimeError(
                 f"{what} was called on the thread that is inside this pipeline's progress() (from admit, "
                 "after_clock, on_failure, the data iterator or a signal handler): it would deadlock")
@@ -454,8 +442,8 @@ class StagedPipeline:
         inside ``progress()`` (a callback, the data iterator, a signal handler), close() cannot
         wait for that call: the pipeline closes as soon as the call returns or fails.
         """
-        if self._lock_thread == threading.get_ident():
-            self._close_after_call = True
+        if self._lock.held_here():
+            self._lock.after_call(self.close)
             return
         self._refuse_own_work("close()")
         locked = self._lock.acquire(timeout=STOP_TIMEOUT_S)
