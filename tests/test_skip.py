@@ -118,23 +118,9 @@ def test_verify_sees_skippables_nested_in_containers():
         verify_skippables(nn.Sequential(nn.Sequential(Down(4), nn.Linear(4, 4)), nn.Linear(4, 4)))
 
 
-@skippable(stash=["identity"])
-class StashIdentity(nn.Module):
-    def forward(self, x):
-        yield stash("identity", x)
-        return x
-
-
-@skippable(pop=["identity"])
-class PopAdd(nn.Module):
-    def forward(self, x):
-        identity = yield pop("identity")
-        return torch.tanh(x + identity)
-
-
 def residual_block(width=4):
-    """A residual block as torchgpipe users write it: every block reuses the name 'identity'."""
-    return nn.Sequential(StashIdentity(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), PopAdd())
+    """A residual block as torchgpipe users write it: every block reuses one skip name."""
+    return nn.Sequential(StashAndPassOn(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), AddSkip())
 
 
 class RegisteredOutOfOrder(nn.Module):
@@ -142,9 +128,9 @@ class RegisteredOutOfOrder(nn.Module):
 
     def __init__(self, width=4):
         super().__init__()
-        self.up = PopAdd()
+        self.up = AddSkip()
         self.body = nn.Linear(width, width)
-        self.down = StashIdentity()
+        self.down = StashAndPassOn()
 
     def forward(self, x):
         return self.up(self.body(self.down(x)))
@@ -190,17 +176,17 @@ def test_verify_follows_sequential_order_and_matches_inside_other_modules():
     verify_skippables(repeated_blocks("out of order"))
     layout = inspect_skip_layout([nn.Sequential(*repeated_blocks("out of order"))])
     assert layout.routes == {}  # every pair stays inside its block: nothing crosses
-    with pytest.raises(TypeError, match=r"layer '1\.3' pops 'identity', already popped by layer '1\.2' and not "
+    with pytest.raises(TypeError, match=r"layer '1\.3' pops 'same', already popped by layer '1\.2' and not "
                                         r"stashed again since"):
-        verify_skippables(nn.Sequential(nn.Linear(4, 4), nn.Sequential(StashIdentity(), nn.Linear(4, 4),
-                                                                       PopAdd(), PopAdd())))
-    with pytest.raises(TypeError, match=r"layer '2\.0' stashes 'identity', already stashed by layer '1\.0' and "
+        verify_skippables(nn.Sequential(nn.Linear(4, 4), nn.Sequential(StashAndPassOn(), nn.Linear(4, 4),
+                                                                       AddSkip(), AddSkip())))
+    with pytest.raises(TypeError, match=r"layer '2\.0' stashes 'same', already stashed by layer '1\.0' and "
                                         r"not popped since"):
-        verify_skippables(nn.Sequential(nn.Linear(4, 4), nn.Sequential(StashIdentity()),
-                                        nn.Sequential(StashIdentity(), PopAdd())))
+        verify_skippables(nn.Sequential(nn.Linear(4, 4), nn.Sequential(StashAndPassOn()),
+                                        nn.Sequential(StashAndPassOn(), AddSkip())))
     # A module of unknown order: a pop it cannot match inside needs a stash before it.
-    with pytest.raises(TypeError, match=r"layer '0\.up' pops 'identity', which no earlier layer stashes"):
-        verify_skippables(nn.Sequential(nn.ModuleDict({"up": PopAdd()})))
+    with pytest.raises(TypeError, match=r"layer '0\.up' pops 'same', which no earlier layer stashes"):
+        verify_skippables(nn.Sequential(nn.ModuleDict({"up": AddSkip()})))
 
 
 def test_a_plain_forward_that_failed_after_a_stash_does_not_break_the_next_one():
