@@ -242,7 +242,10 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
         # Overwriting the input in place would break the checkpoint's saved input, Pipe.step's
         # leaves, or the sibling micro-batches that share a chunked input's version counter.
         skip = _stashed_alias(ctx.skips, microbatch, batch)
-        partition = stage.checkpointed_function if skip is None else _on_private_copy(stage.partition, (stage.index, skip))
+        if skip is None:
+            partition = stage.checkpointed_function
+        else:  # the copy must be checked for the alias
+            partition = _on_private_copy(stage.partition, (stage.index, skip))
     if not (checkpointed or ctx.rng_sections or stage.has_skips):
         return Batch(partition(batch.value))  # the common case: nothing to set up around the call
     training = stage.partition.training

@@ -621,9 +621,10 @@ class Pipe(nn.Module):
         custom loss that normalises otherwise should sum, with ``reduction='sum'``, and
         divide the result. ``target`` is split along ``target_batch_dim`` (dim 0, or the
         output's batch dim when that was set) and must have the input's batch size there;
-        samples are counted along ``batch_dim``. ``schedule`` is one of ``torchpipe.schedule.SCHEDULES``
-        or torch's pipelining name or class for one of them (``"Interleaved1F1B"``,
-        ``Schedule1F1B``: see ``torchpipe.schedule.schedule_name``); ``options`` go to the plan (``virtual_stages`` for interleaved schedules). It may
+        samples are counted along ``batch_dim``. ``schedule`` is one of
+        ``torchpipe.schedule.SCHEDULES`` or torch's pipelining name or class for one of them
+        (``"Interleaved1F1B"``, ``Schedule1F1B``: see ``torchpipe.schedule.schedule_name``);
+        ``options`` go to the plan (``virtual_stages`` for interleaved schedules). It may
         also be a :class:`~torchpipe.schedule.Plan` of your own (``Plan.from_lists``,
         ``Plan.load_csv``, ``Plan.from_torch``): one stage per partition, and as many
         micro-batches as this batch gives; it runs exactly as written.
