@@ -282,7 +282,8 @@ class Pipe(nn.Module):
 
     # What a running Pipe holds besides its model: threads, queues, locks, compiled programs.
     # Not copied or pickled; a copy (deepcopy, unpickling) starts workers of its own.
-    _RUNTIME_STATE = ("_workers", "_runtime", "_stages", "_programs", "_last_run", "_step_lock", "_finalizer")
+    _RUNTIME_STATE = ("_workers", "_runtime", "_stages", "_programs", "_last_run", "_step_lock", "_finalizer",
+                      "_gradient_sync")
 
     def _start_workers(self) -> None:
         device_list = self.devices
@@ -314,6 +315,7 @@ class Pipe(nn.Module):
         self._programs: Dict[Tuple[Any, ...], Tuple[Plan, Program]] = {}
         self._last_run: Optional[Tuple[Plan, StepRecord]] = None  # set together, read by last_report
         self._step_lock = CallLock()
+        self._gradient_sync: Any = None  # a torchpipe.GradientSync attaches itself here
         self._finalizer = weakref.finalize(self, stop_workers, list(workers))
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -520,6 +522,8 @@ class Pipe(nn.Module):
             return _outside_compile(Pipe.forward)(self, input)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
+        if self._gradient_sync is not None and self.training and torch.is_grad_enabled():
+            self._gradient_sync.warn_forward_unsynchronised()
         input_dim, output_dim, _ = self._batch_dims
         batches = scatter(input, self.chunks, input_dim)
         sizes = self._followed_samples(batches)
@@ -683,9 +687,11 @@ class Pipe(nn.Module):
         m = len(batches)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         plan, program = self._step_program(schedule, m, options)
+        sync = self._gradient_sync
         context = StepContext(batches, targets, self._input_events(batches), _loss_call(loss_fn, loss_kwargs), scales, stop, len(self._stages),
                               keep_outputs=return_outputs, output_batch_dim=output_dim,
-                              output_samples=self._followed_samples(batches) if return_outputs else None)
+                              output_samples=self._followed_samples(batches) if return_outputs else None,
+                              grad_round=sync.round() if sync is not None else None)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
         if not any(context.loss_has_graph):
             # The plain model's loss.backward() refuses such a loss too; nothing was changed.
@@ -757,7 +763,10 @@ class Pipe(nn.Module):
         # must draw the same random numbers. Several partitions draw in an order that
         # depends on thread timing, so draws here cannot be replayed: refuse them.
         replayed = _watched_generators(self._stages)
+        grad_round = getattr(context, "grad_round", None)
         try:
+            if grad_round is not None:
+                grad_round.start()
             device_types = self._device_types
             if device_types == ["cpu"]:  # no streams, nothing to fence
                 results = self._runtime.run(program, context, device_types)
@@ -774,6 +783,8 @@ class Pipe(nn.Module):
                     "draw in no fixed order, so the recompute would redraw differently and give wrong gradients. "
                     "Use checkpoint='never' around it, one partition here, or no randomness (dropout) in this Pipe"
                 )
+            if grad_round is not None and any(context.loss_has_graph):
+                grad_round.finish()  # under the lock: the next step must not add to .grad meanwhile
             return results
         except BaseException:
             for tensor in without_grad:

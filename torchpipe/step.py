@@ -68,6 +68,7 @@ class StepContext:
         keep_outputs: bool = False,
         output_batch_dim: BatchDim = 0,
         output_samples: Optional[List[int]] = None,
+        grad_round: Any = None,
     ) -> None:
         self.batches = batches
         self.targets = targets
@@ -87,6 +88,14 @@ class StepContext:
         self.outputs: List[Optional[Batch]] = [None] * len(batches)
         self.memory = MemoryRecord(num_stages)
         self.skips = SkipStore()
+        # A GradientSync's all-reduces of this step (see grad_sync.py), or None.
+        self.grad_round = grad_round
+
+
+def _gradients_final(ctx: StepContext, index: int) -> None:
+    """Partition ``index`` ran its last backward action of the step: its gradients may go."""
+    if ctx.grad_round is not None:
+        ctx.grad_round.partition_done(index)
 
 
 class _Saved:
@@ -355,7 +364,8 @@ def _runs_outside_autocast(stage: StageRunner) -> Callable[[Callable[..., Any]],
     return decorate
 
 
-def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], Optional[_Handoff]]:
+def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool,
+              final: bool) -> Callable[[StepContext, Tuple[Any, ...]], Optional[_Handoff]]:
     index = stage.index
 
     @_runs_outside_autocast(stage)
@@ -368,6 +378,8 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool) -> C
         _send_skip_grads(stage, ctx, microbatch, saved, [leaf.grad for _, leaf in saved.skips.popped])
         result = None if first else _leaf_grads(stage, saved, [leaf.grad for leaf in saved.leaves])
         _release(ctx, index, saved)
+        if final:
+            _gradients_final(ctx, index)
         return result
 
     return run
@@ -398,7 +410,7 @@ def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) ->
     return run
 
 
-def _weight_grad(stage: StageRunner, microbatch: int) -> Callable[[StepContext, Tuple[Any, ...]], None]:
+def _weight_grad(stage: StageRunner, microbatch: int, final: bool) -> Callable[[StepContext, Tuple[Any, ...]], None]:
     index = stage.index
 
     @_runs_outside_autocast(stage)
@@ -413,6 +425,8 @@ def _weight_grad(stage: StageRunner, microbatch: int) -> Callable[[StepContext, 
             # W is the whole backward, into the caller's input too when that requires one.
             engine.backward(outputs, grad_outputs)
         _release(ctx, index, saved)
+        if final:
+            _gradients_final(ctx, index)
 
     return run
 
@@ -421,6 +435,8 @@ def lower_step(plan: Any, stages: Sequence[StageRunner]) -> Program:
     """A program that runs every action of a forward+backward ``plan`` on the workers."""
     program = Program(plan.num_workers)
     last = plan.num_stages - 1
+    # Each stage's last action that adds to its parameters' gradients, in its worker's order.
+    final = {action.stage: action for actions in plan.worker_actions for action in actions if action.kind in ("B", "W")}
     for worker, actions in enumerate(plan.worker_actions):
         for action in actions:
             s, m, kind = action.stage, action.microbatch, action.kind
@@ -431,11 +447,11 @@ def lower_step(plan: Any, stages: Sequence[StageRunner]) -> Program:
                 function: Any = _forward(stage, m, is_last,
                                          sends_copies=not is_last and _copies_between(stage, stages[s + 1]))
             elif kind == "B":
-                function = _backward(stage, m, first, is_last)
+                function = _backward(stage, m, first, is_last, final=action == final[s])
             elif kind == "I":
                 function = _input_grad(stage, m, first, is_last)
             elif kind == "W":
-                function = _weight_grad(stage, m)
+                function = _weight_grad(stage, m, final=action == final[s])
             else:  # pragma: no cover - Action rejects other kinds
                 raise ValueError(f"unknown action kind in {action}")
             # Own state first, then the gradient from the next stage (if any).

@@ -85,10 +85,10 @@ def warn_if_the_profiler_records_this_thread_only() -> None:
         "threads is missing from its trace; profile with torchpipe.profiling.profile(...) (it takes "
         "torch.profiler.profile's arguments), or pass torch.profiler.profile an experimental_config built "
         "with profile_all_threads=True, to record it as 'stage 2 F mb 5' events",
-        UserWarning, stacklevel=_first_frame_outside_torchpipe())
+        UserWarning, stacklevel=first_frame_outside_torchpipe())
 
 
-def _first_frame_outside_torchpipe() -> int:
+def first_frame_outside_torchpipe() -> int:
     """The ``stacklevel`` that points a warning at the caller's code.
 
     It skips torchpipe's frames and torch's (``nn.Module.__call__``, ``torch.utils.checkpoint``

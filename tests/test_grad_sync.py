@@ -1,0 +1,313 @@
+"""GradientSync: Pipe.step's gradients averaged over processes (gloo, 2 local ranks), equal to
+the plain model's gradients averaged over the ranks, for every schedule; each partition's
+all-reduce starts while earlier partitions are still in backward; refusals and failures."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from torchpipe import GradientSync, Pipe
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLD = 2
+SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("interleaved-1f1b", {"virtual_stages": 2}), ("zb-v", {})]
+
+
+def make_model(seed: int, norm: bool = False) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 8), nn.Linear(8, 1)]
+    if norm:
+        layers.insert(1, nn.BatchNorm1d(8))
+    return nn.Sequential(*layers).double()
+
+
+def plain_copy(pipe: Pipe) -> nn.Sequential:
+    return copy.deepcopy(nn.Sequential(*list(pipe)))
+
+
+def averaged_reference_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list:
+    """The plain model's gradients on this rank's batch, averaged over the ranks (DDP's rule)."""
+    model.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g /= WORLD
+    return grads
+
+
+def same_on_every_rank(tensors: list) -> bool:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    everyone = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(everyone[0], other) for other in everyone[1:])
+
+
+def start(rank: int, init_file: str, timeout_s: float = 60) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def equality_worker(rank: int, init_file: str) -> None:
+    start(rank, init_file)
+    try:
+        # Each rank starts from its own random parameters: GradientSync takes the first rank's.
+        pipe = Pipe(make_model(seed=rank), balance=[2, 2, 1, 1], devices=["cpu"] * 4, chunks=4,
+                    checkpoint="except_last")
+        GradientSync(pipe)
+        assert same_on_every_rank([p.detach() for p in pipe.parameters()])
+        plain = plain_copy(pipe)
+        gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batch, 15 samples: 4 + 4 + 4 + 3
+        x, y = torch.randn(15, 6, generator=gen, dtype=torch.double), torch.randn(15, 1, generator=gen,
+                                                                                   dtype=torch.double)
+        for schedule, options in SCHEDULES:
+            for checkpoint in ("never", "except_last", "always"):
+                pipe.checkpoint = checkpoint
+                pipe.zero_grad(set_to_none=True)
+                loss = pipe.step(x, y, nn.MSELoss(), schedule, **options)
+                expected = averaged_reference_grads(plain, x, y)
+                torch.testing.assert_close(loss, nn.functional.mse_loss(plain(x), y).detach(), rtol=0, atol=1e-14)
+                for (name, got), want in zip(pipe.named_parameters(), expected):
+                    torch.testing.assert_close(got.grad, want, rtol=0, atol=1e-14,
+                                               msg=f"{schedule} {checkpoint} {name}")
+                assert same_on_every_rank([p.grad for p in pipe.parameters()]), (schedule, checkpoint)
+        # A copy of the Pipe (an EMA model, say) does not synchronise.
+        assert copy.deepcopy(pipe)._gradient_sync is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_gradients_equal_the_plain_models_averaged_over_ranks(tmp_path) -> None:
+    mp.spawn(equality_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+
+
+def rank_batch(rank: int, size: int = 12) -> tuple:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(size, 6, generator=gen, dtype=torch.double), torch.randn(size, 1, generator=gen,
+                                                                                 dtype=torch.double)
+
+
+def accumulation_worker(rank: int, init_file: str) -> None:
+    start(rank, init_file)
+    try:
+        pipe = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2, chunks=3, checkpoint="never")
+        sync = GradientSync(pipe)
+        plain = plain_copy(pipe)
+        x, y = rank_batch(rank)
+        x2, y2 = rank_batch(rank + 10)
+
+        # no_sync: the first step keeps its gradients local; the next one averages the sum.
+        with sync.no_sync():
+            pipe.step(x, y, nn.MSELoss())
+        local = [p.grad.clone() for p in pipe.parameters()]
+        plain.zero_grad()
+        nn.functional.mse_loss(plain(x), y).backward()
+        for got, want in zip(local, plain.parameters()):
+            torch.testing.assert_close(got, want.grad, rtol=0, atol=1e-14)
+        pipe.step(x2, y2, nn.MSELoss())
+        nn.functional.mse_loss(plain(x2), y2).backward()
+        for got, want in zip(pipe.parameters(), plain.parameters()):
+            summed = want.grad.clone()
+            dist.all_reduce(summed)
+            torch.testing.assert_close(got.grad, summed / WORLD, rtol=0, atol=1e-14)
+
+        # pipe(x) + backward(): gradients stay local (a warning says so) until all_reduce().
+        pipe.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            nn.functional.mse_loss(pipe(x), y).backward()
+            nn.functional.mse_loss(pipe(x), y).backward()
+        assert [str(w.message).count("sync.all_reduce()") for w in caught] == [1], [str(w.message) for w in caught]
+        assert caught[0].filename == __file__
+        sync.all_reduce()
+        expected = averaged_reference_grads(plain, x, y)
+        for got, want in zip(pipe.parameters(), expected):
+            torch.testing.assert_close(got.grad, 2 * want, rtol=0, atol=1e-14)
+
+        # DDP around the Pipe averages pipe(x) + backward() itself.
+        ddp = nn.parallel.DistributedDataParallel(Pipe(make_model(seed=rank), balance=[3, 3],
+                                                       devices=["cpu"] * 2, chunks=3))
+        reference = plain_copy(ddp.module)  # DDP copied the first rank's parameters
+        ddp.module.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        for got, want in zip(ddp.module.parameters(), averaged_reference_grads(reference, x, y)):
+            torch.testing.assert_close(got.grad, want, rtol=0, atol=1e-14)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_sync_accumulates_locally_and_all_reduce_serves_the_forward_path(tmp_path) -> None:
+    mp.spawn(accumulation_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+
+
+def buffers_worker(rank: int, init_file: str) -> None:
+    start(rank, init_file)
+    try:
+        for broadcast in (True, False):
+            pipe = Pipe(make_model(seed=0, norm=True), balance=[3, 4], devices=["cpu"] * 2, chunks=2)
+            GradientSync(pipe, broadcast_buffers=broadcast)
+            norm = pipe[1]
+            with torch.no_grad():
+                norm.running_mean.fill_(float(rank))  # the ranks' statistics drifted apart
+            x, y = rank_batch(0)  # the same batch on every rank
+            pipe.step(x, y, nn.MSELoss())
+            assert same_on_every_rank([norm.running_mean]) is broadcast, broadcast
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_come_from_the_first_rank_before_each_step(tmp_path) -> None:
+    mp.spawn(buffers_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+
+
+def overlap_worker(rank: int, init_file: str, result_file: str) -> None:
+    start(rank, init_file)
+    try:
+        pipe = Pipe(make_model(seed=0), balance=[2, 2, 1, 1], devices=["cpu"] * 4, chunks=8, checkpoint="never")
+        GradientSync(pipe, broadcast_buffers=False)
+        launches = []
+        all_reduce = dist.all_reduce
+
+        def timed_all_reduce(tensor, *args, **kwargs):
+            launches.append((time.perf_counter(), tensor.numel()))
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = timed_all_reduce
+        x, y = rank_batch(rank, size=32)
+        pipe.step(x, y, nn.MSELoss(), "1f1b")
+        record = pipe.last_step
+        first_end = max(end for key, end in zip(record.keys, record.ends) if key.stage == 0)
+        sizes = [sum(p.numel() for p in partition.parameters()) for partition in pipe.partitions]
+        with open(f"{result_file}.{rank}", "w") as out:
+            out.write(repr(([n for _, n in launches], sizes[::-1], launches[0][0] < first_end)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_last_partitions_all_reduce_starts_while_the_first_is_still_in_backward(tmp_path) -> None:
+    """One all-reduce per partition, last partition first, the first one started before
+    partition 0 has finished its backward: the reduction overlaps the pipeline's drain."""
+    result_file = str(tmp_path / "result")
+    mp.spawn(overlap_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        sizes, expected_sizes, overlapped = eval(open(f"{result_file}.{rank}").read())
+        assert sizes == expected_sizes
+        assert overlapped, f"rank {rank}: the first all-reduce started after partition 0's last backward"
+
+
+def mismatch_worker(rank: int, init_file: str, result_file: str) -> None:
+    start(rank, init_file)
+    try:
+        balance = [3, 3] if rank == 0 else [2, 4]
+        pipe = Pipe(make_model(seed=0), balance=balance, devices=["cpu"] * 2)
+        before = [p.detach().clone() for p in pipe.parameters()]
+        try:
+            GradientSync(pipe)
+            message = "no error"
+        except ValueError as exc:
+            message = str(exc)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))
+        with open(f"{result_file}.{rank}", "w") as out:
+            out.write(repr((message, unchanged, pipe._gradient_sync is None)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_pipes_are_refused_before_anything_changes(tmp_path) -> None:
+    result_file = str(tmp_path / "result")
+    mp.spawn(mismatch_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        message, unchanged, detached = eval(open(f"{result_file}.{rank}").read())
+        assert "every rank must build the same Pipe" in message and "[[(8, 6), (8,), (8, 8), (8,)]" in message, message
+        assert unchanged and detached
+
+
+def failing_worker(rank: int, init_file: str, result_file: str) -> None:
+    start(rank, init_file, timeout_s=5)
+    outcome = "no error"
+    try:
+        pipe = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2, chunks=2)
+        GradientSync(pipe, broadcast_buffers=False)
+        x, y = rank_batch(rank)
+
+        def loss_fn(output, target):
+            if rank == 1:
+                raise ValueError("injected on rank 1")
+            return nn.functional.mse_loss(output, target)
+
+        pipe.step(x, y, nn.MSELoss())  # a good step first
+        before = [p.grad.clone() for p in pipe.parameters()]
+        began = time.monotonic()
+        try:
+            pipe.step(x, y, loss_fn)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        waited = time.monotonic() - began
+        grads = [p.grad for p in pipe.parameters()]
+        if rank == 0:
+            # Nothing was averaged: what the step added is this rank's own gradient.
+            plain = plain_copy(pipe)
+            plain.zero_grad()
+            nn.functional.mse_loss(plain(x), y).backward()
+            local = all(torch.allclose(g, b + p.grad, rtol=0, atol=1e-14)
+                        for g, b, p in zip(grads, before, plain.parameters()))
+        else:  # failed before any backward: unchanged
+            local = all(torch.equal(g, b) for g, b in zip(grads, before))
+        with open(f"{result_file}.{rank}", "w") as out:
+            out.write(repr((outcome, waited, local)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_on_one_rank_fails_the_others_within_the_group_timeout(tmp_path) -> None:
+    """The failing rank raises its own error at once; a rank whose step succeeded waits for the
+    missing all-reduces until the group's timeout (5 s here) and raises instead of hanging,
+    with its gradients left local, not half averaged."""
+    result_file = str(tmp_path / "result")
+    mp.spawn(failing_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    failed, failed_wait, failed_local = eval(open(f"{result_file}.1").read())
+    other, other_wait, other_local = eval(open(f"{result_file}.0").read())
+    assert failed == "ValueError: injected on rank 1" and failed_wait < 5 and failed_local
+    assert other.startswith("RuntimeError") and other_wait < 60 and other_local, (other, other_wait)
+
+
+def test_refusals_in_one_process(tmp_path) -> None:
+    pipe = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match="synchronises a torchpipe.Pipe, got Sequential"):
+        GradientSync(make_model(seed=0))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        GradientSync(pipe)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(TypeError, match="broadcast_buffers must be a bool, got 1"):
+            GradientSync(pipe, broadcast_buffers=1)
+        on_gpu = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2)
+        on_gpu.devices = [torch.device("cpu"), torch.device("cuda", 0)]  # as a Pipe on a GPU would say
+        with pytest.raises(ValueError, match=r"CPU partitions only \(gloo\), got devices \['cuda:0'\]"):
+            GradientSync(on_gpu)
+        sync = GradientSync(pipe)
+        with pytest.raises(RuntimeError, match="already has a GradientSync"):
+            GradientSync(pipe)
+        assert pipe._gradient_sync is sync
+        # One rank: the average is the gradient itself.
+        x, y = rank_batch(0)
+        pipe.step(x, y, nn.MSELoss())
+        plain = plain_copy(pipe)
+        plain.zero_grad()
+        nn.functional.mse_loss(plain(x), y).backward()
+        for got, want in zip(pipe.parameters(), plain.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-14)
+    finally:
+        dist.destroy_process_group()
