@@ -737,9 +737,13 @@ def test_two_spellings_of_one_device_share_its_generator_lock():
 
 def test_moving_is_denied_but_dtype_casts_work():
     with Pipe(make_model(depth=2), [1, 2]) as pipe:
-        for move in (lambda: pipe.cuda(), lambda: pipe.cpu(), lambda: pipe.to("cpu"), lambda: pipe.to(torch.device("cpu")), lambda: pipe.to(device="cpu")):
-            with pytest.raises(MovingDenied):
+        moves = (lambda: pipe.cuda(), lambda: pipe.cpu(), lambda: pipe.to("cpu"), lambda: pipe.to(torch.device("cpu")),
+                 lambda: pipe.to(device="cpu"), lambda: pipe.to_empty(device="meta"), lambda: pipe.xpu(),
+                 lambda: pipe.mtia(), lambda: pipe.ipu())
+        for move in moves:
+            with pytest.raises(MovingDenied, match="Pipe should manage device placement"):
                 move()
+        assert {p.device.type for p in pipe.parameters()} == {"cpu"}
         pipe.to(torch.float64)
         assert pipe(torch.randn(3, 8, dtype=torch.float64)).dtype == torch.float64
 

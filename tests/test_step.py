@@ -279,11 +279,16 @@ def test_bad_arguments():
             pipe.step(torch.randn(4, 8), [0, 1, 2, 3], nn.MSELoss())
         with pytest.raises(ValueError, match="input batch is empty"):
             pipe.step(torch.randn(0, 8), torch.randn(0, 8), nn.MSELoss())
-        with pytest.raises(RuntimeError, match="no_grad"):
+        with pytest.raises(RuntimeError, match=r"cannot run under torch.no_grad\(\)"):
             with torch.no_grad():
                 pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
-        with pytest.raises(TypeError, match="scalar"):
+        with pytest.raises(RuntimeError, match=r"cannot run under torch.inference_mode\(\)"):
+            with torch.inference_mode():
+                pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
+        with pytest.raises(ValueError, match="one value per element"):
             pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(reduction="none"), reduction="sum")
+        with pytest.raises(TypeError, match="scalar"):  # known only once it ran
+            pipe.step(torch.randn(4, 8), torch.randn(4, 8), lambda out, target: out - target, reduction="sum")
 
 
 class CountBackward(torch.autograd.Function):

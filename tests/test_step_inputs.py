@@ -256,9 +256,34 @@ def test_a_reduction_that_disagrees_with_loss_kwargs_is_refused():
         with pytest.raises(ValueError, match="reduction='sum', but the loss itself reduces by 'mean'"):
             pipe.step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss, reduction="sum",
                       loss_kwargs={"reduction": "mean"})
-        with pytest.raises(ValueError, match="reduction must be 'mean', 'batchmean' or 'sum' \\(got 'none'\\)"):
+        with pytest.raises(ValueError, match=r"loss_kwargs\['reduction'\] makes the loss one value per element"):
             pipe.step(torch.randn(4, 4), torch.randn(4, 2), F.mse_loss, loss_kwargs={"reduction": "none"})
         assert pipe.last_step is None
+
+
+# Regression (review): an explicit reduction= hid a per-element loss until the step had run and
+# changed state; a reduction of the wrong type or spelling was called a conflict.
+def test_a_per_element_loss_and_a_bad_reduction_are_refused_before_anything_runs():
+    with Pipe(body(), [1, 1, 1, 1], chunks=2) as pipe:
+        x, y = torch.randn(4, 4), torch.randn(4, 2)
+        for reduction in (None, "sum", "mean"):
+            with pytest.raises(ValueError, match=r"MSELoss\(reduction='none'\) makes the loss one value per element"):
+                pipe.step(x, y, nn.MSELoss(reduction="none"), reduction=reduction)
+        for bad, error, message in ((5, TypeError, "got int: 5"), (["sum"], TypeError, r"got list: \['sum'\]"),
+                                    ("SUM", ValueError, "got 'SUM'"), ("none", ValueError, "got 'none'")):
+            with pytest.raises(error, match=r"reduction must be 'mean', 'batchmean', 'sum' or None.*" + message):
+                pipe.step(x, y, nn.MSELoss(reduction="sum"), reduction=bad)
+            with pytest.raises(error, match=message):
+                pipe.evaluate(x, y, F.mse_loss, reduction=bad)
+        assert pipe.last_step is None
+
+        class SumsItself(nn.Module):  # a custom loss may keep a 'none' attribute and reduce anyway
+            reduction = "none"
+
+            def forward(self, output, target):
+                return ((output - target) ** 2).sum()
+
+        pipe.step(x, y, SumsItself(), reduction="sum")
 
 
 # Regression (review): a tensor in loss_kwargs kept a partial .grad after a failed step.

@@ -109,6 +109,9 @@ def _check_child_names(module: nn.Sequential) -> None:
         )
 
 
+_MOVE_DENIED = "denied to move parameters and buffers, because Pipe should manage device placement"
+
+
 class MovingDenied(TypeError):
     """Raised when a ``Pipe`` is moved with ``.to()``, ``.cuda()`` or ``.cpu()``: it owns placement."""
 
@@ -355,19 +358,31 @@ class Pipe(nn.Module):
 
     # ------------------------------------------------------------------ placement is ours
     def cuda(self, device: Any = None) -> "Pipe":  # type: ignore[override]
-        raise MovingDenied("denied to move parameters and buffers, because Pipe should manage device placement")
+        raise MovingDenied(_MOVE_DENIED)
 
     def cpu(self) -> "Pipe":  # type: ignore[override]
-        raise MovingDenied("denied to move parameters and buffers, because Pipe should manage device placement")
+        raise MovingDenied(_MOVE_DENIED)
+
+    def xpu(self, device: Any = None) -> "Pipe":  # type: ignore[override]
+        raise MovingDenied(_MOVE_DENIED)
+
+    def mtia(self, device: Any = None) -> "Pipe":  # type: ignore[override]
+        raise MovingDenied(_MOVE_DENIED)
+
+    def ipu(self, device: Any = None) -> "Pipe":  # type: ignore[override]
+        raise MovingDenied(_MOVE_DENIED)
+
+    def to_empty(self, *, device: Any, recurse: bool = True) -> "Pipe":  # type: ignore[override]
+        raise MovingDenied(_MOVE_DENIED)
 
     def to(self, *args: Any, **kwargs: Any) -> "Pipe":  # type: ignore[override]
         # Deny device moves; dtype casts (pipe.to(torch.float64)) are fine.
         if "device" in kwargs or "tensor" in kwargs:
-            raise MovingDenied("denied to move parameters and buffers, because Pipe should manage device placement")
+            raise MovingDenied(_MOVE_DENIED)
         if args:
             first = args[0]
             if isinstance(first, (torch.device, int, str, Tensor)):
-                raise MovingDenied("denied to move parameters and buffers, because Pipe should manage device placement")
+                raise MovingDenied(_MOVE_DENIED)
         return super().to(*args, **kwargs)
 
     # ------------------------------------------------------------------ planning
@@ -665,7 +680,8 @@ class Pipe(nn.Module):
                                 f"return_outputs, losses and loss_kwargs, and schedule {schedule!r} takes "
                                 f"{schedule_options(schedule) or 'no options'}")
         if not torch.is_grad_enabled():
-            raise RuntimeError("Pipe.step computes gradients; it cannot run under torch.no_grad()")
+            where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+            raise RuntimeError(f"Pipe.step computes gradients; it cannot run under {where}")
         upstream = Upstream()
         input, target = upstream.cut(input), upstream.cut(target)
         if loss_kwargs:  # a tensor computed before the step, shared by every micro-batch's loss
@@ -899,7 +915,17 @@ def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs
     if loss_kwargs is not None and (not isinstance(loss_kwargs, dict)
                                     or not all(isinstance(key, str) for key in loss_kwargs)):
         raise TypeError(f"loss_kwargs must be a dict of keyword arguments for loss_fn, or None; got {loss_kwargs!r}")
+    if reduction is not None and not isinstance(reduction, str):
+        raise TypeError(f"reduction must be 'mean', 'batchmean', 'sum' or None, got {type(reduction).__name__}: "
+                        f"{reduction!r}")
+    if reduction not in (None, "mean", "batchmean", "sum"):
+        raise ValueError(f"reduction must be 'mean', 'batchmean', 'sum' or None (read from the loss), got {reduction!r}")
+    from_kwargs = loss_kwargs is not None and "reduction" in loss_kwargs
     own = (loss_kwargs or {}).get("reduction", getattr(loss_fn, "reduction", None))
+    if own == "none" and (from_kwargs or isinstance(loss_fn, nn.modules.loss._Loss)):
+        where = "loss_kwargs['reduction']" if from_kwargs else f"{type(loss_fn).__name__}(reduction='none')"
+        raise ValueError(f"{where} makes the loss one value per element, but each micro-batch needs a scalar loss "
+                         "to back-propagate: use reduction='mean' or 'sum' in the loss")
     if reduction is None:
         reduction = "mean" if own is None else own
     elif own in ("mean", "sum") and own != reduction:  # 'batchmean' may be told which it is

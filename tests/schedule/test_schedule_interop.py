@@ -88,6 +88,8 @@ def test_from_torch_takes_an_order_as_a_dict_or_a_list() -> None:
     ("0F0,0B0", TypeError, "got str"),
     ({0: ["0F0"], 2: ["2F0"]}, ValueError, re.escape("ranks must be 0..1, got [0, 2]")),
     ({0: "0F0 0B0"}, TypeError, "rank 0's actions must be a list, got str"),
+    ({0: ["0F0", "0B0"], "r1": []}, TypeError, re.escape("ranks must be ints 0..1, got the key 'r1' (str)")),
+    ({0: ["0F0", "0B0"], True: []}, TypeError, re.escape("got the key True (bool)")),
     ({0: ["0F0", "0Z0"]}, ValueError, "rank 0, entry 1: cannot read '0Z0'"),
 ])
 def test_from_torch_names_what_it_cannot_read(order, error, message) -> None:
@@ -157,3 +159,20 @@ def test_a_worker_with_nothing_to_do_survives_a_csv_round_trip(tmp_path, idle) -
     again = Plan.load_csv(path, name="idle")
     assert again == plan
     assert len(again.worker_actions) == 2
+
+
+@pytest.mark.parametrize("path", [1, True, 3.0, None])
+def test_a_csv_path_must_be_a_path_not_a_file_descriptor(tmp_path, path) -> None:
+    """open() would take an int or a bool as a file descriptor: write into (and close) the
+    caller's file or stdout. Refused before anything is opened."""
+    plan = build("1f1b", 2, 2)
+    with pytest.raises(TypeError, match=rf"save_csv takes a file path \(str or os.PathLike\), got {type(path).__name__}: "
+                                        rf"{re.escape(repr(path))}"):
+        plan.save_csv(path)
+    with pytest.raises(TypeError, match=rf"load_csv takes a file path .*got {type(path).__name__}"):
+        Plan.load_csv(path)
+    with open(tmp_path / "mine.txt", "w") as mine:  # a real descriptor of the caller's stays open
+        with pytest.raises(TypeError):
+            plan.save_csv(mine.fileno())
+        mine.write("still open\n")
+    assert (tmp_path / "mine.txt").read_text() == "still open\n"

@@ -187,8 +187,17 @@ def test_bad_configuration_is_refused() -> None:
         StagedPipeline([PipelineStage("a", abs), PipelineStage("a", abs)])
     with pytest.raises(ValueError, match="host_threads=0"):
         StagedPipeline([PipelineStage("a", abs, "host")], host_threads=0)
-    with pytest.raises(ValueError, match="worker"):
+    with pytest.raises(ValueError, match="worker must be one of .* got 'gpu'"):
         PipelineStage("a", abs, "gpu")
+    with pytest.raises(ValueError, match="worker index must be >= 0, got -1"):
+        PipelineStage("a", abs, -1)
+    for wrong in (True, 1.0, None):  # a wrong type is a TypeError (review)
+        with pytest.raises(TypeError, match=f"worker must be .* got {type(wrong).__name__}: {wrong!r}"):
+            PipelineStage("a", abs, wrong)
+    with pytest.raises(TypeError, match="stage name must be a non-empty string, got int: 5"):
+        PipelineStage(5, abs)
+    with pytest.raises(ValueError, match="stage name must be a non-empty string, got ''"):
+        PipelineStage("", abs)
     with pytest.raises(ValueError, match="at least one"):
         StagedPipeline([])
 

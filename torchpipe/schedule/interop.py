@@ -78,6 +78,10 @@ def from_torch(schedule: Any, name: Optional[str] = None) -> Plan:
     if name is None:
         name = type(schedule).__name__ if order is not schedule else "torch"
     if isinstance(order, dict):
+        for rank in order:
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise TypeError(f"a pipeline order's ranks must be ints 0..{len(order) - 1}, got the key {rank!r} "
+                                f"({type(rank).__name__})")
         ranks = sorted(order)
         if ranks != list(range(len(ranks))):
             raise ValueError(f"a pipeline order's ranks must be 0..{len(ranks) - 1}, got {ranks}")
@@ -95,6 +99,13 @@ def from_torch(schedule: Any, name: Optional[str] = None) -> Plan:
     return _plan_from_rows(name, rows, "rank")
 
 
+def _check_path(path: Any, what: str) -> None:
+    """A file name, not an int: ``open()`` would take an int (or a bool) as a file descriptor,
+    and closing it would close the caller's file, or stdout."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{what} takes a file path (str or os.PathLike), got {type(path).__name__}: {path!r}")
+
+
 def load_csv(path: PathLike, name: Optional[str] = None) -> Plan:
     """A validated :class:`Plan` from a CSV file: one row of actions per worker.
 
@@ -104,6 +115,7 @@ def load_csv(path: PathLike, name: Optional[str] = None) -> Plan:
     between rows is a worker with nothing to do, as in torch's ``_load_csv``. ``save_csv``
     writes a worker with nothing to do as ``""``, which is kept wherever it stands.
     """
+    _check_path(path, "load_csv")
     with open(path, newline="") as handle:
         rows = list(csv.reader(handle))
     while rows and rows[-1] == []:
@@ -118,6 +130,7 @@ def save_csv(plan: Plan, path: PathLike) -> None:
 
     torch's ``_load_csv(..., format="compute_only")`` reads it as well.
     """
+    _check_path(path, "save_csv")
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         for actions in plan.worker_actions:

@@ -106,6 +106,8 @@ class PipelineSkipTracker:
     def load(self, key: SkipKey) -> Tensor:
         stage = self.stage
         tensor, event, source = self.store.take(key, self.microbatch)
+        if source == stage.index and self.record is not None:
+            self._forget_local_stash(key, tensor)
         if source != stage.index:
             if isinstance(tensor, Tensor) and (event is not None or tensor.device != stage.device):
                 tensor = receive(Batch(tensor), event, stage.device, stage.stream, stage.copy_stream_for).tensor
@@ -119,6 +121,16 @@ class PipelineSkipTracker:
             self.memo.append(remembered)
             self.memo_versions.append(remembered._version if isinstance(remembered, Tensor) else 0)
         return tensor
+
+    def _forget_local_stash(self, key: SkipKey, tensor: Any) -> None:
+        """A stash popped in its own partition gets its gradient inside the partition's graph;
+        no later partition sends one for it. Kept in ``record.stashed``, it would take the
+        gradient sent for a later stash of the same name (stashed again after this pop)."""
+        stashed = self.record.stashed  # type: ignore[union-attr]
+        for index in range(len(stashed) - 1, -1, -1):
+            if stashed[index][0] == key and stashed[index][1] is tensor:
+                del stashed[index]
+                return
 
     def check_popped_untouched(self) -> None:
         """RuntimeError if a checkpointed forward changed a popped tensor in place.

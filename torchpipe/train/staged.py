@@ -57,13 +57,21 @@ class PipelineStage:
     worker: WorkerSpec = "device"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"stage name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"stage name must be a non-empty string, got {type(self.name).__name__}: {self.name!r}")
+        if not self.name:
+            raise ValueError("stage name must be a non-empty string, got ''")
         if not callable(self.runnable):
             raise TypeError(f"stage {self.name!r}: runnable must be callable, got {type(self.runnable).__name__}")
         w = self.worker
-        if not (w in _NAMED or (isinstance(w, int) and not isinstance(w, bool) and w >= 0)):
-            raise ValueError(f"stage {self.name!r}: worker must be one of {_NAMED} or a worker index, got {w!r}")
+        if isinstance(w, str):
+            if w not in _NAMED:
+                raise ValueError(f"stage {self.name!r}: worker must be one of {_NAMED} or a worker index, got {w!r}")
+        elif not isinstance(w, int) or isinstance(w, bool):
+            raise TypeError(f"stage {self.name!r}: worker must be one of {_NAMED} or a worker index (int), got "
+                            f"{type(w).__name__}: {w!r}")
+        elif w < 0:
+            raise ValueError(f"stage {self.name!r}: worker index must be >= 0, got {w!r}")
 
 
 class PipelineFailure:
