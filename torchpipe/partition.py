@@ -51,6 +51,8 @@ def as_positive_int(value: Any) -> Optional[int]:
     """
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         return None
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        return None  # no value to read (``int()`` of it raises a RuntimeError that names nothing)
     try:
         number = operator.index(value)
     except TypeError:

@@ -537,6 +537,7 @@ class Pipe(nn.Module):
             return _outside_compile(Pipe.forward)(self, input)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
+        _refuse_dataless(input, "input")
         if self._gradient_sync is not None and self.training and torch.is_grad_enabled():
             self._gradient_sync.warn_forward_unsynchronised()
         input_dim, output_dim, _ = self._batch_dims
@@ -592,6 +593,8 @@ class Pipe(nn.Module):
             raise RuntimeError("this Pipe is closed")
         reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
                                           self._batch_dims[1])
+        _refuse_dataless(input, "input")
+        _refuse_dataless(target, "target")
         input_dim, output_dim, target_dim = self._batch_dims
         with torch.no_grad():
             batches = scatter(input, self.chunks, input_dim)
@@ -682,6 +685,8 @@ class Pipe(nn.Module):
         if not torch.is_grad_enabled():
             where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
             raise RuntimeError(f"Pipe.step computes gradients; it cannot run under {where}")
+        _refuse_dataless(input, "input")
+        _refuse_dataless(target, "target")
         upstream = Upstream()
         input, target = upstream.cut(input), upstream.cut(target)
         if loss_kwargs:  # a tensor computed before the step, shared by every micro-batch's loss
@@ -948,6 +953,15 @@ def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs
 def _loss_call(loss_fn: Callable[..., Tensor], loss_kwargs: Optional[Dict[str, Any]]) -> Callable[[Any, Any], Tensor]:
     """What each micro-batch's loss calls: ``loss_fn``, with ``loss_kwargs`` when there are any."""
     return functools.partial(loss_fn, **loss_kwargs) if loss_kwargs else loss_fn
+
+
+def _refuse_dataless(value: Any, what: str) -> None:
+    """ValueError for a tensor on the ``meta`` device: it has no values to copy into a stage
+    (torch would fail on a worker, mid-step, with "Cannot copy out of meta tensor")."""
+    for tensor in _tensors_in(value):
+        if tensor.device.type == "meta":
+            raise ValueError(f"the {what} has a tensor on the 'meta' device (shape {tuple(tensor.shape)}), which "
+                             "holds no values to run the pipeline on: pass a tensor with data")
 
 
 def _tensors_in(value: Any) -> Iterator[Tensor]:

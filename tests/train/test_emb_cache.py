@@ -76,3 +76,31 @@ def test_schedule_shows_train_of_b_with_swap_of_b1_and_plan_of_b2() -> None:
     rows = [line.split() for line in table.splitlines()[2:]]
     steady = [r for r in rows if r[6:7] == ["1"]][0]
     assert steady[2:8] == ["5", "4", "3", "2", "1", "1"]  # train b=1 | swap 2 | plan 3 | dist 4 | h2d 5
+
+
+def test_close_from_the_data_iterator_waits_for_the_call_and_keeps_the_trained_state() -> None:
+    """Review: close() inside progress() (the data iterator) stopped the hooks and handed the
+    in-flight batches back under the running call, which then failed with an unrelated error.
+    Now the close waits for the call's end; the collection holds exactly `steps_done` steps."""
+    tables = make_tables()
+    batches = make_batches(tables, 12, seed=9)
+    model, opt = build(tables, window_minimum(tables, batches), SGD(lr=1.0))
+    pipe = EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1)
+
+    def data():
+        for index, batch in enumerate(batches):
+            if index == 6:
+                pipe.close()  # deferred: this thread is inside progress()
+            yield batch
+
+    it, returned = data(), 0
+    with pytest.raises(RuntimeError, match="this pipeline is closed"):  # the call after the close's
+        while True:
+            pipe.progress(it)
+            returned += 1
+    assert returned == pipe.steps_done > 0
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.progress(iter(batches))
+    model.ebc.flush()
+    reference, _, _ = reference_run(tables, batches, SGD(lr=1.0), steps=pipe.steps_done)
+    assert_same_state(model, reference)

@@ -207,3 +207,24 @@ def test_closed_pipeline_says_so() -> None:
     pipe.close()
     with pytest.raises(RuntimeError, match="closed"):
         pipe.progress(iter([1]))
+
+
+def test_progress_under_a_profiler_that_records_the_caller_only_says_so(monkeypatch) -> None:
+    """Review: Pipe and HostPool.submit warned, a train pipeline's progress() did not, and its
+    stages were missing from the trace without a word."""
+    import warnings
+
+    import torch
+
+    import torchpipe.thread_state
+
+    monkeypatch.setattr(torchpipe.thread_state, "_warned_profiler_misses_workers", False)
+    with StagedPipeline([PipelineStage("double", lambda b: b * 2, "host")], host_threads=1) as pipe:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.profiler.profile():
+                outputs = drain(pipe, iter(range(3)))
+    assert outputs == [0, 2, 4]
+    told = [w for w in caught if "records only the thread that started it" in str(w.message)]
+    # At the user's call: drain()'s progress() in train_helpers.py, not inside torchpipe.
+    assert [w.filename.rsplit("/", 1)[-1] for w in told] == ["train_helpers.py"], [str(w.message) for w in caught]

@@ -625,8 +625,12 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
         Their swaps are completed and their keys released, so the collection holds exactly the
         state after `steps_done` steps: its `flush()` and `save` work, and a new pipeline (or
-        the model called directly) can go on training from there.
+        the model called directly) can go on training from there. Called on the thread inside
+        ``progress()`` (the data iterator, a callback, a signal handler), it closes when that
+        call ends, as ``StagedPipeline.close`` does.
         """
+        if self.pipeline.defer_to_call_end(self.close):  # inside progress(): its stages still run
+            return
         super().close()  # no stage runs after this
         self._finalizer()
         with self._backend.use_device(self.device):

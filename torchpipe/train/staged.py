@@ -33,6 +33,7 @@ from ..call_lock import CallLock
 from ..devices import Backend, get_backend, usable_device
 from ..checks import check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
+from ..thread_state import warn_if_the_profiler_records_this_thread_only
 from ..workers import STOP_TIMEOUT_S, Worker, available_cores, check_intra_op_threads, stop_workers
 from .schedule import Clock, ClockSchedule, schedule_table
 
@@ -381,6 +382,7 @@ class StagedPipeline:
         is exhausted *and* every in-flight batch was returned.
         """
         self._refuse_own_work("progress()")
+        warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
         return self._lock.call(self._progress_holding_lock, dataloader_iter)
 
     def _progress_holding_lock(self, dataloader_iter: Iterator[Any]) -> Any:
@@ -442,6 +444,15 @@ class StagedPipeline:
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - convenience
         raise TypeError("call progress(dataloader_iter) instead of iterating the pipeline")
 
+    def defer_to_call_end(self, action: Callable[[], Any]) -> bool:
+        """On the thread inside ``progress()``/``flush()``: leave ``action`` for the moment that
+        call ends (a close from a callback, the data iterator or a signal handler) and return
+        True. Elsewhere: False, and nothing is left."""
+        if not self._lock.held_here():
+            return False
+        self._lock.after_call(action)
+        return True
+
     def close(self) -> None:
         """Stop the worker threads (idempotent). In-flight batches are dropped; flush first.
 
@@ -450,8 +461,7 @@ class StagedPipeline:
         inside ``progress()`` (a callback, the data iterator, a signal handler), close() cannot
         wait for that call: the pipeline closes as soon as the call returns or fails.
         """
-        if self._lock.held_here():
-            self._lock.after_call(self.close)
+        if self.defer_to_call_end(self.close):
             return
         self._refuse_own_work("close()")
         locked = self._lock.acquire(timeout=STOP_TIMEOUT_S)
