@@ -185,19 +185,18 @@ def test_a_loss_that_is_not_callable_is_refused_before_any_forward(loss_fn):
         assert pipe.last_step is None
 
 
-def test_a_meta_input_or_target_is_refused_before_anything_runs():
-    """Review: torch failed on a worker with "Cannot copy out of meta tensor", after the step
-    had replaced last_step and last_memory (and evaluate after its whole forward)."""
+def test_a_meta_target_is_refused_before_anything_runs():
+    """Review: torch failed with "Cannot copy out of meta tensor" after evaluate's whole forward
+    had run and replaced last_step. (A meta input fails in its copy to the first stage, a copy
+    fault like any other: see test_reliability.)"""
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     with Pipe(model, [2, 1], chunks=2) as pipe:
         pipe.step(x, y, nn.MSELoss())
         record, memory = pipe.last_step, pipe.last_memory
         calls = {
-            "step input": (lambda: pipe.step(x.to("meta"), y, nn.MSELoss()), "input"),
             "step target": (lambda: pipe.step(x, y.to("meta"), nn.MSELoss()), "target"),
             "evaluate target": (lambda: pipe.evaluate(x, (y.to("meta"),), nn.MSELoss()), "target"),
-            "forward input": (lambda: pipe((x.to("meta"),)), "input"),
         }
         for name, (call, what) in calls.items():
             with pytest.raises(ValueError, match=rf"the {what} has a tensor on the 'meta' device \(shape \(8, \d\)\)"):

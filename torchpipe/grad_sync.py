@@ -24,6 +24,7 @@ import contextlib
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from .thread_state import first_frame_outside_torchpipe
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "PeerStepFailed"]
 
 _POLL_S = 0.0002  # how often a wait for an all-reduce checks for it (and for Ctrl-C)
 
@@ -56,16 +57,27 @@ def _wait(work: Any) -> None:
     work.wait()  # raises the collective's error, if it failed
 
 
+class PeerStepFailed(RuntimeError):
+    """Another rank's step failed: nothing was averaged, this rank's gradients are its own."""
+
+
 class _Round:
-    """One step's all-reduces: started by the workers, finished by the caller."""
+    """One step's collectives: started by the workers, finished by the caller.
+
+    Every rank issues the same collectives in the same order, a failed step too: the buffer
+    broadcast, one all-reduce per partition (last partition first), then a status all-reduce
+    that says whether any rank failed. Averages are written back only when none did.
+    """
 
     def __init__(self, sync: "GradientSync") -> None:
         self.sync = sync
-        count = len(sync.parameters)
+        self.parameters = sync.partition_parameters()  # read per step: a .double() keeps them, buffers not
+        count = len(self.parameters)
         self.lock = threading.Lock()
         self.ready = [False] * count
         self.next = count - 1  # the partition whose all-reduce starts next (last one first)
-        self.started: Dict[int, Tuple[Any, Tensor, List[Tensor]]] = {}
+        self.started: Dict[int, Tuple[Any, Tensor]] = {}
+        self.finished = False
 
     def start(self) -> None:
         """At the start of the step, on the caller's thread: the first rank's buffers everywhere."""
@@ -81,38 +93,67 @@ class _Round:
                 self.next -= 1
 
     def _launch(self, index: int) -> None:
+        """All-reduce partition ``index``'s gradients, and one has-a-gradient flag per parameter
+        (a parameter no rank gave a gradient keeps ``None``, as in the plain model)."""
         import torch.distributed as dist
 
-        parameters = self.sync.parameters[index]
+        parameters = self.parameters[index]
         if not parameters:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        flat = _flat(grads)
+        flags = torch.tensor([float(p.grad is not None) for p in parameters], dtype=grads[0].dtype)
+        flat = _flat(grads + [flags])
         work = dist.all_reduce(flat, group=self.sync.process_group, async_op=True)
-        self.started[index] = (work, flat, grads)
+        self.started[index] = (work, flat)
 
-    def finish(self) -> None:
-        """Wait for every all-reduce, then write the averages back (all or nothing)."""
-        with self.lock:  # a plan whose partition had no backward action: start what is left
+    def finish(self, failed: bool = False) -> None:
+        """Issue what is left, learn whether any rank failed, and only if none did write the
+        averages back. ``failed``: this rank's step failed (its collectives still go out, so
+        the other ranks learn it at once instead of at the group's timeout)."""
+        import torch.distributed as dist
+
+        if self.finished:
+            return
+        self.finished = True
+        with self.lock:  # partitions that did not reach their last backward action
             for index in range(self.next, -1, -1):
                 self._launch(index)
             self.next = -1
-        for work, _, _ in self.started.values():
+        status = torch.tensor([float(failed)])
+        status_work = dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.sync.process_group, async_op=True)
+        for work, _ in self.started.values():
             _wait(work)
+        _wait(status_work)
+        if failed:
+            return
+        if status.item() > 0:
+            raise PeerStepFailed("another rank's step failed, so no gradient was averaged: this rank's gradients "
+                                 "are its own and the ranks are out of step; rebuild the process group (as after "
+                                 "a failed DDP step)")
         world = self.sync.world_size
-        for index, (_, flat, grads) in self.started.items():
+        for index, (_, flat) in self.started.items():
+            parameters = self.parameters[index]
             flat /= world
-            for parameter, grad in zip(self.sync.parameters[index], grads):
+            offset = 0
+            averaged: List[Tensor] = []
+            for parameter in parameters:
+                averaged.append(flat[offset:offset + parameter.numel()].view_as(parameter))
+                offset += parameter.numel()
+            given = flat[offset:]  # how many ranks gave each parameter a gradient, / world
+            for parameter, average, count in zip(parameters, averaged, given.tolist()):
+                if count == 0:
+                    continue  # no rank gave one: it stays None
                 if parameter.grad is None:
-                    parameter.grad = grad
-            _unflatten_into(flat, [p.grad for p in self.sync.parameters[index]])
+                    parameter.grad = average.clone()
+                else:
+                    parameter.grad.copy_(average)
 
 
 class GradientSync:
     """Averages a :class:`~torchpipe.Pipe`'s gradients over ``process_group`` in every ``step``.
 
     Construct it on every rank of the group, after ``torch.distributed.init_process_group``;
-    it checks that every rank's partitions hold parameters of the same shapes, copies the
+    it checks that every rank's partitions hold the same parameters and buffers, copies the
     first rank's parameters and buffers to every rank (as DDP does), and attaches itself to
     ``pipe``. From then on each ``pipe.step(...)`` returns with every parameter's ``.grad``
     averaged over the group (DDP's rule), each partition's all-reduce overlapped with the
@@ -145,33 +186,60 @@ class GradientSync:
                              "accelerators, train through DistributedDataParallel(pipe) and pipe(x)")
         if getattr(pipe, "_gradient_sync", None) is not None:
             raise RuntimeError("this Pipe already has a GradientSync; build one per Pipe")
+        outside = process_group is dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives a non-member
+        if outside:
+            raise ValueError("this rank is not a member of process_group: build the GradientSync on the group's "
+                             "ranks only")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None (the default group), "
+                            f"got {type(process_group).__name__}: {process_group!r}")
+        if dist.get_rank(process_group) < 0:
+            raise ValueError("this rank is not a member of process_group: build the GradientSync on the group's "
+                             "ranks only")
+        sparse = [name for name, p in pipe.named_parameters() if p.grad is not None and p.grad.is_sparse]
+        sparse += [name for name, m in pipe.named_modules() if getattr(m, "sparse", False) is True]
+        if sparse:
+            raise ValueError(f"GradientSync averages dense gradients; {sparse} make sparse ones")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.broadcast_buffers = broadcast_buffers
-        self.parameters: List[List[Tensor]] = [
-            [p for p in partition.parameters() if p.requires_grad] for partition in pipe.partitions
-        ]
-        self._buffers = [b for b in pipe.buffers()]
-        self._check_same_shapes(dist)
-        self._broadcast([p.data for p in pipe.parameters()] + self._buffers)
+        self._pipe = weakref.ref(pipe)
+        self._check_same_layout(dist)
+        self._broadcast([p.data for p in pipe.parameters()] + list(pipe.buffers()))
         self._disabled = 0
         self._disabled_lock = threading.Lock()
         self._warned_forward = False
         pipe._gradient_sync = self
 
-    def _check_same_shapes(self, dist: Any) -> None:
-        shapes = ([[tuple(p.shape) for p in partition] for partition in self.parameters],
-                  [(tuple(b.shape), str(b.dtype)) for b in self._buffers])
+    def partition_parameters(self) -> List[List[Tensor]]:
+        """Every partition's parameters (the frozen ones too: they keep a ``None`` gradient)."""
+        pipe = self._pipe()
+        if pipe is None:
+            raise RuntimeError("the Pipe of this GradientSync is gone")
+        return [list(partition.parameters()) for partition in pipe.partitions]
+
+    def _buffers(self) -> List[Tensor]:
+        pipe = self._pipe()
+        return [] if pipe is None else list(pipe.buffers())
+
+    def _check_same_layout(self, dist: Any) -> None:
+        """Every rank's partitions hold parameters of the same shapes, dtypes and trainability,
+        and the same buffers: a broadcast or an all-reduce of different layouts would mix
+        values up without an error."""
+        layout = ([[(tuple(p.shape), str(p.dtype), p.requires_grad) for p in partition]
+                   for partition in self.partition_parameters()],
+                  [(tuple(b.shape), str(b.dtype)) for b in self._buffers()])
         everyone: List[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, shapes, group=self.process_group)
+        dist.all_gather_object(everyone, layout, group=self.process_group)
         for rank, theirs in enumerate(everyone):
-            if theirs != shapes:
-                raise ValueError(f"rank {rank} of the group has partitions with parameter shapes {theirs[0]} and "
-                                 f"buffers {theirs[1]}, this rank {shapes[0]} and {shapes[1]}: every rank must "
-                                 "build the same Pipe (model and balance)")
+            if theirs != layout:
+                raise ValueError(f"rank {rank} of the group has partitions with parameters (shape, dtype, "
+                                 f"requires_grad) {theirs[0]} and buffers {theirs[1]}, this rank {layout[0]} and "
+                                 f"{layout[1]}: every rank must build the same Pipe (model, dtype and balance)")
 
     def _broadcast(self, tensors: Sequence[Tensor]) -> None:
-        """The first rank's values of ``tensors`` on every rank: one broadcast per dtype."""
+        """The first rank's values of ``tensors`` on every rank: one broadcast per dtype, each
+        waited for in a way that a KeyboardInterrupt gets through."""
         import torch.distributed as dist
 
         source = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
@@ -181,13 +249,14 @@ class GradientSync:
         with torch.no_grad():
             for group in by_dtype.values():
                 flat = _flat(group)
-                dist.broadcast(flat, src=source, group=self.process_group)
+                _wait(dist.broadcast(flat, src=source, group=self.process_group, async_op=True))
                 _unflatten_into(flat, group)
 
     def broadcast_buffers_now(self) -> None:
         """Every rank takes the first rank's buffers (done before each step by default)."""
-        if self._buffers:
-            self._broadcast(self._buffers)
+        buffers = self._buffers()
+        if buffers:
+            self._broadcast(buffers)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -537,7 +537,6 @@ class Pipe(nn.Module):
             return _outside_compile(Pipe.forward)(self, input)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
-        _refuse_dataless(input, "input")
         if self._gradient_sync is not None and self.training and torch.is_grad_enabled():
             self._gradient_sync.warn_forward_unsynchronised()
         input_dim, output_dim, _ = self._batch_dims
@@ -593,8 +592,7 @@ class Pipe(nn.Module):
             raise RuntimeError("this Pipe is closed")
         reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
                                           self._batch_dims[1])
-        _refuse_dataless(input, "input")
-        _refuse_dataless(target, "target")
+        _refuse_dataless(target, "target", self.devices[-1])
         input_dim, output_dim, target_dim = self._batch_dims
         with torch.no_grad():
             batches = scatter(input, self.chunks, input_dim)
@@ -685,8 +683,7 @@ class Pipe(nn.Module):
         if not torch.is_grad_enabled():
             where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
             raise RuntimeError(f"Pipe.step computes gradients; it cannot run under {where}")
-        _refuse_dataless(input, "input")
-        _refuse_dataless(target, "target")
+        _refuse_dataless(target, "target", self.devices[-1])
         upstream = Upstream()
         input, target = upstream.cut(input), upstream.cut(target)
         if loss_kwargs:  # a tensor computed before the step, shared by every micro-batch's loss
@@ -804,10 +801,15 @@ class Pipe(nn.Module):
                     "draw in no fixed order, so the recompute would redraw differently and give wrong gradients. "
                     "Use checkpoint='never' around it, one partition here, or no randomness (dropout) in this Pipe"
                 )
-            if grad_round is not None and any(context.loss_has_graph):
-                grad_round.finish()  # under the lock: the next step must not add to .grad meanwhile
+            if grad_round is not None:  # under the lock: the next step must not add to .grad meanwhile
+                grad_round.finish(failed=not any(context.loss_has_graph))  # step() raises for that case
             return results
         except BaseException:
+            if grad_round is not None:
+                try:  # this rank's collectives still go out: the other ranks learn of the failure at once
+                    grad_round.finish(failed=True)
+                except BaseException:  # noqa: B902 - the step's own error is the one to raise
+                    pass
             for tensor in without_grad:
                 tensor.grad = None
             raise
@@ -955,9 +957,13 @@ def _loss_call(loss_fn: Callable[..., Tensor], loss_kwargs: Optional[Dict[str, A
     return functools.partial(loss_fn, **loss_kwargs) if loss_kwargs else loss_fn
 
 
-def _refuse_dataless(value: Any, what: str) -> None:
-    """ValueError for a tensor on the ``meta`` device: it has no values to copy into a stage
-    (torch would fail on a worker, mid-step, with "Cannot copy out of meta tensor")."""
+def _refuse_dataless(value: Any, what: str, device: torch.device) -> None:
+    """ValueError for a ``meta`` tensor bound for a stage on ``device`` that is not ``meta``:
+    it has no values to copy there (torch would fail mid-step, or after ``evaluate``'s whole
+    forward). An input on ``meta`` fails in its copy to the first stage, with torch's error,
+    like any other copy fault."""
+    if device.type == "meta":
+        return
     for tensor in _tensors_in(value):
         if tensor.device.type == "meta":
             raise ValueError(f"the {what} has a tensor on the 'meta' device (shape {tuple(tensor.shape)}), which "
