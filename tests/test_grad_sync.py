@@ -59,6 +59,12 @@ def start(rank: int, init_file: str, timeout_s: float = 60) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def rank_batch(rank: int, size: int = 12) -> tuple:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(size, 6, generator=gen, dtype=torch.double), torch.randn(size, 1, generator=gen,
+                                                                                 dtype=torch.double)
+
+
 def equality_worker(rank: int, init_file: str) -> None:
     start(rank, init_file)
     try:
@@ -68,9 +74,7 @@ def equality_worker(rank: int, init_file: str) -> None:
         GradientSync(pipe)
         assert same_on_every_rank([p.detach() for p in pipe.parameters()])
         plain = plain_copy(pipe)
-        gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batch, 15 samples: 4 + 4 + 4 + 3
-        x, y = torch.randn(15, 6, generator=gen, dtype=torch.double), torch.randn(15, 1, generator=gen,
-                                                                                   dtype=torch.double)
+        x, y = rank_batch(rank, size=15)  # each rank its own batch, 15 samples: 4 + 4 + 4 + 3
         for schedule, options in SCHEDULES:
             for checkpoint in ("never", "except_last", "always"):
                 pipe.checkpoint = checkpoint
@@ -90,12 +94,6 @@ def equality_worker(rank: int, init_file: str) -> None:
 
 def test_step_gradients_equal_the_plain_models_averaged_over_ranks(tmp_path) -> None:
     mp.spawn(equality_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
-
-
-def rank_batch(rank: int, size: int = 12) -> tuple:
-    gen = torch.Generator().manual_seed(100 + rank)
-    return torch.randn(size, 6, generator=gen, dtype=torch.double), torch.randn(size, 1, generator=gen,
-                                                                                 dtype=torch.double)
 
 
 def accumulation_worker(rank: int, init_file: str) -> None:

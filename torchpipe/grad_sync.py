@@ -37,12 +37,14 @@ __all__ = ["GradientSync", "PeerStepFailed"]
 _POLL_S = 0.0002  # how often a wait for an all-reduce checks for it (and for Ctrl-C)
 
 
-def _flat(tensors: Sequence[Tensor]) -> Tensor:
+def flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """One flat copy of ``tensors``, for one collective instead of one per tensor."""
     with torch.no_grad():
         return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def _unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
+def unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
+    """Copy ``flat`` (made by :func:`flatten`) back into ``tensors``, in place."""
     offset = 0
     for tensor in tensors:
         tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
@@ -102,7 +104,7 @@ class _Round:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
         flags = torch.tensor([float(p.grad is not None) for p in parameters], dtype=grads[0].dtype)
-        flat = _flat(grads + [flags])
+        flat = flatten(grads + [flags])
         work = dist.all_reduce(flat, group=self.sync.process_group, async_op=True)
         self.started[index] = (work, flat)
 
@@ -248,9 +250,9 @@ class GradientSync:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         with torch.no_grad():
             for group in by_dtype.values():
-                flat = _flat(group)
+                flat = flatten(group)
                 _wait(dist.broadcast(flat, src=source, group=self.process_group, async_op=True))
-                _unflatten_into(flat, group)
+                unflatten_into(flat, group)
 
     def broadcast_buffers_now(self) -> None:
         """Every rank takes the first rank's buffers (done before each step by default)."""

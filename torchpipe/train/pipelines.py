@@ -22,6 +22,7 @@ from torchrec import KeyedJaggedTensor
 
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
+from ..grad_sync import flatten, unflatten_into
 from ..rec import BatchPlan, CachedEmbeddingBagCollection
 from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
 from .schedule import Clock
@@ -85,14 +86,11 @@ def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: 
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = flatten(grads)
     dist.all_reduce(flat, group=group)
     if average:
         flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    unflatten_into(flat, grads)
 
 
 @dataclass(eq=False)
