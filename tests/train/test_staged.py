@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any, List, Tuple
 
+import numpy
 import pytest
 
 from train_helpers import drain
@@ -196,10 +197,20 @@ def test_bad_configuration_is_refused() -> None:
             PipelineStage("a", abs, wrong)
     with pytest.raises(TypeError, match="stage name must be a non-empty string, got int: 5"):
         PipelineStage(5, abs)
+    with pytest.raises(ValueError, match="worker index must be >= 0, got -1"):
+        PipelineStage("a", abs, numpy.int64(-1))
     with pytest.raises(ValueError, match="stage name must be a non-empty string, got ''"):
         PipelineStage("", abs)
     with pytest.raises(ValueError, match="at least one"):
         StagedPipeline([])
+
+
+def test_a_numpy_worker_index_is_taken_as_an_int() -> None:
+    """Review: chunks and balance take NumPy integers; a stage's worker index refused them."""
+    stage = PipelineStage("a", abs, numpy.int64(0))
+    assert type(stage.worker) is int and stage.worker == 0
+    with StagedPipeline([stage, PipelineStage("b", abs, numpy.int32(0))]) as pipe:
+        assert [output for output in drain(pipe, iter([-1, -2]))] == [1, 2]
 
 
 def test_closed_pipeline_says_so() -> None:

@@ -31,7 +31,7 @@ import torch
 from .. import call_chain
 from ..call_lock import CallLock
 from ..devices import Backend, get_backend, usable_device
-from ..checks import check_bool, check_nonnegative_int
+from ..checks import as_int, check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
 from ..thread_state import warn_if_the_profiler_records_this_thread_only
 from ..workers import STOP_TIMEOUT_S, Worker, available_cores, check_intra_op_threads, stop_workers
@@ -68,11 +68,14 @@ class PipelineStage:
         if isinstance(w, str):
             if w not in _NAMED:
                 raise ValueError(f"stage {self.name!r}: worker must be one of {_NAMED} or a worker index, got {w!r}")
-        elif not isinstance(w, int) or isinstance(w, bool):
-            raise TypeError(f"stage {self.name!r}: worker must be one of {_NAMED} or a worker index (int), got "
-                            f"{type(w).__name__}: {w!r}")
-        elif w < 0:
-            raise ValueError(f"stage {self.name!r}: worker index must be >= 0, got {w!r}")
+        else:
+            index = as_int(w)  # a NumPy integer too, as chunks and balance take them
+            if index is None:
+                raise TypeError(f"stage {self.name!r}: worker must be one of {_NAMED} or a worker index (int), got "
+                                f"{type(w).__name__}: {w!r}")
+            if index < 0:
+                raise ValueError(f"stage {self.name!r}: worker index must be >= 0, got {index}")
+            object.__setattr__(self, "worker", index)  # a plain int from here on
 
 
 class PipelineFailure:
