@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from torchpipe import GradientSync, Pipe
+from torchpipe import grad_sync
+from torchpipe.grad_sync import RanksOutOfStep
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,10 +188,11 @@ def overlap_worker(rank: int, init_file: str, result_file: str) -> None:
         pipe.step(x, y, nn.MSELoss(), "1f1b")
         record = pipe.last_step
         first_end = max(end for key, end in zip(record.keys, record.ends) if key.stage == 0)
-        # Per partition: its gradients and one has-a-gradient flag per parameter; then the status.
+        # Per partition: its gradients and one has-a-gradient flag per parameter; then the status
+        # (whether a rank failed, the highest call count and minus the lowest).
         sizes = [sum(p.numel() + 1 for p in partition.parameters()) for partition in pipe.partitions]
         with open(f"{result_file}.{rank}", "w") as out:
-            out.write(repr(([n for _, n in launches], sizes[::-1] + [1], launches[0][0] < first_end)))
+            out.write(repr(([n for _, n in launches], sizes[::-1] + [3], launches[0][0] < first_end)))
     finally:
         dist.destroy_process_group()
 
@@ -412,3 +415,170 @@ def test_ranks_whose_dtypes_differ_and_a_rank_outside_the_group_are_refused(tmp_
         assert membership == ("accepted" if rank == 0 else
                               "this rank is not a member of process_group: build the GradientSync on the "
                               "group's ranks only"), membership
+
+
+def out_of_step_worker(rank: int, init_file: str, result_file: str) -> None:
+    start(rank, init_file, timeout_s=10)
+    try:
+        outcomes = []
+        pipe = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2, chunks=2)
+        GradientSync(pipe)
+        x, y = rank_batch(rank)
+        pipe.step(x, y, nn.MSELoss())
+        if rank == 1:  # a loop that skips a batch its step refused, and goes on
+            try:
+                pipe.step(x[:0], y[:0], nn.MSELoss())
+            except ValueError as exc:
+                outcomes.append(str(exc)[:30])
+        pipe.zero_grad(set_to_none=True)
+        try:
+            pipe.step(x, y, nn.MSELoss())
+            outcomes.append("no error")
+        except RanksOutOfStep as exc:
+            outcomes.append(str(exc))
+        # Nothing averaged, and the failed step's new gradients are removed (section 7 of the guide).
+        outcomes.append(all(p.grad is None for p in pipe.parameters()))
+        # A step inside no_sync() on one rank only: its next step meets the other rank's first.
+        again = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2, chunks=2)
+        sync = GradientSync(again)
+        if rank == 1:
+            with sync.no_sync():
+                again.step(x, y, nn.MSELoss())
+        try:
+            again.step(x, y, nn.MSELoss())
+            outcomes.append("no error")
+        except RanksOutOfStep as exc:
+            outcomes.append(str(exc)[:60])
+        with open(f"{result_file}.{rank}", "w") as out:
+            out.write(repr(outcomes))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_whose_calls_differ_are_told_instead_of_averaging_other_steps(tmp_path) -> None:
+    """Review: a rank that skipped a refused step (or stepped inside no_sync() alone) paired its
+    next step's all-reduces with the other rank's previous step, and both averaged gradients
+    of different steps without a word."""
+    result_file = str(tmp_path / "result")
+    mp.spawn(out_of_step_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    first = eval(open(f"{result_file}.0").read())
+    second = eval(open(f"{result_file}.1").read())
+    assert second[0].startswith("the input batch is empty")
+    assert first[0] == ("the ranks are out of step: this rank's call 2 of step()/all_reduce() met calls 2..3 of "
+                        "the others (a step refused, or run inside no_sync(), on some ranks only), so the "
+                        "collectives paired up wrongly and no gradient was averaged: this rank's gradients are its "
+                        "own. Every rank must make the same calls; rebuild the process group"), first[0]
+    assert second[1].startswith("the ranks are out of step: this rank's call 3 of step()/all_reduce() met calls 2..3")
+    assert first[1] is True and second[2] is True
+    assert first[2].startswith("the ranks are out of step: this rank's call 1 of step()"), first[2]
+    assert second[3].startswith("the ranks are out of step: this rank's call 2 of step()"), second[3]
+
+
+class TwoExperts(nn.Module):
+    """float32 experts in front of float64 layers (one partition, two dtypes); expert ``b`` is
+    used on rank 0 only, as an expert that one rank's batch never routes to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.mix = nn.Linear(6, 6).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.a(x.float()) + (self.b(x.float()) if dist.get_rank() == 0 else 0)
+        return self.mix(hidden.double())
+
+
+class IntegerIndex(nn.Module):
+    """A partition whose only parameter is an integer one (it can have no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = nn.Parameter(torch.tensor([0, 1, 2]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def dtypes_worker(rank: int, init_file: str, result_file: str) -> None:
+    start(rank, init_file)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(TwoExperts(), IntegerIndex(), nn.Linear(6, 1).double())
+        pipe = Pipe(model, balance=[1, 1, 1], devices=["cpu"] * 3, chunks=2)
+        GradientSync(pipe)
+        plain = plain_copy(pipe)
+        x, y = rank_batch(rank)
+        pipe.step(x, y, nn.MSELoss())
+        nn.functional.mse_loss(plain(x), y).backward()
+        matches = []
+        for (name, got), want in zip(pipe.named_parameters(), plain.parameters()):
+            if want.grad is None and name.endswith("index"):
+                matches.append((name, got.grad is None and torch.equal(got, torch.tensor([0, 1, 2]))))
+                continue
+            local = want.grad if want.grad is not None else torch.zeros_like(want)
+            summed = local.clone()
+            dist.all_reduce(summed)  # in the parameter's dtype, as GradientSync's buffer of that dtype
+            matches.append((name, got.grad.dtype == want.dtype and torch.allclose(got.grad, summed / WORLD)))
+        with open(f"{result_file}.{rank}", "w") as out:
+            out.write(repr(matches))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_partition_of_two_dtypes_and_one_of_integer_parameters_are_averaged_per_dtype(tmp_path) -> None:
+    """Review: one flat buffer per partition promoted float32 gradients to float64; a rank that gave
+    a float32 parameter no gradient then failed in the write-back, after the collectives, while
+    the other rank went on. A partition of integer parameters failed every step."""
+    result_file = str(tmp_path / "result")
+    mp.spawn(dtypes_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        matches = eval(open(f"{result_file}.{rank}").read())
+        assert len(matches) == 9 and all(ok for _, ok in matches), (rank, matches)
+
+
+def interrupted_broadcast_worker(rank: int, init_file: str, result_file: str) -> None:
+    start(rank, init_file, timeout_s=5)
+    try:
+        pipe = Pipe(make_model(seed=0, norm=True), balance=[3, 4], devices=["cpu"] * 2, chunks=1)
+        GradientSync(pipe)  # batch norm: float64 statistics and an int64 count, two broadcasts
+        x, y = rank_batch(rank)
+        pipe.step(x, y, nn.MSELoss())
+        real_wait = grad_sync._wait
+        armed = [rank == 1]
+
+        def interrupted(work):  # where a real Ctrl-C lands: in the polled wait of the first broadcast
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+            return real_wait(work)
+
+        grad_sync._wait = interrupted
+        began = time.monotonic()
+        try:
+            pipe.step(x, y, nn.MSELoss())
+            outcome = "no error"
+        except BaseException as exc:  # noqa: B902 - reported to the parent
+            outcome = type(exc).__name__
+        waited = time.monotonic() - began
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(x, y, nn.MSELoss())  # the ranks are still paired: the next step averages
+        plain = plain_copy(pipe)
+        expected = averaged_reference_grads(plain, x, y)
+        next_ok = all(torch.allclose(p.grad, want, rtol=0, atol=1e-14) for p, want in zip(pipe.parameters(), expected))
+        with open(f"{result_file}.{rank}", "w") as out:
+            out.write(repr((outcome, waited, next_ok)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_ctrl_c_in_the_buffer_broadcast_leaves_the_collectives_paired(tmp_path) -> None:
+    """Review: the broadcasts (one per buffer dtype) were each waited for before the next was
+    issued, so a Ctrl-C in the first wait left the second unissued; the peer paired it with the
+    step's all-reduce and waited for the group's timeout, and the next step failed too."""
+    result_file = str(tmp_path / "result")
+    mp.spawn(interrupted_broadcast_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    interrupted, interrupted_wait, interrupted_next = eval(open(f"{result_file}.1").read())
+    other, other_wait, other_next = eval(open(f"{result_file}.0").read())
+    assert interrupted == "KeyboardInterrupt" and interrupted_wait < 4, (interrupted, interrupted_wait)
+    assert other == "PeerStepFailed" and other_wait < 4, (other, other_wait)
+    assert interrupted_next and other_next, (interrupted_next, other_next)

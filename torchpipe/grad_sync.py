@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .thread_state import first_frame_outside_torchpipe
 
-__all__ = ["GradientSync", "PeerStepFailed"]
+__all__ = ["GradientSync", "PeerStepFailed", "RanksOutOfStep"]
 
 _POLL_S = 0.0002  # how often a wait for an all-reduce checks for it (and for Ctrl-C)
 
@@ -63,6 +63,19 @@ class PeerStepFailed(RuntimeError):
     """Another rank's step failed: nothing was averaged, this rank's gradients are its own."""
 
 
+class RanksOutOfStep(PeerStepFailed):
+    """The ranks met in different calls (a step refused or run under ``no_sync()`` on some
+    ranks only): their collectives paired up wrongly, so nothing was averaged."""
+
+
+def _by_dtype(tensors: Sequence[Tensor]) -> List[List[Tensor]]:
+    """``tensors`` grouped by dtype, in order of first appearance (the same on every rank)."""
+    groups: Dict[torch.dtype, List[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return list(groups.values())
+
+
 class _Round:
     """One step's collectives: started by the workers, finished by the caller.
 
@@ -71,14 +84,15 @@ class _Round:
     that says whether any rank failed. Averages are written back only when none did.
     """
 
-    def __init__(self, sync: "GradientSync") -> None:
+    def __init__(self, sync: "GradientSync", call: int) -> None:
         self.sync = sync
+        self.call = call  # this rank's count of step/all_reduce calls: the ranks' must agree
         self.parameters = sync.partition_parameters()  # read per step: a .double() keeps them, buffers not
         count = len(self.parameters)
         self.lock = threading.Lock()
         self.ready = [False] * count
         self.next = count - 1  # the partition whose all-reduce starts next (last one first)
-        self.started: Dict[int, Tuple[Any, Tensor]] = {}
+        self.started: List[Tuple[Any, Tensor, List[Tensor]]] = []
         self.finished = False
 
     def start(self) -> None:
@@ -95,18 +109,17 @@ class _Round:
                 self.next -= 1
 
     def _launch(self, index: int) -> None:
-        """All-reduce partition ``index``'s gradients, and one has-a-gradient flag per parameter
-        (a parameter no rank gave a gradient keeps ``None``, as in the plain model)."""
+        """All-reduce partition ``index``'s gradients, one buffer per dtype (as DDP's buckets),
+        each with one has-a-gradient flag per parameter (a parameter no rank gave a gradient
+        keeps ``None``, as in the plain model)."""
         import torch.distributed as dist
 
-        parameters = self.parameters[index]
-        if not parameters:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        flags = torch.tensor([float(p.grad is not None) for p in parameters], dtype=grads[0].dtype)
-        flat = flatten(grads + [flags])
-        work = dist.all_reduce(flat, group=self.sync.process_group, async_op=True)
-        self.started[index] = (work, flat)
+        for parameters in _by_dtype(self.parameters[index]):
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+            flags = torch.tensor([float(p.grad is not None) for p in parameters], dtype=parameters[0].dtype)
+            flat = flatten(grads + [flags])
+            work = dist.all_reduce(flat, group=self.sync.process_group, async_op=True)
+            self.started.append((work, flat, parameters))
 
     def finish(self, failed: bool = False) -> None:
         """Issue what is left, learn whether any rank failed, and only if none did write the
@@ -121,20 +134,27 @@ class _Round:
             for index in range(self.next, -1, -1):
                 self._launch(index)
             self.next = -1
-        status = torch.tensor([float(failed)])
+        # Whether any rank failed, and the highest and lowest call count (as -lowest).
+        status = torch.tensor([int(failed), self.call, -self.call], dtype=torch.int64)
         status_work = dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.sync.process_group, async_op=True)
-        for work, _ in self.started.values():
+        for work, _, _ in self.started:
             _wait(work)
         _wait(status_work)
         if failed:
             return
-        if status.item() > 0:
+        any_failed, highest, lowest = status[0].item(), status[1].item(), -status[2].item()
+        if highest != lowest:
+            raise RanksOutOfStep(
+                f"the ranks are out of step: this rank's call {self.call} of step()/all_reduce() met calls "
+                f"{lowest}..{highest} of the others (a step refused, or run inside no_sync(), on some ranks only), "
+                "so the collectives paired up wrongly and no gradient was averaged: this rank's gradients are its "
+                "own. Every rank must make the same calls; rebuild the process group")
+        if any_failed:
             raise PeerStepFailed("another rank's step failed, so no gradient was averaged: this rank's gradients "
                                  "are its own and the ranks are out of step; rebuild the process group (as after "
                                  "a failed DDP step)")
         world = self.sync.world_size
-        for index, (_, flat) in self.started.items():
-            parameters = self.parameters[index]
+        for _, flat, parameters in self.started:
             flat /= world
             offset = 0
             averaged: List[Tensor] = []
@@ -210,15 +230,21 @@ class GradientSync:
         self._broadcast([p.data for p in pipe.parameters()] + list(pipe.buffers()))
         self._disabled = 0
         self._disabled_lock = threading.Lock()
+        self._calls = 0  # step() and all_reduce() calls so far, refused ones too: the ranks' must agree
         self._warned_forward = False
         pipe._gradient_sync = self
 
-    def partition_parameters(self) -> List[List[Tensor]]:
-        """Every partition's parameters (the frozen ones too: they keep a ``None`` gradient)."""
+    def _partitions(self) -> List[Any]:
         pipe = self._pipe()
         if pipe is None:
             raise RuntimeError("the Pipe of this GradientSync is gone")
-        return [list(partition.parameters()) for partition in pipe.partitions]
+        return list(pipe.partitions)
+
+    def partition_parameters(self) -> List[List[Tensor]]:
+        """Every partition's parameters that can have a gradient (the frozen ones too: they
+        keep a ``None`` gradient); an integer parameter cannot, and is left alone as in DDP."""
+        return [[p for p in partition.parameters() if p.is_floating_point() or p.is_complex()]
+                for partition in self._partitions()]
 
     def _buffers(self) -> List[Tensor]:
         pipe = self._pipe()
@@ -228,8 +254,8 @@ class GradientSync:
         """Every rank's partitions hold parameters of the same shapes, dtypes and trainability,
         and the same buffers: a broadcast or an all-reduce of different layouts would mix
         values up without an error."""
-        layout = ([[(tuple(p.shape), str(p.dtype), p.requires_grad) for p in partition]
-                   for partition in self.partition_parameters()],
+        layout = ([[(tuple(p.shape), str(p.dtype), p.requires_grad) for p in partition.parameters()]
+                   for partition in self._partitions()],
                   [(tuple(b.shape), str(b.dtype)) for b in self._buffers()])
         everyone: List[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, layout, group=self.process_group)
@@ -240,18 +266,21 @@ class GradientSync:
                                  f"{layout[1]}: every rank must build the same Pipe (model, dtype and balance)")
 
     def _broadcast(self, tensors: Sequence[Tensor]) -> None:
-        """The first rank's values of ``tensors`` on every rank: one broadcast per dtype, each
-        waited for in a way that a KeyboardInterrupt gets through."""
+        """The first rank's values of ``tensors`` on every rank: one broadcast per dtype, all
+        issued before any is waited for, so that a KeyboardInterrupt in a wait (which gets
+        through: the waits are polled) leaves no broadcast unissued for the peers to pair with
+        the step's next collective."""
         import torch.distributed as dist
 
         source = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        by_dtype: Dict[torch.dtype, List[Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
         with torch.no_grad():
-            for group in by_dtype.values():
+            issued = []
+            for group in _by_dtype(tensors):
                 flat = flatten(group)
-                _wait(dist.broadcast(flat, src=source, group=self.process_group, async_op=True))
+                issued.append((dist.broadcast(flat, src=source, group=self.process_group, async_op=True), flat, group))
+            for work, _, _ in issued:
+                _wait(work)
+            for _, flat, group in issued:
                 unflatten_into(flat, group)
 
     def broadcast_buffers_now(self) -> None:
@@ -281,11 +310,18 @@ class GradientSync:
                       "after the backward, or train through DistributedDataParallel(pipe)", UserWarning,
                       stacklevel=first_frame_outside_torchpipe())
 
-    def round(self) -> Optional[_Round]:
-        """What one ``Pipe.step`` uses; None inside :meth:`no_sync`."""
-        return None if self._disabled else _Round(self)
+    def count_call(self) -> int:
+        """Count one ``Pipe.step`` or :meth:`all_reduce` call, at its very start (a refused
+        step counts too): the ranks compare their counts in every synchronised step, so a
+        rank that skipped a step is found instead of averaging another step's gradients."""
+        with self._disabled_lock:
+            self._calls += 1
+            return self._calls
+
+    def round(self, call: int) -> Optional[_Round]:
+        """What ``Pipe.step`` call number ``call`` uses; None inside :meth:`no_sync`."""
+        return None if self._disabled else _Round(self, call)
 
     def all_reduce(self) -> None:
         """Average every parameter's ``.grad`` over the group now (after ``pipe(x)`` and ``backward``)."""
-        round_ = _Round(self)
-        round_.finish()
+        _Round(self, self.count_call()).finish()

@@ -665,6 +665,8 @@ class Pipe(nn.Module):
             return _outside_compile(Pipe.step)(self, input, target, loss_fn, schedule, reduction=reduction,
                                                return_outputs=return_outputs, losses=losses,
                                                loss_kwargs=loss_kwargs, **options)
+        sync = self._gradient_sync
+        call = sync.count_call() if sync is not None else 0  # a refused call counts: the ranks compare counts
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
         reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
@@ -705,11 +707,10 @@ class Pipe(nn.Module):
         m = len(batches)
         stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint] if self.training else 0
         plan, program = self._step_program(schedule, m, options)
-        sync = self._gradient_sync
         context = StepContext(batches, targets, self._input_events(batches), _loss_call(loss_fn, loss_kwargs), scales, stop, len(self._stages),
                               keep_outputs=return_outputs, output_batch_dim=output_dim,
                               output_samples=self._followed_samples(batches) if return_outputs else None,
-                              grad_round=sync.round() if sync is not None else None)
+                              grad_round=sync.round(call) if sync is not None else None)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
         if not any(context.loss_has_graph):
             # The plain model's loss.backward() refuses such a loss too; nothing was changed.
