@@ -30,6 +30,9 @@ def model_and_state() -> tuple[CachedEmbeddingBagCollection, callable]:
     return model, snapshot
 
 
+NAMES = ["f0a", "f0b", "f1a", "f1b"]
+
+
 def bags(keys_a: list[int]) -> dict[str, list[list[int]]]:
     return {"f0a": [keys_a, [1]], "f0b": [[2], []], "f1a": [[1], [2]], "f1b": [[3], [3]]}
 
@@ -41,6 +44,14 @@ def bags(keys_a: list[int]) -> dict[str, list[list[int]]]:
     ("missing_feature", RecInputError, "missing"),
     ("float_keys", RecInputError, "int32 or int64"),
     ("too_many_keys", CacheTooSmallError, "cache_rows=4"),
+    # Review: a KJT's structure was not checked; these failed in the lookup, after the swap.
+    ("negative_length", RecInputError, r"lengths must be >= 0, got \[-1\]"),
+    ("values_2d", RecInputError, r"1-D tensor of keys, got shape \(8, 1\)"),
+    ("variable_batch", RecInputError, "batch size per feature"),
+    ("lengths_beyond_values", RecInputError, "lengths add up to 9 keys, but its values hold 5"),
+    ("lengths_short_of_values", RecInputError, "lengths add up to 8 keys, but its values hold 10"),
+    ("bags_not_per_feature", RecInputError, r"lengths have shape \(7,\), expected \(4,\)"),
+    ("feature_twice", RecInputError, r"features \['f0a'\] appear more than once"),
 ])
 def test_bad_input_is_refused_before_any_state_change(case: str, error: type, words: str) -> None:
     model, snapshot = model_and_state()
@@ -58,6 +69,22 @@ def test_bad_input_is_refused_before_any_state_change(case: str, error: type, wo
     elif case == "float_keys":
         kjt = KeyedJaggedTensor.from_lengths_sync(["f0a", "f0b", "f1a", "f1b"], torch.ones(8),
                                                   torch.ones(8, dtype=torch.int64))
+    elif case == "negative_length":
+        kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(8), lengths=torch.tensor([3, -1, 1, 1, 1, 1, 1, 1]))
+    elif case == "values_2d":
+        kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(8).view(8, 1), lengths=torch.ones(8, dtype=torch.int64))
+    elif case == "variable_batch":
+        kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(7), lengths=torch.ones(7, dtype=torch.int64),
+                                stride_per_key_per_rank=[[2], [1], [2], [2]])
+    elif case == "lengths_beyond_values":
+        kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(5), lengths=torch.tensor([2, 1, 1, 1, 1, 1, 1, 1]))
+    elif case == "lengths_short_of_values":
+        kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(10) % 9, lengths=torch.ones(8, dtype=torch.int64))
+    elif case == "bags_not_per_feature":
+        kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(7), lengths=torch.ones(7, dtype=torch.int64))
+    elif case == "feature_twice":
+        kjt = KeyedJaggedTensor(keys=NAMES + ["f0a"], values=torch.arange(10) % 9,
+                                lengths=torch.ones(10, dtype=torch.int64))
     else:  # table t1 fits, t0 needs 5 slots of 4: nothing may change in either table
         kjt = make_kjt(tables, bags([4, 5, 6, 7]))
     before = snapshot()
@@ -342,3 +369,43 @@ def test_numpy_counts_and_tensor_learning_rates_are_numbers() -> None:
     reference(kjt).values().sum().backward()
     assert torch.equal(model.full_weight("t0"), reference.full_weight("t0"))
     assert model.caches["t1"].cache_rows == 4
+
+
+def test_low_level_keys_out_of_range_are_refused_before_anything_changes() -> None:
+    """Review: reserve_write([-1]) wrapped to the last row and left a write there that could never
+    land (a later ordered lookup of that row blocked for good); is_cached([-1]) answered for the
+    last row."""
+    table = HostEmbeddingTable(10, 4, 0)
+    for keys, error, words in ((torch.tensor([-1]), IndexError, r"out of range \[0, 10\): e.g. \[-1\]"),
+                               (torch.tensor([10]), IndexError, r"e.g. \[10\]"),
+                               (torch.tensor([[1]]), TypeError, "1-D integer tensor"),
+                               (torch.tensor([1.0]), TypeError, "1-D integer tensor")):
+        with pytest.raises(error, match=words):
+            table.reserve_write(keys)
+    assert table.pending_writes() == 0
+    first = table.reserve_write(torch.tensor([9]))
+    with pytest.raises(RuntimeError, match="reserved twice"):
+        table.reserve_write(torch.tensor([9]))
+    second = table.reserve_write(torch.tensor([], dtype=torch.int64))
+    assert second.seq == first.seq + 1  # the refused reservation took no place in the order
+    table.update(torch.tensor([9]), torch.ones(1, 4), first)
+    assert torch.equal(table.lookup(torch.tensor([9]), second), torch.ones(1, 4))
+    cache = EmbeddingCache(10, 4)
+    cache.plan_swap(torch.tensor([9]))
+    with pytest.raises(ValueError, match=r"keys out of range \[0, 10\): e.g. \[-1\]"):
+        cache.is_cached(torch.tensor([-1]))
+    with pytest.raises(TypeError, match="int32 or int64 tensor, got list"):
+        cache.is_cached([9])
+    assert cache.is_cached(torch.tensor([9, 8])).tolist() == [True, False]
+
+
+def test_table_accessors_name_the_tables_and_cache_rows_are_plain_ints() -> None:
+    tables = make_tables(num_rows=(10, 10))
+    model = CachedEmbeddingBagCollection(tables, {"t0": torch.tensor(4), "t1": 4})
+    assert all(type(cache.cache_rows) is int for cache in model.caches.values())
+    for call in (lambda: model.full_weight("nope"), lambda: model.optimizer_state("nope"),
+                 lambda: model.load_optimizer_state("nope", torch.zeros(10, 0))):
+        with pytest.raises(KeyError, match=r"no table named 'nope'; the tables are \['t0', 't1'\]"):
+            call()
+    with pytest.raises(TypeError, match=r"must be a torch.Tensor of shape \(10, 0\) .*got list"):
+        model.load_optimizer_state("t0", [[0.0]] * 10)

@@ -105,20 +105,23 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
                     outputs.append(pipe.progress(it))
                 except StopIteration:
                     break
-            if rank == 1:  # a key out of range for t0, which rank 0 owns: refused here, before any
-                # collective, or rank 0 would never see the batch and the ranks would fall out of step
-                good = per_rank[rank][0].sparse_features
-                values = good.values().clone()
-                values[good.length_per_key()[0] - 1] = 10 ** 6  # the last key of t0's feature
-                bad = RecBatch(per_rank[rank][0].dense_features,
-                               KeyedJaggedTensor.from_lengths_sync(good.keys(), values, good.lengths()),
-                               per_rank[rank][0].labels)
-                try:
-                    pipe.progress(iter([bad]))
-                except RecInputError as exc:
-                    assert "out of range" in str(exc)
-                else:
-                    raise AssertionError("a key out of range on another rank's table was admitted")
+            # Rank 1's next batch has a key out of range for t0, which rank 0 owns; rank 0's is
+            # good. Rank 1 refuses its batch before any collective of it, and the ranks vote at
+            # admission: rank 0 refuses its batch too, so both skip this step and stay in step
+            # (review: rank 0 admitted its batch, and the ranks exchanged keys of different steps).
+            extra = per_rank[rank][0]
+            features = extra.sparse_features
+            if rank == 1:
+                values = features.values().clone()
+                values[features.length_per_key()[0] - 1] = 10 ** 6  # the last key of t0's feature
+                features = KeyedJaggedTensor.from_lengths_sync(features.keys(), values, features.lengths())
+            try:
+                pipe.progress(iter([RecBatch(extra.dense_features, features, extra.labels)]))
+            except RecInputError as exc:
+                expected = "out of range" if rank == 1 else "ranks [1] refused their batch at admission"
+                assert expected in str(exc), str(exc)
+            else:
+                raise AssertionError(f"rank {rank}: a batch refused on rank 1 was admitted")
             pipe.flush()
         assert len(outputs) == STEPS
         for step, batch in enumerate(global_batches):

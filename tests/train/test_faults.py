@@ -11,7 +11,7 @@ from torchrec import KeyedJaggedTensor
 from train_helpers import (assert_same_state, build, drain, make_batches, make_tables, reference_run,
                            window_minimum)
 
-from torchpipe.rec import Adam, RecInputError
+from torchpipe.rec import Adam, CacheTooSmallError, RecInputError
 from torchpipe.train import EmbCacheTrainPipeline, RecBatch, train_step
 
 pytestmark = pytest.mark.timeout(60)
@@ -474,3 +474,121 @@ def test_optimizer_state_of_the_wrong_shape_is_refused() -> None:
     with pytest.raises(ValueError, match=r"must have shape \(\d+, \d+\).*got \(1, \d+\)"):
         model.ebc.load_optimizer_state("t0", state[:1])
     assert torch.equal(model.ebc.optimizer_state("t0"), state)
+
+
+@pytest.mark.parametrize("case, error, words", [
+    ("negative_length", RecInputError, r"lengths must be >= 0"),
+    ("too_many_keys", CacheTooSmallError, r"cache_rows=\d+, keys requested by this batch=40"),
+])
+def test_a_batch_that_would_fail_in_a_later_stage_is_refused_at_admission(case: str, error: type, words: str) -> None:
+    """Review: a negative length (torchrec does not check it) and a batch with more unique keys than
+    the cache has rows passed admission and failed two clocks later, in plan or train, and the
+    good batches in flight were dropped with them."""
+    tables = make_tables()
+    batches = make_batches(tables, 16, seed=6)
+    good = batches[:8] + batches[9:]
+    model, opt = build(tables, window_minimum(tables, good), Adam(lr=0.5))
+    names = [f for t in tables for f in t.feature_names]
+    if case == "negative_length":
+        features = batches[8].sparse_features
+        lengths = features.lengths().clone()
+        lengths[0], lengths[1] = lengths[0] + lengths[1] + 1, -1
+        kjt = KeyedJaggedTensor(keys=features.keys(), values=features.values(), lengths=lengths)
+    else:  # table t0 has 40 rows: all of them in one batch
+        kjt = KeyedJaggedTensor.from_lengths_sync(names, torch.cat([torch.arange(40), torch.zeros(3, dtype=torch.int64)]),
+                                                  torch.tensor([40, 0, 0, 0, 1, 1, 1, 0]))
+    batches[8] = RecBatch(batches[8].dense_features[:2], kjt, batches[8].labels[:2])
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
+        it = iter(batches)
+        outputs = [pipe.progress(it) for _ in range(4)]  # batches 0..3 done, 4..7 in flight
+        before, in_flight = snapshot(model), pipe.pipeline.in_flight()
+        with pytest.raises(error, match=words):
+            pipe.progress(it)
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot(model)))
+        assert pipe.pipeline.in_flight() == in_flight
+        outputs += drain(pipe, it)
+        pipe.flush()
+    reference, _, ref_outputs = reference_run(tables, good, Adam(lr=0.5))
+    assert len(outputs) == len(ref_outputs)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(outputs, ref_outputs))
+    assert_same_state(model, reference)
+
+
+@pytest.mark.parametrize("interrupt_at, extra_rows, seed, policy", [(12, 4, 12, "lru"), (3, 0, 11, "lfu")])
+def test_a_ctrl_c_in_a_release_is_finished_before_the_next_plan_and_flush(interrupt_at: int, extra_rows: int,
+                                                                          seed: int, policy: str) -> None:
+    """Review: a Ctrl-C while the caller's thread released a trained batch left its keys protected
+    until the next clock had run. After the last batch, flush() and state_dict() were refused for
+    good; mid-run, at the documented cache minimum, the next plan raised CacheTooSmallError and
+    the batches in flight were dropped."""
+    tables = make_tables()
+    batches = make_batches(tables, 12, seed=seed)
+    model, opt = build(tables, window_minimum(tables, batches) + extra_rows, Adam(lr=0.5), policy=policy)
+    release, calls = model.ebc.release, {"n": 0}
+
+    def interrupted_release(plan):
+        calls["n"] += 1
+        if calls["n"] == interrupt_at:
+            raise KeyboardInterrupt("Ctrl-C while the caller's thread releases a trained batch")
+        return release(plan)
+
+    model.ebc.release = interrupted_release
+    with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
+        it = iter(batches)
+        with pytest.raises(KeyboardInterrupt):
+            while True:
+                pipe.progress(it)
+        drain(pipe, it)
+        pipe.flush()
+        model.state_dict()
+        assert model.ebc.in_flight() == 0 and pipe.steps_done == len(batches)
+    reference, _, _ = reference_run(tables, batches, Adam(lr=0.5))
+    assert_same_state(model, reference)
+
+
+def test_a_drained_pipeline_whose_collection_a_newer_one_took_refuses_to_run() -> None:
+    """Review: a second pipeline on a drained (open) one's collection was accepted; once it had
+    batches in flight, the first one's progress() waited for the second one's write-backs for good."""
+    tables = make_tables()
+    batches = make_batches(tables, 20, seed=3)
+    model, opt = build(tables, 24, Adam(lr=0.5))
+    first = EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1)
+    outputs = drain(first, iter(batches[:3]))
+    first.flush()
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as second:
+        it = iter(batches[3:])
+        outputs.append(second.progress(it))
+        for call in (lambda: first.progress(iter(batches[10:])), first.flush):
+            with pytest.raises(RuntimeError, match="serves a newer EmbCacheTrainPipeline"):
+                call()
+        first.close()
+        outputs += drain(second, it)
+        second.flush()
+    reference, _, expected = reference_run(tables, batches, Adam(lr=0.5))
+    assert len(outputs) == len(expected) and all(torch.equal(a[1], b[1]) for a, b in zip(outputs, expected))
+    assert_same_state(model, reference)
+
+
+def test_a_flush_that_fails_part_way_hands_back_what_it_finished() -> None:
+    """Review: the outputs of the batches a failing flush() had already trained were lost."""
+    tables = make_tables()
+    batches = make_batches(tables, 10, seed=4)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
+        it = iter(batches)
+        outputs = [pipe.progress(it) for _ in range(6)]  # batches 0..5 done, 6..9 in flight
+        calls = {"n": 0}
+
+        def fail_the_third_step_of_the_flush(module, args):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise Injected("step 3 of the flush")
+
+        hook = model.top.register_forward_pre_hook(fail_the_third_step_of_the_flush)
+        with pytest.raises(Injected) as caught:
+            pipe.flush()
+        hook.remove()
+        assert len(caught.value.flushed_outputs) == 2 and pipe.steps_done == 8
+        outputs += caught.value.flushed_outputs
+    reference, _, expected = reference_run(tables, batches[:8], Adam(lr=0.5))
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(outputs, expected)) and len(outputs) == 8

@@ -131,10 +131,18 @@ def test_emb_cache_collection_must_be_a_cached_collection(collection) -> None:
             + type(collection).__name__, collection=collection)
 
 
+@pytest.mark.parametrize("sharding", [["t0", "t1"], "table-wise"])
+def test_emb_cache_sharding_must_be_a_table_wise_sharding(sharding) -> None:
+    """Review: a list failed with an AttributeError, after the collection had been claimed."""
+    refused("emb_cache", TypeError, "sharding must be a torchpipe.train.dist.TableWiseSharding or None, got "
+            + type(sharding).__name__, sharding=sharding)
+
+
 def test_callbacks_must_be_callable() -> None:
     refused("sparse_dist", TypeError, "input_dist must be callable or None, got 3", input_dist=3)
     refused("staged", TypeError, "admit must be callable or None, got 'x'", admit="x")
     refused("staged", TypeError, "on_failure must be callable or None, got 1", on_failure=1)
+    refused("staged", TypeError, "before_call must be callable or None, got 1", before_call=1)
 
 
 @pytest.mark.parametrize("value, error", [("3", TypeError), (None, TypeError), (2.5, TypeError), (-1, ValueError)])

@@ -147,6 +147,7 @@ def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
         raise RecInputError(f"feature values must be int32 or int64 keys, got {kjt.values().dtype}")
     if kjt.weights_or_none() is not None:
         raise RecInputError("weighted KeyedJaggedTensors are not supported")
+    _check_jagged_structure(kjt, given)
     for feature, keys in zip(given, torch.split(kjt.values(), kjt.length_per_key())):
         layout = table_of[feature]
         if keys.numel():
@@ -156,6 +157,32 @@ def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
                 raise RecInputError(
                     f"feature {feature!r} (table {layout.name!r}) has keys out of range "
                     f"[0, {layout.num_rows}): e.g. {bad[:5].tolist()}")
+
+
+def _check_jagged_structure(kjt: KeyedJaggedTensor, given: list[str]) -> None:
+    """One bag per (feature, sample), lengths >= 0 that add up to the values: what the lookup
+    reads. A torchrec KJT does not check this when it is built, and a bad one would fail only
+    in the lookup, after the cache and the tables have changed."""
+    repeated = sorted({f for f in given if given.count(f) > 1})
+    if repeated:
+        raise RecInputError(f"features {repeated} appear more than once in the batch's keys {given}: each "
+                            "feature must have one jagged row")
+    values = kjt.values()
+    if values.dim() != 1:
+        raise RecInputError(f"feature values must be a 1-D tensor of keys, got shape {tuple(values.shape)}")
+    if kjt.variable_stride_per_key():
+        raise RecInputError("KeyedJaggedTensors with a batch size per feature (stride_per_key_per_rank, "
+                            "variable batch) are not supported: every feature needs one bag per sample")
+    lengths = kjt.lengths()
+    bags = len(given) * kjt.stride()
+    if lengths.dim() != 1 or lengths.numel() != bags:
+        raise RecInputError(f"the batch's lengths have shape {tuple(lengths.shape)}, expected ({bags},): one bag per "
+                            f"feature ({len(given)}) and sample (batch size {kjt.stride()})")
+    if bags and int(lengths.min()) < 0:
+        raise RecInputError(f"the batch's lengths must be >= 0, got {lengths[lengths < 0][:5].tolist()}")
+    total = int(lengths.sum()) if bags else 0
+    if total != values.numel():
+        raise RecInputError(f"the batch's lengths add up to {total} keys, but its values hold {values.numel()}")
 
 
 def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKeys:

@@ -258,8 +258,15 @@ class EmbeddingCache:
 
     def is_cached(self, keys: torch.Tensor) -> torch.Tensor:
         """Boolean mask: which ``keys`` hold a slot now."""
+        if not isinstance(keys, torch.Tensor) or keys.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"keys must be an int32 or int64 tensor, got "
+                            f"{keys.dtype if isinstance(keys, torch.Tensor) else type(keys).__name__}")
+        keys = keys.to(torch.int64)
+        if keys.numel() and (int(keys.min()) < 0 or int(keys.max()) >= self.num_rows):
+            raise ValueError(f"table {self.name!r}: keys out of range [0, {self.num_rows}): "
+                             f"e.g. {keys[(keys < 0) | (keys >= self.num_rows)][:5].tolist()}")
         with self._lock:
-            return self.slot_of_key[keys.to(torch.int64)] >= 0
+            return self.slot_of_key[keys] >= 0
 
     def clear(self) -> None:
         """Forget every cached row (after a flush or a load); refuses while plans are in flight."""

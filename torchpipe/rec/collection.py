@@ -76,14 +76,12 @@ def cache_rows_per_table(cache_rows: Any, layouts: list[TableLayout]) -> dict[st
             unknown = [name for name in cache_rows if name not in names]
             also = f" (it names unknown tables {unknown})" if unknown else ""
             raise ValueError(f"cache_rows has no entry for tables {missing}{also}; give one for each of {names}")
-        for name in names:
-            check_positive_int(f"cache_rows[{name!r}]", cache_rows[name])
-        return {name: cache_rows[name] for name in names}
+        return {name: check_positive_int(f"cache_rows[{name!r}]", cache_rows[name]) for name in names}
     if as_int(cache_rows) is None:
         raise TypeError(f"cache_rows must be a positive int or a dict {{table name: positive int}}, "
                         f"got {cache_rows!r}")
-    check_positive_int("cache_rows", cache_rows)
-    return {name: cache_rows for name in names}
+    rows = check_positive_int("cache_rows", cache_rows)  # a plain int, from a NumPy or tensor one too
+    return {name: rows for name in names}
 
 
 def weight_key(table: str) -> str:
@@ -152,6 +150,28 @@ class CachedEmbeddingBagCollection(nn.Module):
     def prepare(self, features: KeyedJaggedTensor) -> BatchKeys:
         """Validate ``features`` and dedup its keys per table; raises `RecInputError`. No state changes."""
         return prepare_batch(features, self.layouts)
+
+    def check_batch_fits(self, features: KeyedJaggedTensor) -> None:
+        """`CacheTooSmallError` when one table's unique keys in ``features`` alone exceed its
+        ``cache_rows``: such a batch can never be planned. Changes nothing; a pipeline calls it
+        at admission, so that the batch is refused before it enters (and is not found two
+        clocks later, when the good batches in flight would be dropped with it). ``features``
+        has passed `check_kjt`. Cheap unless a table gets more keys than it has rows."""
+        per_feature = dict(zip(features.keys(), features.length_per_key()))
+        for layout in self.layouts:
+            cache = self.caches[layout.name]
+            if sum(per_feature[f] for f in layout.feature_names) <= cache.cache_rows:
+                continue  # fewer keys than rows, duplicates or not
+            unique = torch.unique(torch.cat([features[f].values().to("cpu", torch.int64)
+                                             for f in layout.feature_names]))
+            if unique.numel() > cache.cache_rows:
+                missing = int(unique.numel()) - int(cache.is_cached(unique).sum())
+                error = CacheTooSmallError(layout.name, cache.cache_rows, int(unique.numel()), 0, missing,
+                                           cache.cache_rows)
+                if hasattr(error, "add_note"):  # Python >= 3.11
+                    error.add_note(f"[torchpipe.rec] this batch alone has {unique.numel()} unique keys for table "
+                                   f"{layout.name!r}, more than its {cache.cache_rows} cache rows: it can never fit")
+                raise error
 
     def plan(self, keys: BatchKeys) -> BatchPlan:
         """Plan every table's swap and protect the batch's keys; call in batch order.
@@ -409,19 +429,31 @@ class CachedEmbeddingBagCollection(nn.Module):
             keys, slots = cache.cached()
             self.slots[name].index_copy_(0, slots.to(self.device), self.hosts[name].lookup(keys).to(self.device))
 
+    def _host(self, table: Any) -> HostEmbeddingTable:
+        """The host table named ``table``; a KeyError that names the tables there are."""
+        host = self.hosts.get(table) if isinstance(table, str) else None
+        if host is None:
+            raise KeyError(f"no table named {table!r}; the tables are {list(self.hosts)}")
+        return host
+
     def full_weight(self, table: str) -> torch.Tensor:
         """A copy of the whole table's embeddings, flushed."""
+        host = self._host(table)
         self.flush()
-        return self.hosts[table].weight.clone()
+        return host.weight.clone()
 
     def optimizer_state(self, table: str) -> torch.Tensor:
         """A copy of the whole table's optimizer state ``[num_rows, state_width]``, flushed."""
+        host = self._host(table)
         self.flush()
-        return self.hosts[table].state.clone()
+        return host.state.clone()
 
     def load_optimizer_state(self, table: str, state: torch.Tensor) -> None:
         """Overwrite a table's optimizer state (host and cached rows)."""
-        expected = tuple(self.hosts[table].state.shape)
+        expected = tuple(self._host(table).state.shape)
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"optimizer state for table {table!r} must be a torch.Tensor of shape {expected} "
+                            f"(rows, state width), got {type(state).__name__}")
         if tuple(state.shape) != expected:
             raise ValueError(f"optimizer state for table {table!r} must have shape {expected} "
                              f"(rows, state width), got {tuple(state.shape)}")

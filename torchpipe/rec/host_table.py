@@ -107,13 +107,13 @@ class HostEmbeddingTable:
         Call in batch order (the cache's planning does, under its lock). ``keys`` may be empty:
         the ticket still orders the batch's lookups after every earlier write.
         """
-        keys = keys.to(torch.int64)
+        keys = self._check_keys(keys)  # before anything changes: a wrapped key could never land
         with self._cond:
+            if keys.numel() and bool((self._pending_seq[keys] >= 0).any()):
+                raise RuntimeError("host-table write reserved twice for a key before the first landed")
             seq = self._next_seq
             self._next_seq += 1
             if keys.numel():
-                if bool((self._pending_seq[keys] >= 0).any()):
-                    raise RuntimeError("host-table write reserved twice for a key before the first landed")
                 self._pending_seq[keys] = seq
                 self._pending_tickets += 1
             return WriteTicket(seq, keys, done=keys.numel() == 0)
@@ -146,9 +146,13 @@ class HostEmbeddingTable:
 
     # -- data -------------------------------------------------------------------------
     def _check_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 1 or keys.is_floating_point() or keys.is_complex() \
+                or keys.dtype == torch.bool:
+            raise TypeError(f"host-table keys must be a 1-D integer tensor, got {_describe(keys)}")
         keys = keys.to(torch.int64)
         if keys.numel() and (int(keys.min()) < 0 or int(keys.max()) >= self.num_rows):
-            raise IndexError(f"host-table keys out of range [0, {self.num_rows})")
+            bad = keys[(keys < 0) | (keys >= self.num_rows)]
+            raise IndexError(f"host-table keys out of range [0, {self.num_rows}): e.g. {bad[:5].tolist()}")
         return keys
 
     def lookup(self, keys: torch.Tensor, ticket: WriteTicket | None = None) -> torch.Tensor:
@@ -186,3 +190,9 @@ class HostEmbeddingTable:
         """Make the table usable again after an abort."""
         with self._cond:
             self._abort_exc = None
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

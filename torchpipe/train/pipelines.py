@@ -23,9 +23,10 @@ from torchrec import KeyedJaggedTensor
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
 from ..grad_sync import flatten, unflatten_into
-from ..rec import BatchPlan, CachedEmbeddingBagCollection
+from ..rec import BatchPlan, CachedEmbeddingBagCollection, RecInputError
 from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
 from .schedule import Clock
+from .dist import TableWiseSharding
 from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
@@ -342,8 +343,16 @@ def _drop_pipeline(hooks: List[Any], in_flight: _InFlight, backend: Any, device:
     in_flight.hand_back()
 
 
-def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
+# The pipeline each collection serves: the newest one built on it. An older one, drained and
+# left open, must not plan on the cache again behind the newer one's batches.
+_SERVING: "weakref.WeakKeyDictionary[CachedEmbeddingBagCollection, Any]" = weakref.WeakKeyDictionary()
+
+
+def claim_collection(collection: CachedEmbeddingBagCollection, pipeline: Any) -> None:
     """Refuse a collection that still has batches in flight: a cache serves one pipeline at a time.
+
+    Once claimed, the collection serves ``pipeline``: an older pipeline on it refuses to run
+    (`refuse_if_superseded`) instead of waiting on the newer one's write-backs for good.
 
     A pipeline that was dropped without `close()` hands its batches back when it is collected,
     so collect garbage first; a live one must be flushed or closed. (A direct lookup whose
@@ -351,9 +360,8 @@ def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
     planning on one cache would evict each other's protected rows or wait on each other's
     write-backs.
     """
-    if not (collection.in_flight() or collection.pending_writes()):
-        return
-    collection.settle()
+    if collection.in_flight() or collection.pending_writes():
+        collection.settle()
     if collection.in_flight() or collection.pending_writes():
         gc.collect()  # a full collection costs tenths of a second: only when settling was not enough
         collection.settle()
@@ -362,6 +370,16 @@ def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
             f"the collection has batches in flight ({collection.in_flight()} protected slots, "
             f"{collection.pending_writes()} pending write-backs) from another pipeline; flush() or close() "
             "that pipeline first")
+    _SERVING[collection] = weakref.ref(pipeline)
+
+
+def refuse_if_superseded(collection: CachedEmbeddingBagCollection, pipeline: Any) -> None:
+    """RuntimeError when a newer pipeline has claimed ``collection`` since ``pipeline`` did."""
+    serving = _SERVING.get(collection)
+    if serving is None or serving() is not pipeline:
+        raise RuntimeError("this pipeline's collection serves a newer EmbCacheTrainPipeline, built on it after "
+                           "this one was drained: one pipeline at a time plans on a cache. close() this one and "
+                           "go on with the newer one")
 
 
 def find_collection(model: nn.Module) -> CachedEmbeddingBagCollection:
@@ -433,21 +451,25 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         check_pipeline_options(host_threads, device_threads, overlap, keep_records)
         if dense_grads not in ("mean", "sum"):
             raise ValueError(f"dense_grads must be 'mean' (DDP's rule) or 'sum', got {dense_grads!r}")
+        if sharding is not None:
+            if not isinstance(sharding, TableWiseSharding):
+                raise TypeError(f"sharding must be a torchpipe.train.dist.TableWiseSharding or None, got "
+                                f"{type(sharding).__name__}")
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"sharding= replicates the model's parameters: the model must be an nn.Module, "
+                                f"got {type(model).__name__}")
         super().__init__(model, optimizer, device)
         self.collection = collection if collection is not None else find_collection(model)
         if self.collection.device != self.device:
             raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
                              f"{self.device}")
-        claim_collection(self.collection)
+        claim_collection(self.collection, self)
         self._sharding = sharding
         self._global_layouts: Optional[List[Any]] = None
         # Across processes the dense part is replicated: its gradients are all-reduced over the
         # sharding's output group before the dense optimizer steps ('mean' like DDP, or 'sum').
         self._dense_sync: Optional[Callable[[], None]] = None
         if sharding is not None:
-            if not isinstance(model, nn.Module):
-                raise TypeError(f"sharding= replicates the model's parameters: the model must be an nn.Module, "
-                                f"got {type(model).__name__}")
             dense = [p for p in model.parameters() if p.requires_grad]
             group, average = sharding.output_group, dense_grads == "mean"
             broadcast_from_first_rank(dense, group)  # every replica starts equal, as DDP does
@@ -481,21 +503,53 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
              PipelineStage("train", _weakly(self._train_cached), "device")],
             device=self.device, host_threads=host_threads, device_threads=device_threads, overlap=overlap,
             admit=_weakly(self._admit), on_abort=self.collection.abort, on_failure=_weakly(self._recover),
-            after_clock=_weakly(self._after_clock), keep_records=keep_records)
+            after_clock=_weakly(self._after_clock), before_call=_weakly(self._release_leftovers),
+            keep_records=keep_records)
 
     # -- stages ----------------------------------------------------------------------
     def _admit(self, batch: Any) -> None:
+        if self._sharding is None:
+            self._check_batch(batch)
+            self.collection.check_batch_fits(batch.sparse_features)
+            return
+        # Every rank checks its whole batch against every table (all ranks have the configs):
+        # a bad key found only by its owner, after the key exchange, would leave the ranks'
+        # collectives out of step. Then the ranks vote, so that a batch refused on one rank is
+        # refused on all of them and every rank skips that step together.
+        try:
+            self._check_batch(batch)
+            refusal: Optional[Exception] = None
+        except Exception as exc:  # noqa: BLE001 - voted on, then raised
+            refusal = exc
+        refused = self._refused_ranks(refusal is not None)
+        if refusal is not None:
+            if hasattr(refusal, "add_note"):
+                refusal.add_note(f"[torchpipe.train] ranks {refused} refused their batch at admission; every rank "
+                                 "skips this batch, so the ranks stay in step")
+            raise refusal
+        if refused:
+            raise RecInputError(f"ranks {refused} refused their batch at admission (see their error), so this "
+                                "rank skips its batch too: the ranks stay in step")
+
+    def _check_batch(self, batch: Any) -> None:
         if not hasattr(batch, "sparse_features"):
             raise TypeError(f"EmbCacheTrainPipeline batches need .sparse_features, got {type(batch).__name__}")
         if self._sharding is None:
             check_features(batch.sparse_features, self.collection)
-        else:
-            # Every rank checks the whole batch against every table (all ranks have the configs):
-            # a bad key found only by its owner, after the key exchange, would leave the ranks'
-            # collectives out of step.
-            if self._global_layouts is None:
-                self._global_layouts = table_layouts(self._sharding.tables)
-            check_kjt(batch.sparse_features, self._global_layouts)
+            return
+        if self._global_layouts is None:
+            self._global_layouts = table_layouts(self._sharding.tables)
+        check_kjt(batch.sparse_features, self._global_layouts)
+
+    def _refused_ranks(self, refused_here: bool) -> List[int]:
+        """The ranks of the key exchange's group that refused their batch (one small all-reduce)."""
+        import torch.distributed as dist
+
+        sharding = self._sharding
+        votes = torch.zeros(sharding.world, dtype=torch.int64)
+        votes[sharding.rank] = int(refused_here)
+        dist.all_reduce(votes, group=sharding.input_group)
+        return [rank for rank, vote in enumerate(votes.tolist()) if vote]
 
     def _dist(self, item: _Item) -> _Item:
         features = item.batch.sparse_features
@@ -584,6 +638,12 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         """Release the batches trained in this clock (their backward is done)."""
         self._in_flight.release_trained()
 
+    def _release_leftovers(self) -> None:
+        """Before each call: release trained batches that an interrupted ``_after_clock`` (a
+        Ctrl-C on the caller's thread) left protected, so that the next plan has their room
+        and a drained pipeline's flush finds nothing in flight."""
+        self._in_flight.release_trained()
+
     def _recover(self, failure: PipelineFailure) -> None:
         """After a failed clock: finish the swaps of dropped batches, release everything."""
         self.collection.clear_abort()
@@ -606,8 +666,15 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                 backend.wait_stream(stream, swap)
 
     # -- public --------------------------------------------------------------------------
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        refuse_if_superseded(self.collection, self)
+        return super().progress(dataloader_iter)
+
+    progress.__doc__ = _ReadyPipeline.progress.__doc__
+
     def flush(self) -> List[Any]:
         """Train every in-flight batch, then write every cached row back to the host tables."""
+        refuse_if_superseded(self.collection, self)
         outputs = super().flush()
         self.collection.flush()  # on the caller's stream, which now waits for the pipeline's
         return outputs

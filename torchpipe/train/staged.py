@@ -168,7 +168,14 @@ class StagedPipeline:
     raises, the batch is not admitted and nothing changes. ``on_abort(exc)`` runs once as
     soon as a clock aborts, because a stage raised or the caller was interrupted (wake waits
     the other jobs may be blocked in); ``on_failure(PipelineFailure)`` and ``after_clock(clock, outputs)`` run on
-    the caller's thread after the runtime drained the clock.
+    the caller's thread after the runtime drained the clock. ``before_call()`` runs on the
+    caller's thread at the start of every ``progress()`` (so of ``flush()`` too), before
+    any batch is admitted: where bookkeeping that an interrupted ``after_clock`` left
+    undone is finished (if it raises, nothing else has happened in that call).
+
+    ``flush()`` that fails part way keeps what it returned so far: the error's
+    ``flushed_outputs`` attribute holds the outputs of the batches it finished before the
+    failure, in order.
     """
 
     def __init__(self, stages: Sequence[PipelineStage], *, device: Union[str, torch.device] = "cpu",
@@ -177,6 +184,7 @@ class StagedPipeline:
                  on_abort: Optional[Callable[[BaseException], None]] = None,
                  on_failure: Optional[Callable[[PipelineFailure], None]] = None,
                  after_clock: Optional[Callable[[Clock, Dict[int, Any]], None]] = None,
+                 before_call: Optional[Callable[[], None]] = None,
                  name: str = "torchpipe-train", keep_records: int = 0) -> None:
         stages = list(stages)
         if not stages:
@@ -189,7 +197,7 @@ class StagedPipeline:
             raise ValueError(f"stage names must be unique, got {names}")
         check_pipeline_options(host_threads, device_threads, overlap, keep_records)
         for hook, value in (("admit", admit), ("on_abort", on_abort), ("on_failure", on_failure),
-                            ("after_clock", after_clock)):
+                            ("after_clock", after_clock), ("before_call", before_call)):
             if value is not None and not callable(value):
                 raise TypeError(f"{hook} must be callable or None, got {value!r}")
         self.device = usable_device(device)
@@ -198,6 +206,7 @@ class StagedPipeline:
         self.stages = stages
         self.overlap = overlap
         self._admit, self._on_abort, self._on_failure, self._after_clock = admit, on_abort, on_failure, after_clock
+        self._before_call = before_call
 
         cores = available_cores()
         if device_threads is None:
@@ -392,6 +401,8 @@ class StagedPipeline:
         """``progress``'s work, under ``_lock``."""
         if self._closed:
             raise RuntimeError("this pipeline is closed")
+        if self._before_call is not None:
+            self._before_call()
 
         def pull() -> bool:
             try:
@@ -436,13 +447,19 @@ class StagedPipeline:
     def flush(self) -> List[Any]:
         """Run every in-flight batch to the end (admitting none); their outputs, in order."""
         self._refuse_own_work("flush()")
-        outputs = []
+        outputs: List[Any] = []
         empty: Iterator[Any] = iter(())
         while True:
             try:
                 outputs.append(self.progress(empty))
             except StopIteration:
                 return outputs
+            except BaseException as exc:  # noqa: B902 - the batches finished so far are not lost
+                exc.flushed_outputs = outputs  # type: ignore[union-attr]
+                if outputs and hasattr(exc, "add_note"):
+                    exc.add_note(f"[torchpipe.train] flush() returned {len(outputs)} batches before this failure: "
+                                 "their outputs are in this error's flushed_outputs")
+                raise
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - convenience
         raise TypeError("call progress(dataloader_iter) instead of iterating the pipeline")
