@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import threading
 import time
 import warnings
 
@@ -582,3 +583,56 @@ def test_a_ctrl_c_in_the_buffer_broadcast_leaves_the_collectives_paired(tmp_path
     assert interrupted == "KeyboardInterrupt" and interrupted_wait < 4, (interrupted, interrupted_wait)
     assert other == "PeerStepFailed" and other_wait < 4, (other, other_wait)
     assert interrupted_next and other_next, (interrupted_next, other_next)
+
+
+class SlowToReadReduction(nn.MSELoss):
+    """An MSE loss whose ``reduction`` takes a while to read on one thread of rank 0: that step's
+    checks, before the step lock, take longer there than on rank 1."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def __getattribute__(self, name: str):
+        if name == "reduction" and threading.current_thread().name == "slow":
+            time.sleep(object.__getattribute__(self, "delay_s"))
+        return super().__getattribute__(name)
+
+
+def threads_worker(rank: int, init_file: str, result_file: str) -> None:
+    start(rank, init_file, timeout_s=20)
+    try:
+        pipe = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2, chunks=2)
+        GradientSync(pipe)
+        x, y = rank_batch(rank)
+        errors = []
+
+        def one_step() -> None:
+            try:
+                pipe.step(x, y, SlowToReadReduction(0.5 if rank == 0 else 0.0))
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                errors.append(f"{type(exc).__name__}: {str(exc)[:80]}")
+
+        slow = threading.Thread(target=one_step, name="slow")
+        slow.start()
+        time.sleep(0.1)  # the slow thread enters step() first on both ranks, and locks last on rank 0
+        fast = threading.Thread(target=one_step, name="fast")
+        fast.start()
+        slow.join(30)
+        fast.join(30)
+        averaged = same_on_every_rank([p.grad for p in pipe.parameters()])
+        with open(f"{result_file}.{rank}", "w") as out:
+            out.write(repr((errors, averaged)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_steps_from_two_threads_are_numbered_in_the_order_they_run(tmp_path) -> None:
+    """Review: each call was numbered when it entered step(), before the step lock. Two threads
+    stepping one Pipe on every rank ran in lock order, which may differ from entry order, so
+    identical ranks raised RanksOutOfStep. A call is numbered under the lock now."""
+    result_file = str(tmp_path / "result")
+    mp.spawn(threads_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        errors, averaged = eval(open(f"{result_file}.{rank}").read())
+        assert errors == [] and averaged, (rank, errors)

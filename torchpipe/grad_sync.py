@@ -311,12 +311,16 @@ class GradientSync:
                       stacklevel=first_frame_outside_torchpipe())
 
     def count_call(self) -> int:
-        """Count one ``Pipe.step`` or :meth:`all_reduce` call, at its very start (a refused
-        step counts too): the ranks compare their counts in every synchronised step, so a
-        rank that skipped a step is found instead of averaging another step's gradients."""
+        """Count one ``Pipe.step`` or :meth:`all_reduce` call (a refused step too): the ranks
+        compare their counts in every synchronised step, so a rank that skipped a step is
+        found instead of averaging another step's gradients."""
         with self._disabled_lock:
             self._calls += 1
             return self._calls
+
+    def ticket(self) -> "CallTicket":
+        """A ``Pipe.step`` call's place in the count, taken when the call runs (see `CallTicket`)."""
+        return CallTicket(self)
 
     def round(self, call: int) -> Optional[_Round]:
         """What ``Pipe.step`` call number ``call`` uses; None inside :meth:`no_sync`."""
@@ -325,3 +329,25 @@ class GradientSync:
     def all_reduce(self) -> None:
         """Average every parameter's ``.grad`` over the group now (after ``pipe(x)`` and ``backward``)."""
         _Round(self, self.count_call()).finish()
+
+
+class CallTicket:
+    """One ``Pipe.step`` call's number in its sync's count.
+
+    A call that runs takes it under the Pipe's step lock, so steps from several threads are
+    numbered in the order their collectives go out (the same on every rank). A call refused
+    before that takes it when it ends (`settle`).
+    """
+
+    def __init__(self, sync: GradientSync) -> None:
+        self.sync = sync
+        self.number: Optional[int] = None
+
+    def take(self) -> int:
+        if self.number is None:
+            self.number = self.sync.count_call()
+        return self.number
+
+    def settle(self) -> None:
+        """At the end of the call: count it if it never ran."""
+        self.take()

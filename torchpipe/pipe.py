@@ -666,7 +666,19 @@ class Pipe(nn.Module):
                                                return_outputs=return_outputs, losses=losses,
                                                loss_kwargs=loss_kwargs, **options)
         sync = self._gradient_sync
-        call = sync.count_call() if sync is not None else 0  # a refused call counts: the ranks compare counts
+        ticket = sync.ticket() if sync is not None else None
+        try:
+            return self._step(input, target, loss_fn, schedule, reduction, return_outputs, losses, loss_kwargs,
+                              options, ticket)
+        finally:
+            if ticket is not None:  # a call refused before it ran counts too: the ranks compare counts
+                ticket.settle()
+
+    def _step(self, input: TensorOrTensors, target: Any, loss_fn: Any, schedule: Union[str, type, Plan],
+              reduction: Optional[str], return_outputs: bool, losses: Optional[List[Tensor]],
+              loss_kwargs: Optional[Dict[str, Any]], options: Dict[str, Any],
+              ticket: Any) -> Union[Tensor, Tuple[Tensor, TensorOrTensors]]:
+        """``step``'s work; ``ticket``: its place in a `GradientSync`'s call count, or None."""
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
         reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
@@ -710,7 +722,7 @@ class Pipe(nn.Module):
         context = StepContext(batches, targets, self._input_events(batches), _loss_call(loss_fn, loss_kwargs), scales, stop, len(self._stages),
                               keep_outputs=return_outputs, output_batch_dim=output_dim,
                               output_samples=self._followed_samples(batches) if return_outputs else None,
-                              grad_round=sync.round(call) if sync is not None else None)
+                              sync_ticket=ticket)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
         if not any(context.loss_has_graph):
             # The plain model's loss.backward() refuses such a loss too; nothing was changed.
@@ -782,8 +794,11 @@ class Pipe(nn.Module):
         # must draw the same random numbers. Several partitions draw in an order that
         # depends on thread timing, so draws here cannot be replayed: refuse them.
         replayed = _watched_generators(self._stages)
-        grad_round = getattr(context, "grad_round", None)
+        ticket = getattr(context, "sync_ticket", None)
+        grad_round = None
         try:
+            if ticket is not None:  # numbered here, under the lock: in the order the collectives go out
+                grad_round = context.grad_round = ticket.sync.round(ticket.take())
             if grad_round is not None:
                 grad_round.start()
             device_types = self._device_types

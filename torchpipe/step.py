@@ -68,7 +68,7 @@ class StepContext:
         keep_outputs: bool = False,
         output_batch_dim: BatchDim = 0,
         output_samples: Optional[List[int]] = None,
-        grad_round: Any = None,
+        sync_ticket: Any = None,
     ) -> None:
         self.batches = batches
         self.targets = targets
@@ -88,8 +88,10 @@ class StepContext:
         self.outputs: List[Optional[Batch]] = [None] * len(batches)
         self.memory = MemoryRecord(num_stages)
         self.skips = SkipStore()
-        # A GradientSync's all-reduces of this step (see grad_sync.py), or None.
-        self.grad_round = grad_round
+        # With a GradientSync: this call's place in its call count (see grad_sync.py), and the
+        # step's all-reduces, set under the step lock (None inside no_sync()).
+        self.sync_ticket = sync_ticket
+        self.grad_round: Any = None
 
 
 def _gradients_final(ctx: StepContext, index: int) -> None:

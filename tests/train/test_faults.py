@@ -592,3 +592,54 @@ def test_a_flush_that_fails_part_way_hands_back_what_it_finished() -> None:
         outputs += caught.value.flushed_outputs
     reference, _, expected = reference_run(tables, batches[:8], Adam(lr=0.5))
     assert all(torch.equal(a[1], b[1]) for a, b in zip(outputs, expected)) and len(outputs) == 8
+
+
+def test_a_pipeline_whose_constructor_failed_does_not_take_the_collection_over(monkeypatch) -> None:
+    """Review: the collection was marked as serving the new pipeline before its constructor had
+    finished; when it then failed, the working pipeline refused to run, naming a newer one that
+    did not exist."""
+    from torchpipe.train import pipelines
+
+    tables = make_tables()
+    batches = make_batches(tables, 8, seed=7)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as first:
+        outputs = drain(first, iter(batches[:3]))
+        first.flush()
+        with pytest.raises(ValueError, match="host_threads=0; give it at least 1"):
+            EmbCacheTrainPipeline(model, opt, host_threads=0, device_threads=1)
+
+        def failing_staged_pipeline(*args, **kwargs):
+            raise MemoryError("no memory for the worker threads")
+
+        with monkeypatch.context() as patched:  # a failure after the collection was claimed
+            patched.setattr(pipelines, "StagedPipeline", failing_staged_pipeline)
+            with pytest.raises(MemoryError):
+                EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1)
+        outputs += drain(first, iter(batches[3:]))
+        first.flush()
+    reference, _, expected = reference_run(tables, batches, Adam(lr=0.5))
+    assert len(outputs) == len(expected) and all(torch.equal(a[1], b[1]) for a, b in zip(outputs, expected))
+    assert_same_state(model, reference)
+
+
+def test_a_flush_whose_final_write_back_fails_hands_back_the_batches_it_trained() -> None:
+    """Review: flushed_outputs was attached only when a step failed, not when the write-back of
+    the cached rows after the last step did."""
+    tables = make_tables()
+    batches = make_batches(tables, 10, seed=4)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
+        it = iter(batches)
+        outputs = [pipe.progress(it) for _ in range(6)]  # batches 6..9 in flight
+        write_back = model.ebc.flush
+        model.ebc.flush = lambda: (_ for _ in ()).throw(Injected("write-back failed"))
+        with pytest.raises(Injected) as caught:
+            pipe.flush()
+        model.ebc.flush = write_back
+        outputs += caught.value.flushed_outputs
+        assert pipe.steps_done == len(outputs) == 10
+        pipe.flush()
+    reference, _, expected = reference_run(tables, batches, Adam(lr=0.5))
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(outputs, expected))
+    assert_same_state(model, reference)

@@ -27,7 +27,7 @@ from ..rec import BatchPlan, CachedEmbeddingBagCollection, RecInputError
 from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
 from .schedule import Clock
 from .dist import TableWiseSharding
-from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options
+from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, keep_flushed_outputs
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
 
@@ -348,11 +348,8 @@ def _drop_pipeline(hooks: List[Any], in_flight: _InFlight, backend: Any, device:
 _SERVING: "weakref.WeakKeyDictionary[CachedEmbeddingBagCollection, Any]" = weakref.WeakKeyDictionary()
 
 
-def claim_collection(collection: CachedEmbeddingBagCollection, pipeline: Any) -> None:
+def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
     """Refuse a collection that still has batches in flight: a cache serves one pipeline at a time.
-
-    Once claimed, the collection serves ``pipeline``: an older pipeline on it refuses to run
-    (`refuse_if_superseded`) instead of waiting on the newer one's write-backs for good.
 
     A pipeline that was dropped without `close()` hands its batches back when it is collected,
     so collect garbage first; a live one must be flushed or closed. (A direct lookup whose
@@ -370,6 +367,12 @@ def claim_collection(collection: CachedEmbeddingBagCollection, pipeline: Any) ->
             f"the collection has batches in flight ({collection.in_flight()} protected slots, "
             f"{collection.pending_writes()} pending write-backs) from another pipeline; flush() or close() "
             "that pipeline first")
+
+
+def serve(collection: CachedEmbeddingBagCollection, pipeline: Any) -> None:
+    """From now on ``collection`` serves ``pipeline`` (once it is fully built): an older pipeline
+    on it refuses to run (`refuse_if_superseded`) instead of waiting on the newer one's
+    write-backs for good."""
     _SERVING[collection] = weakref.ref(pipeline)
 
 
@@ -449,6 +452,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             raise TypeError(f"collection must be a CachedEmbeddingBagCollection or None (found in the model), "
                             f"got {type(collection).__name__}")
         check_pipeline_options(host_threads, device_threads, overlap, keep_records)
+        if host_threads == 0:  # here, before the collection is claimed: its plan and swap stages need one
+            raise ValueError("EmbCacheTrainPipeline runs its input_dist, plan and swap stages on host threads, "
+                             "but host_threads=0; give it at least 1")
         if dense_grads not in ("mean", "sum"):
             raise ValueError(f"dense_grads must be 'mean' (DDP's rule) or 'sum', got {dense_grads!r}")
         if sharding is not None:
@@ -463,7 +469,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         if self.collection.device != self.device:
             raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
                              f"{self.device}")
-        claim_collection(self.collection, self)
+        claim_collection(self.collection)
         self._sharding = sharding
         self._global_layouts: Optional[List[Any]] = None
         # Across processes the dense part is replicated: its gradients are all-reduced over the
@@ -505,6 +511,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             admit=_weakly(self._admit), on_abort=self.collection.abort, on_failure=_weakly(self._recover),
             after_clock=_weakly(self._after_clock), before_call=_weakly(self._release_leftovers),
             keep_records=keep_records)
+        serve(self.collection, self)  # last: a constructor that failed leaves the serving pipeline as it was
 
     # -- stages ----------------------------------------------------------------------
     def _admit(self, batch: Any) -> None:
@@ -676,7 +683,11 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         """Train every in-flight batch, then write every cached row back to the host tables."""
         refuse_if_superseded(self.collection, self)
         outputs = super().flush()
-        self.collection.flush()  # on the caller's stream, which now waits for the pipeline's
+        try:
+            self.collection.flush()  # on the caller's stream, which now waits for the pipeline's
+        except BaseException as exc:  # noqa: B902 - the batches trained here are not lost
+            keep_flushed_outputs(exc, outputs)
+            raise
         return outputs
 
     def hit_rate(self) -> float:

@@ -78,6 +78,14 @@ class PipelineStage:
             object.__setattr__(self, "worker", index)  # a plain int from here on
 
 
+def keep_flushed_outputs(error: BaseException, outputs: List[Any]) -> None:
+    """Hand the outputs a failing ``flush()`` had finished to its caller: ``error.flushed_outputs``."""
+    error.flushed_outputs = outputs  # type: ignore[attr-defined]
+    if outputs and hasattr(error, "add_note"):
+        error.add_note(f"[torchpipe.train] flush() finished {len(outputs)} batches before this failure: their "
+                       "outputs are in this error's flushed_outputs")
+
+
 class PipelineFailure:
     """What a failed clock left behind, for `StagedPipeline(on_failure=...)`.
 
@@ -455,10 +463,7 @@ class StagedPipeline:
             except StopIteration:
                 return outputs
             except BaseException as exc:  # noqa: B902 - the batches finished so far are not lost
-                exc.flushed_outputs = outputs  # type: ignore[union-attr]
-                if outputs and hasattr(exc, "add_note"):
-                    exc.add_note(f"[torchpipe.train] flush() returned {len(outputs)} batches before this failure: "
-                                 "their outputs are in this error's flushed_outputs")
+                keep_flushed_outputs(exc, outputs)
                 raise
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - convenience
