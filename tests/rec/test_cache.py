@@ -133,3 +133,14 @@ def test_random_stream_invariants() -> None:
     for plan in in_flight:
         cache.release(plan)
     assert cache.protected_slots() == 0
+
+
+def test_distinct_count_equals_the_number_of_unique_keys() -> None:
+    """The admission check counts a batch's distinct keys without a sort; the scratch it writes
+    holds stale indices from earlier batches, which must not count."""
+    cache = EmbeddingCache(1000, 10)
+    generator = torch.Generator().manual_seed(0)
+    for size, high in ((0, 1000), (1, 1000), (50, 20), (5000, 1000), (3000, 3000 // 4)):
+        keys = torch.randint(0, high, (size,), generator=generator)
+        assert cache.distinct_count(keys) == torch.unique(keys).numel(), (size, high)
+    assert cache.distinct_count(torch.tensor([7, 7, 7, 999, 0, 999])) == 3

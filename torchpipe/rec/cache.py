@@ -66,6 +66,8 @@ class EmbeddingCache:
         self._last_used = torch.full((cache_rows,), -1, dtype=torch.int64)
         self._freq_of_key = torch.zeros(num_rows, dtype=torch.int64)
         self._protect_count = torch.zeros(cache_rows, dtype=torch.int32)
+        self._stamp: torch.Tensor | None = None  # scratch of `distinct_count`, made on first use
+        self._stamp_lock = threading.Lock()
         self._tick = 0
         self._seq = 0
         # Derived bookkeeping that keeps planning proportional to the batch, not the cache:
@@ -255,6 +257,23 @@ class EmbeddingCache:
         with self._lock:
             slots = torch.nonzero(self.key_of_slot >= 0).flatten()
             return self.key_of_slot[slots].clone(), slots
+
+    def distinct_count(self, keys: torch.Tensor) -> int:
+        """How many distinct keys ``keys`` (int64, in range) holds, in time linear in its length.
+
+        Each key's row of a scratch array (int32 per table row, made on first use, as the
+        cache's own per-row arrays) takes the index of one of its occurrences; each distinct
+        key then counts once, at the occurrence whose index stuck. No sort: 3-4x faster
+        than ``torch.unique`` on 10,000 keys (``docs/probe_admission.py``).
+        """
+        if keys.numel() >= 2 ** 31:  # the indices would not fit the scratch's int32
+            return int(torch.unique(keys).numel())
+        with self._stamp_lock:
+            if self._stamp is None:
+                self._stamp = torch.empty(self.num_rows, dtype=torch.int32)
+            order = torch.arange(keys.numel(), dtype=torch.int32)
+            self._stamp[keys] = order
+            return int((self._stamp[keys] == order).sum())
 
     def is_cached(self, keys: torch.Tensor) -> torch.Tensor:
         """Boolean mask: which ``keys`` hold a slot now."""

@@ -156,15 +156,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         ``cache_rows``: such a batch can never be planned. Changes nothing; a pipeline calls it
         at admission, so that the batch is refused before it enters (and is not found two
         clocks later, when the good batches in flight would be dropped with it). ``features``
-        has passed `check_kjt`. Cheap unless a table gets more keys than it has rows."""
+        has passed `check_kjt`. A table that gets no more keys than it has rows costs a sum;
+        one that gets more costs a count of its distinct keys (`EmbeddingCache.distinct_count`)."""
         per_feature = dict(zip(features.keys(), features.length_per_key()))
         for layout in self.layouts:
             cache = self.caches[layout.name]
             if sum(per_feature[f] for f in layout.feature_names) <= cache.cache_rows:
                 continue  # fewer keys than rows, duplicates or not
-            unique = torch.unique(torch.cat([features[f].values().to("cpu", torch.int64)
-                                             for f in layout.feature_names]))
-            if unique.numel() > cache.cache_rows:
+            keys = torch.cat([features[f].values().to("cpu", torch.int64) for f in layout.feature_names])
+            if cache.distinct_count(keys) > cache.cache_rows:
+                unique = torch.unique(keys)  # only for the error's numbers
                 missing = int(unique.numel()) - int(cache.is_cached(unique).sum())
                 error = CacheTooSmallError(layout.name, cache.cache_rows, int(unique.numel()), 0, missing,
                                            cache.cache_rows)
