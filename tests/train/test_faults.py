@@ -454,6 +454,28 @@ def test_a_second_pipeline_on_a_collection_with_batches_in_flight_is_refused_unt
     assert_same_state(model, reference)
 
 
+def test_a_live_pipeline_whose_batches_protect_no_slot_yet_is_not_taken_over() -> None:
+    """Review: batches whose bags are all empty (or still in h2d) protect no cache slot, so a
+    second pipeline was accepted beside a live one with batches in flight; the first one's
+    flush() was then refused, and its batches were lost without an error."""
+    tables = make_tables()
+    batches = make_batches(tables, 10, seed=8)
+    names = [f for t in tables for f in t.feature_names]
+    keyless = [RecBatch(b.dense_features, KeyedJaggedTensor.from_lengths_sync(
+        names, torch.zeros(0, dtype=torch.int64), torch.zeros(len(names) * b.labels.numel(), dtype=torch.int64)),
+        b.labels) for b in batches]
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as first:
+        it = iter(keyless)
+        outputs = [first.progress(it), first.progress(it)]
+        assert model.ebc.in_flight() == 0 and model.ebc.pending_writes() == 0 and first.pipeline.in_flight()
+        with pytest.raises(RuntimeError, match=r"batches \[2, 3, 4, 5\] of its pipeline\) from another pipeline"):
+            EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1)
+        outputs += drain(first, it)
+        first.flush()
+    assert len(outputs) == len(keyless) == first.steps_done
+
+
 def test_a_new_pipeline_takes_over_from_one_dropped_without_close() -> None:
     """The dropped pipeline is garbage in a reference cycle of the user's (so not freed at once)
     and not yet collected: the new one collects it, so its in-flight batches are handed back first."""

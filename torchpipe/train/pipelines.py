@@ -357,16 +357,27 @@ def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
     planning on one cache would evict each other's protected rows or wait on each other's
     write-backs.
     """
-    if collection.in_flight() or collection.pending_writes():
+    if _busy_owner(collection) is not None or collection.in_flight() or collection.pending_writes():
         collection.settle()
-    if collection.in_flight() or collection.pending_writes():
+    if _busy_owner(collection) is not None or collection.in_flight() or collection.pending_writes():
         gc.collect()  # a full collection costs tenths of a second: only when settling was not enough
         collection.settle()
-    if collection.in_flight() or collection.pending_writes():
+    owner = _busy_owner(collection)  # batches that protect no slot yet (in h2d, say) count too
+    if owner is not None or collection.in_flight() or collection.pending_writes():
+        batches = f"; batches {owner.pipeline.in_flight()} of its pipeline" if owner is not None else ""
         raise RuntimeError(
             f"the collection has batches in flight ({collection.in_flight()} protected slots, "
-            f"{collection.pending_writes()} pending write-backs) from another pipeline; flush() or close() "
-            "that pipeline first")
+            f"{collection.pending_writes()} pending write-backs{batches}) from another pipeline; flush() or "
+            "close() that pipeline first")
+
+
+def _busy_owner(collection: CachedEmbeddingBagCollection) -> Any:
+    """The pipeline ``collection`` serves, if it is open with batches in flight; else None."""
+    serving = _SERVING.get(collection)
+    owner = serving() if serving is not None else None
+    if owner is None or owner.pipeline.closed or not owner.pipeline.in_flight():
+        return None
+    return owner
 
 
 def serve(collection: CachedEmbeddingBagCollection, pipeline: Any) -> None:

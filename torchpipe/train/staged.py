@@ -272,6 +272,11 @@ class StagedPipeline:
         return [(self.device, worker.stream) for worker in self._workers[:2]]
 
     @property
+    def closed(self) -> bool:
+        """Whether `close` has run: no batch runs here again."""
+        return self._closed
+
+    @property
     def depth(self) -> int:
         return len(self.stages)
 
