@@ -231,8 +231,8 @@ def test_set_microbatches_drops_statistics_of_an_interrupted_step() -> None:
 
 def test_invalid_microbatch_counts() -> None:
     model = DeferredBatchNorm.convert_deferred_batch_norm(nn.Sequential(nn.BatchNorm1d(2)))
-    for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match=repr(bad)):
+    for bad, error in ((0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match=repr(bad)):
             set_microbatches(model, bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="0"):
         DeferredBatchNorm.convert_deferred_batch_norm(nn.BatchNorm1d(2), chunks=0)
@@ -253,3 +253,22 @@ def test_bad_arguments_are_refused_before_any_state_changes():
     with pytest.raises(TypeError, match="momentum must be a float or None.*'x'"):
         DeferredBatchNorm(4, momentum="x")
     assert DeferredBatchNorm(4, momentum=None).momentum is None
+
+
+def test_counts_are_ints_of_any_integer_type_and_wrong_types_are_type_errors():
+    """Review: np.int64(2) and a 0-dim tensor were refused with a ValueError (torchgpipe and
+    Pipe(chunks=...) take them), and a str or float was a ValueError, not a TypeError."""
+    import numpy
+
+    for count in (numpy.int64(2), torch.tensor(2)):
+        norm = DeferredBatchNorm(3, chunks=count)
+        assert type(norm.chunks) is int and norm.chunks == 2
+        norm.set_microbatches(count)
+        assert type(norm.microbatches) is int
+        converted = DeferredBatchNorm.convert_deferred_batch_norm(nn.Sequential(nn.BatchNorm1d(3)), count)
+        assert converted[0].chunks == 2
+    for wrong in ("2", 2.0, True, None):
+        with pytest.raises(TypeError, match=f"the number of micro-batches must be a positive int, got {wrong!r}"):
+            DeferredBatchNorm(3, chunks=wrong)
+    with pytest.raises(ValueError, match="the number of micro-batches must be a positive int, got 0"):
+        DeferredBatchNorm(3).set_microbatches(0)

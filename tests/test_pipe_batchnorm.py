@@ -135,3 +135,26 @@ def test_two_threads_calling_one_pipe_commit_batch_norm_statistics_once_per_call
             assert int(concurrent.num_batches_tracked) == 2 * calls
             torch.testing.assert_close(concurrent.running_mean, sequential[1].running_mean)
             torch.testing.assert_close(concurrent.running_var, sequential[1].running_var)
+
+
+def test_a_refused_pipe_leaves_the_model_unconverted(monkeypatch):
+    """Review: with deferred_batch_norm=True the user's batch norms were replaced before the
+    partitions moved to their devices; a move that failed left the model converted."""
+    from torchpipe import pipe as pipe_module
+
+    norm = nn.BatchNorm1d(4)
+    model = nn.Sequential(norm, nn.Linear(4, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"layer '1' \(Linear\) has tensors on the 'meta' device \(weight, bias\), "
+                                         r"which hold no values to move to cpu"):
+        Pipe(model, [1, 1], devices=["cpu", "cpu"], chunks=2, deferred_batch_norm=True)
+    assert model[0] is norm
+
+    def failing_split(*args, **kwargs):
+        raise MemoryError("no room on the device")
+
+    model = nn.Sequential(norm, nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    inner = model[1][1]
+    monkeypatch.setattr(pipe_module, "split_module", failing_split)
+    with pytest.raises(MemoryError):
+        Pipe(model, [1, 1], devices=["cpu", "cpu"], chunks=2, deferred_batch_norm=True)
+    assert model[0] is norm and model[1][1] is inner

@@ -511,3 +511,11 @@ def test_names_may_come_from_any_iterable():
     layer = Both()
     assert layer.isolate(Namespace(), only=iter(["skip"])) is layer
     assert layer.isolate(ns=Namespace(), only=["skip"]) is layer  # torchgpipe's keyword
+
+
+def test_a_namespace_compares_only_with_namespaces():
+    """Review: Namespace() < 3 raised an AttributeError from inside __lt__."""
+    first, second = Namespace(), Namespace()
+    assert (first < second) != (second < first)
+    with pytest.raises(TypeError, match="not supported between instances of 'Namespace' and 'int'"):
+        first < 3  # noqa: B015

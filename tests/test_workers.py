@@ -567,3 +567,19 @@ def test_a_pipe_restored_with_fewer_cores_caps_its_workers_to_them(monkeypatch):
             restored(torch.randn(4, 2))
             assert SEEN_THREADS and set(SEEN_THREADS) == {2}
     pipe.close()
+
+
+def test_a_worker_refuses_a_task_it_would_never_run():
+    """Review: put() on a stopped worker, or of something that is not a Task, was accepted and
+    never reported: a caller waiting on its out_queue waited for good."""
+    worker = Worker("torchpipe-put-test")
+    with pytest.raises(TypeError, match="Worker.put takes a torchpipe.workers.Task, got function"):
+        worker.put(lambda: 1)
+    worker.put(Task(lambda: 1, finalize=lambda result: None))
+    assert worker.out_queue.get(timeout=5) is not None
+    worker.stop(join=False)  # stopping: refused already, before the thread has gone
+    with pytest.raises(RuntimeError, match="worker 'torchpipe-put-test' has stopped"):
+        worker.put(Task(lambda: 1))
+    worker.stop()
+    with pytest.raises(RuntimeError, match="has stopped: its tasks would never run"):
+        worker.put(Task(lambda: 1))

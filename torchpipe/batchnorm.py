@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 from numbers import Real
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchpipe.checkpoint import is_recomputing
+from torchpipe.checks import check_positive_int
 
 __all__ = ["DeferredBatchNorm", "set_microbatches", "statistics_updating_norms", "running_statistics_frozen"]
 
@@ -78,7 +79,7 @@ class DeferredBatchNorm(_BatchNorm):
             raise TypeError(f"momentum must be a float or None (cumulative average), got {momentum!r}")
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True,
                          device=device, dtype=dtype, **extra)
-        _check_microbatches(chunks)
+        chunks = _check_microbatches(chunks)
         self.chunks = chunks
         self.microbatches = chunks
         self.input_dims: Optional[Tuple[int, ...]] = None
@@ -92,8 +93,7 @@ class DeferredBatchNorm(_BatchNorm):
         Why drop: the pipe calls this before each step, and statistics left pending by a step
         that failed halfway must not leak into the next one.
         """
-        _check_microbatches(microbatches)
-        self.microbatches = microbatches
+        self.microbatches = _check_microbatches(microbatches)
         self._reset_pending()
 
     # -- nn.Module ----------------------------------------------------------------------
@@ -187,7 +187,7 @@ class DeferredBatchNorm(_BatchNorm):
         updates the converted model, and its ``training`` flag. An existing
         ``DeferredBatchNorm`` is kept and its ``chunks`` updated.
         """
-        _check_microbatches(chunks)
+        chunks = _check_microbatches(chunks)
         if not isinstance(module, nn.Module):
             raise TypeError(f"convert_deferred_batch_norm takes an nn.Module, got {module!r}")
         # Refuse before replacing anything: a failure halfway would leave a half-converted model.
@@ -237,16 +237,16 @@ def set_microbatches(module: nn.Module, microbatches: int) -> None:
     actually split into, which is fewer than ``chunks`` for a small last batch. It also drops
     statistics left pending by an interrupted step.
     """
-    _check_microbatches(microbatches)
+    microbatches = _check_microbatches(microbatches)
     for layer in module.modules():
         if isinstance(layer, DeferredBatchNorm):
             layer.set_microbatches(microbatches)
 
 
-def _check_microbatches(microbatches: int) -> None:
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(
-            f"the number of micro-batches must be a positive int, got {microbatches!r}")
+def _check_microbatches(microbatches: int) -> int:
+    """``microbatches`` as a plain int (a NumPy or one-element tensor integer too, as ``chunks``
+    elsewhere); TypeError for another type, ValueError unless >= 1."""
+    return cast(int, check_positive_int("the number of micro-batches", microbatches))
 
 
 def statistics_updating_norms(module: nn.Module) -> List[_BatchNorm]:

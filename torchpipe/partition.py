@@ -121,6 +121,24 @@ def infer_placement(module: nn.Sequential) -> Tuple[List[int], List[torch.device
     return balance, groups
 
 
+def _refuse_dataless_layers(named: List[Tuple[str, nn.Module]], balance: Sequence[int],
+                            devices: Sequence[torch.device]) -> None:
+    """ValueError for a layer with tensors on ``meta`` bound for a device that is not: they
+    hold no values to copy (torch's own error names neither the layer nor the device)."""
+    start = 0
+    for size, device in zip(balance, devices):
+        target = as_device(device)
+        if target.type != "meta":
+            for name, layer in named[start:start + size]:
+                dataless = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers())
+                            if t.device.type == "meta"]
+                if dataless:
+                    raise ValueError(f"layer {name!r} ({type(layer).__name__}) has tensors on the 'meta' device "
+                                     f"({', '.join(dataless)}), which hold no values to move to {target}: "
+                                     "materialise them first (to_empty() and initialise them, or load a state dict)")
+        start += size
+
+
 def split_module(
     module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
 ) -> Tuple[List[nn.Sequential], List[Tuple[str, nn.Module]]]:
@@ -130,6 +148,7 @@ def split_module(
     pipeline can keep the Sequential's parameter names.
     """
     named = list(module.named_children())
+    _refuse_dataless_layers(named, balance, devices)  # before any layer moves
     partitions: List[nn.Sequential] = []
     start = 0
     for size, device in zip(balance, devices):

@@ -260,12 +260,18 @@ class Pipe(nn.Module):
         verify_skippables(module)
         _check_skip_routes(module, balance_list)
 
+        undo_conversion = None
         if deferred_batch_norm:
             from .batchnorm import DeferredBatchNorm
 
+            undo_conversion = _undo_for(module)
             module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
-
-        partitions, named = split_module(module, balance_list, device_list)
+        try:
+            partitions, named = split_module(module, balance_list, device_list)
+        except BaseException:
+            if undo_conversion is not None:  # a refused Pipe leaves the user's model as it was
+                undo_conversion()
+            raise
         for name, layer in named:
             self.add_module(name, layer)
         self.balance: List[int] = list(balance_list)
@@ -971,6 +977,24 @@ def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs
 def _loss_call(loss_fn: Callable[..., Tensor], loss_kwargs: Optional[Dict[str, Any]]) -> Callable[[Any, Any], Tensor]:
     """What each micro-batch's loss calls: ``loss_fn``, with ``loss_kwargs`` when there are any."""
     return functools.partial(loss_fn, **loss_kwargs) if loss_kwargs else loss_fn
+
+
+def _undo_for(module: nn.Module) -> Callable[[], None]:
+    """What puts ``module``'s children, and its deferred batch norms' ``chunks``, back as they
+    are now (deferred batch norm's conversion replaces children in place)."""
+    from .batchnorm import DeferredBatchNorm
+
+    children = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()]
+    counts = [(norm, norm.chunks, norm.microbatches) for norm in module.modules() if isinstance(norm, DeferredBatchNorm)]
+
+    def undo() -> None:
+        for parent, name, child in children:
+            if getattr(parent, name) is not child:
+                setattr(parent, name, child)
+        for norm, chunks, microbatches in counts:
+            norm.chunks, norm.microbatches = chunks, microbatches
+
+    return undo
 
 
 def _refuse_dataless(value: Any, what: str, device: torch.device) -> None:

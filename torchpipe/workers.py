@@ -171,6 +171,7 @@ class Worker:
         # Reports of failed tasks and of tasks with a finalize (a private queue if none given).
         self.out_queue: "queue.SimpleQueue[Report]" = out_queue if out_queue is not None else queue.SimpleQueue()
         self.intra_op_threads = intra_op_threads
+        self._stopping = False  # stop() was called: put() refuses from then on
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -182,11 +183,20 @@ class Worker:
         return self._thread.is_alive()
 
     def put(self, task: Task) -> None:
-        """Queue ``task``; tasks run in the order they are put."""
+        """Queue ``task``; tasks run in the order they are put.
+
+        Refused at once, rather than reported never: a task that is not a `Task` (TypeError),
+        and one for a worker whose thread has stopped (RuntimeError).
+        """
+        if not isinstance(task, Task):
+            raise TypeError(f"Worker.put takes a torchpipe.workers.Task, got {type(task).__name__}")
+        if self._stopping or not self._thread.is_alive():
+            raise RuntimeError(f"worker {self.name!r} has stopped: its tasks would never run")
         self.in_queue.put(task)
 
     def stop(self, join: bool = True, timeout: Optional[float] = None) -> None:
         """Ask the thread to exit after the tasks already queued, and (by default) join it."""
+        self._stopping = True
         if self._thread.is_alive():
             self.in_queue.put(_STOP)
             if join and threading.current_thread() is not self._thread:

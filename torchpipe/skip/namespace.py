@@ -28,7 +28,9 @@ class Namespace:
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, Namespace) and self.id == other.id
 
-    def __lt__(self, other: "Namespace") -> bool:  # sortable, for stable messages
+    def __lt__(self, other: Any) -> bool:  # sortable, for stable messages
+        if not isinstance(other, Namespace):
+            return NotImplemented
         return self.id < other.id
 
 
