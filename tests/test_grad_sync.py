@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_helpers import spawn_ranks
 from torch import nn
 
 from torchpipe import GradientSync, Pipe
@@ -96,7 +96,7 @@ def equality_worker(rank: int, init_file: str) -> None:
 
 
 def test_step_gradients_equal_the_plain_models_averaged_over_ranks(tmp_path) -> None:
-    mp.spawn(equality_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+    spawn_ranks(equality_worker, str(tmp_path / "init"), nprocs=WORLD)
 
 
 def accumulation_worker(rank: int, init_file: str) -> None:
@@ -149,7 +149,7 @@ def accumulation_worker(rank: int, init_file: str) -> None:
 
 
 def test_no_sync_accumulates_locally_and_all_reduce_serves_the_forward_path(tmp_path) -> None:
-    mp.spawn(accumulation_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+    spawn_ranks(accumulation_worker, str(tmp_path / "init"), nprocs=WORLD)
 
 
 def buffers_worker(rank: int, init_file: str) -> None:
@@ -169,7 +169,7 @@ def buffers_worker(rank: int, init_file: str) -> None:
 
 
 def test_buffers_come_from_the_first_rank_before_each_step(tmp_path) -> None:
-    mp.spawn(buffers_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+    spawn_ranks(buffers_worker, str(tmp_path / "init"), nprocs=WORLD)
 
 
 def overlap_worker(rank: int, init_file: str, result_file: str) -> None:
@@ -202,7 +202,7 @@ def test_the_last_partitions_all_reduce_starts_while_the_first_is_still_in_backw
     """One all-reduce per partition, last partition first (then one for the status), the first started before
     partition 0 has finished its backward: the reduction overlaps the pipeline's drain."""
     result_file = str(tmp_path / "result")
-    mp.spawn(overlap_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    spawn_ranks(overlap_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
     for rank in range(WORLD):
         sizes, expected_sizes, overlapped = eval(open(f"{result_file}.{rank}").read())
         assert sizes == expected_sizes
@@ -229,7 +229,7 @@ def mismatch_worker(rank: int, init_file: str, result_file: str) -> None:
 
 def test_ranks_with_different_pipes_are_refused_before_anything_changes(tmp_path) -> None:
     result_file = str(tmp_path / "result")
-    mp.spawn(mismatch_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    spawn_ranks(mismatch_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
     for rank in range(WORLD):
         message, unchanged, detached = eval(open(f"{result_file}.{rank}").read())
         assert "every rank must build the same Pipe" in message, message
@@ -280,7 +280,7 @@ def test_a_failure_on_one_rank_fails_the_others_at_once(tmp_path) -> None:
     step succeeded learns of the failure at once (well inside the group's 5 s timeout) and
     raises too, with its gradients left local, not half averaged."""
     result_file = str(tmp_path / "result")
-    mp.spawn(failing_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    spawn_ranks(failing_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
     failed, failed_wait, failed_local = eval(open(f"{result_file}.1").read())
     other, other_wait, other_local = eval(open(f"{result_file}.0").read())
     assert failed == "ValueError: injected on rank 1" and failed_wait < 5 and failed_local
@@ -368,7 +368,7 @@ def none_grads_worker(rank: int, init_file: str, result_file: str) -> None:
 
 def test_unused_and_frozen_parameters_keep_none_and_a_graphless_rank_fails_every_rank(tmp_path) -> None:
     result_file = str(tmp_path / "result")
-    mp.spawn(none_grads_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    spawn_ranks(none_grads_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
     nones, outcome, unchanged = eval(open(f"{result_file}.1").read())
     assert nones == [True, True]
     assert outcome.startswith("RuntimeError: loss_fn returned no loss with a graph"), outcome
@@ -408,7 +408,7 @@ def test_ranks_whose_dtypes_differ_and_a_rank_outside_the_group_are_refused(tmp_
     """Review: a float32 rank and a float64 rank were accepted and the broadcast wrote garbage;
     a rank outside process_group was accepted and failed in its first step."""
     result_file = str(tmp_path / "result")
-    mp.spawn(layout_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    spawn_ranks(layout_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
     for rank in range(WORLD):
         dtypes, unchanged, membership = eval(open(f"{result_file}.{rank}").read())
         assert "torch.float32" in dtypes and "torch.float64" in dtypes and "same Pipe" in dtypes, dtypes
@@ -461,7 +461,7 @@ def test_ranks_whose_calls_differ_are_told_instead_of_averaging_other_steps(tmp_
     next step's all-reduces with the other rank's previous step, and both averaged gradients
     of different steps without a word."""
     result_file = str(tmp_path / "result")
-    mp.spawn(out_of_step_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    spawn_ranks(out_of_step_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
     first = eval(open(f"{result_file}.0").read())
     second = eval(open(f"{result_file}.1").read())
     assert second[0].startswith("the input batch is empty")
@@ -531,7 +531,7 @@ def test_a_partition_of_two_dtypes_and_one_of_integer_parameters_are_averaged_pe
     a float32 parameter no gradient then failed in the write-back, after the collectives, while
     the other rank went on. A partition of integer parameters failed every step."""
     result_file = str(tmp_path / "result")
-    mp.spawn(dtypes_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    spawn_ranks(dtypes_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
     for rank in range(WORLD):
         matches = eval(open(f"{result_file}.{rank}").read())
         assert len(matches) == 9 and all(ok for _, ok in matches), (rank, matches)
@@ -577,7 +577,7 @@ def test_a_ctrl_c_in_the_buffer_broadcast_leaves_the_collectives_paired(tmp_path
     issued, so a Ctrl-C in the first wait left the second unissued; the peer paired it with the
     step's all-reduce and waited for the group's timeout, and the next step failed too."""
     result_file = str(tmp_path / "result")
-    mp.spawn(interrupted_broadcast_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    spawn_ranks(interrupted_broadcast_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
     interrupted, interrupted_wait, interrupted_next = eval(open(f"{result_file}.1").read())
     other, other_wait, other_next = eval(open(f"{result_file}.0").read())
     assert interrupted == "KeyboardInterrupt" and interrupted_wait < 4, (interrupted, interrupted_wait)
@@ -632,7 +632,7 @@ def test_steps_from_two_threads_are_numbered_in_the_order_they_run(tmp_path) -> 
     stepping one Pipe on every rank ran in lock order, which may differ from entry order, so
     identical ranks raised RanksOutOfStep. A call is numbered under the lock now."""
     result_file = str(tmp_path / "result")
-    mp.spawn(threads_worker, args=(str(tmp_path / "init"), result_file), nprocs=WORLD, join=True)
+    spawn_ranks(threads_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
     for rank in range(WORLD):
         errors, averaged = eval(open(f"{result_file}.{rank}").read())
         assert errors == [] and averaged, (rank, errors)

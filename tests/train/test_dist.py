@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_helpers import spawn_ranks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -143,7 +143,7 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
 
 def test_two_process_table_wise_dist_equals_single_process(tmp_path) -> None:
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    mp.spawn(worker, args=(str(tmp_path / "init"), tests_dir), nprocs=WORLD, join=True)
+    spawn_ranks(worker, str(tmp_path / "init"), tests_dir, nprocs=WORLD)
 
 
 def failing_rank_worker(rank: int, init_file: str, tests_dir: str, errors_file: str) -> None:
@@ -203,7 +203,7 @@ def test_a_failure_on_one_rank_fails_every_rank_within_the_process_group_timeout
     error first."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     errors_file = str(tmp_path / "errors")
-    mp.spawn(failing_rank_worker, args=(str(tmp_path / "init"), tests_dir, errors_file), nprocs=WORLD, join=True)
+    spawn_ranks(failing_rank_worker, str(tmp_path / "init"), tests_dir, errors_file, nprocs=WORLD)
     first = open(f"{errors_file}.0").read().splitlines()
     other = open(f"{errors_file}.1").read().splitlines()
     assert first and first[0] == "ValueError: injected on rank 0", first
