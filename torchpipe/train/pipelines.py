@@ -357,13 +357,16 @@ def claim_collection(collection: CachedEmbeddingBagCollection) -> None:
     planning on one cache would evict each other's protected rows or wait on each other's
     write-backs.
     """
-    if _busy_owner(collection) is not None or collection.in_flight() or collection.pending_writes():
+    def busy() -> bool:  # batches that protect no slot yet (in h2d, say) count too, through the owner
+        return _busy_owner(collection) is not None or bool(collection.in_flight() or collection.pending_writes())
+
+    if busy():
         collection.settle()
-    if _busy_owner(collection) is not None or collection.in_flight() or collection.pending_writes():
+    if busy():
         gc.collect()  # a full collection costs tenths of a second: only when settling was not enough
         collection.settle()
-    owner = _busy_owner(collection)  # batches that protect no slot yet (in h2d, say) count too
-    if owner is not None or collection.in_flight() or collection.pending_writes():
+    if busy():
+        owner = _busy_owner(collection)
         batches = f"; batches {owner.pipeline.in_flight()} of its pipeline" if owner is not None else ""
         raise RuntimeError(
             f"the collection has batches in flight ({collection.in_flight()} protected slots, "
