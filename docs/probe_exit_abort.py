@@ -1,12 +1,20 @@
 """Reproduce an abort at interpreter exit: a process that ran a Pipe and a gloo process group.
 
-Found in the sixteenth session. Two ranks each build a Pipe, run two ``Pipe.step`` calls,
-``all_gather`` their gradients and ``destroy_process_group()``, then return normally. About
-one process in 20-60 then dies with SIGABRT during the interpreter's teardown ("terminate
-called without an active exception"), after all its work. It happens with and without a
-``GradientSync``, and on the fifteenth session's code too; a gloo-only script with a daemon
-thread issuing the all-reduces (no Pipe) did not abort in 60 runs. The cause is not found.
-The tests' workers leave through ``os._exit`` (``tests/spawn_helpers.py``) to stay clear of it.
+Found in the sixteenth session, explained and fixed in the seventeenth. Two ranks each build a
+Pipe, run two ``Pipe.step`` calls, ``all_gather`` their gradients and
+``destroy_process_group()``, then return normally. Before the fix, about one process in 20-60
+died with SIGABRT in the interpreter's teardown ("terminate called without an active
+exception"), after all its work.
+
+Cause (from a core dump): the first ``torch.utils.checkpoint`` call imports ``torch._dynamo``,
+which imports ``torch.distributed.nn.functional``; its collectives take ``group=group.WORLD``
+as a default, evaluated at that import. After ``init_process_group`` those defaults hold the
+default group, so ``destroy_process_group()`` does not free it, and its gloo threads run on into
+finalization. A gloo thread that drops a finished collective's tensors there must take the GIL,
+is ended by ``pthread_exit``, and the forced unwind through a noexcept destructor calls
+``std::terminate``. ``import torchpipe`` now imports that module first, while no group exists
+(``torchpipe/checkpoint.py``); ``tests/test_dist_teardown.py`` checks that the group's threads
+end at ``destroy_process_group()``.
 
     .venv/bin/python docs/probe_exit_abort.py 60          # with a GradientSync
     NOSYNC=1 .venv/bin/python docs/probe_exit_abort.py 60 # without

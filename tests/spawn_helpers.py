@@ -12,9 +12,10 @@ import torch.multiprocessing as mp
 def _run_then_exit(rank: int, worker: Callable[..., None], *args: Any) -> None:
     worker(rank, *args)
     # A worker that returned has done and reported everything: leave without the interpreter's
-    # teardown. About one process in 20-60 that ran a Pipe and a gloo process group aborts there
-    # ("terminate called without an active exception"), after its work, with or without a
-    # GradientSync, on this session's code and the one before (see the sixteenth session's note).
+    # teardown. A process group still alive there can abort the process after its work
+    # ("terminate called without an active exception": docs/probe_exit_abort.py explains it).
+    # torchpipe removes the cause it knew of (tests/test_dist_teardown.py checks that), but a
+    # worker that fails an assertion before destroy_process_group() still leaves its group alive.
     # A worker that raised still goes through spawn's own error path.
     sys.stdout.flush()
     sys.stderr.flush()

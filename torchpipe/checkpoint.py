@@ -59,6 +59,30 @@ from .thread_state import CHECKPOINT_HOOK_MARK, current_saved_tensors_hooks  # n
 
 __all__ += ["checkpoint", "RNGGuard", "RNGReplayError", "StageRNG", "generator_state"]
 
+
+def _import_collective_defaults_before_any_group() -> None:
+    """Import ``torch.distributed.nn.functional`` now, while no process group exists yet.
+
+    Its collectives take ``group=group.WORLD`` as a default, evaluated at import. The first
+    ``torch.utils.checkpoint`` call imports ``torch._dynamo``, which imports that module: after
+    ``init_process_group`` the defaults then hold the default group, ``destroy_process_group()``
+    no longer frees it, and its gloo threads live on into the interpreter's teardown. There, a
+    thread that drops a finished collective's tensors needs the GIL and aborts the process
+    ("terminate called without an active exception", SIGABRT after all work is done; see
+    pytorch/pytorch#109478 and #179291). Imported here, the defaults stay ``None``.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return  # no collectives, or too late: importing now would capture the live group
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError:  # pragma: no cover - a build without torch.distributed.nn
+        pass
+
+
+_import_collective_defaults_before_any_group()
+
 # One lock per generator, keyed by id: some torch versions (2.11) cannot weak-reference a
 # Generator. The entry keeps its generator alive so that an id is never reused; the
 # generators locked here are the devices' default generators, which live as long as torch.
