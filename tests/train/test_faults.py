@@ -629,3 +629,57 @@ def test_a_flush_that_fails_part_way_hands_back_what_it_finished(where: str) -> 
     reference, _, expected = reference_run(tables, batches[:trained], Adam(lr=0.5))
     assert all(torch.equal(a[1], b[1]) for a, b in zip(outputs, expected))
     assert_same_state(model, reference)
+
+
+def interrupt_once(owner, name: str, at: int, before: bool) -> None:
+    """Make ``owner.name`` raise KeyboardInterrupt at its ``at``-th call: before or after its work."""
+    original, calls = getattr(owner, name), {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if before and calls["n"] == at:
+            raise KeyboardInterrupt(f"Ctrl-C before {name}")
+        result = original(*args, **kwargs)
+        if not before and calls["n"] == at:
+            raise KeyboardInterrupt(f"Ctrl-C after {name}")
+        return result
+
+    setattr(owner, name, interrupted)
+
+
+# Review: the clock schedule advanced before a clock ran, and the stages' values moved on only
+# after it: a Ctrl-C landing in between (before the runtime step, or after it but before the
+# hand-over) fed every stage the input it had already handled on the next call. A batch was
+# planned twice, its slots stayed protected for good (flush refused) or a trained row was
+# overwritten with a stale snapshot.
+@pytest.mark.parametrize("where", ["after the schedule advanced", "before the runtime step",
+                                   "after the runtime step", "in the step's bookkeeping"])
+def test_a_ctrl_c_anywhere_in_a_clock_leaves_the_pipeline_in_step(where: str) -> None:
+    tables = make_tables()
+    batches = make_batches(tables, 16, seed=21)
+    opt_sparse = Adam(lr=0.5)
+    model, opt = build(tables, window_minimum(tables, batches) + 2, opt_sparse)
+    with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
+        staged = pipe.pipeline
+        if where == "after the schedule advanced":
+            interrupt_once(staged._schedule, "clock", 9, before=False)
+        elif where == "before the runtime step":
+            interrupt_once(staged, "_program", 9, before=True)
+        elif where == "after the runtime step":
+            interrupt_once(staged._runtime, "run", 9, before=False)
+        else:
+            interrupt_once(staged, "_record", 9, before=True)
+        it = iter(batches)
+        with pytest.raises(KeyboardInterrupt, match="Ctrl-C"):
+            while True:
+                pipe.progress(it)
+        promised, trained = pipe.pipeline.in_flight(), pipe.steps_done
+        flushed = pipe.flush()  # what is still in flight, if the clock had handed its outputs on
+        done = pipe.steps_done
+        assert len(flushed) == len(promised) and done == trained + len(promised), (promised, trained, done)
+        assert 0 < done < len(batches) and model.ebc.in_flight() == 0 and model.ebc.pending_writes() == 0
+        reference, ref_opt, expected = reference_run(tables, batches, opt_sparse, steps=done)
+        for batch, output in zip(promised, flushed):  # each is the output of the batch it was said to be
+            assert torch.equal(output[1], expected[batch][1]), batch
+        assert_same_state(model, reference)
+        resume_like_the_reference(pipe, model, reference, ref_opt, tables, batches[done:], opt_sparse)

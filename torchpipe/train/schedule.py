@@ -50,6 +50,9 @@ class ClockSchedule:
     def reset(self) -> None:
         """Forget every in-flight batch (after a failure); batch numbering goes on."""
         self.waiting: List[Optional[int]] = [None] * self.depth
+        # The clock advanced to and not yet closed by whoever runs it: until it is closed,
+        # the schedule is ahead of the stages' values, and an interruption must reset both.
+        self.open: Optional[Clock] = None
         if not hasattr(self, "next_batch"):
             self.next_batch = 0
             self.clocks = 0
@@ -64,16 +67,22 @@ class ClockSchedule:
 
     def clock(self, new_batch: bool) -> Clock:
         """Admit a batch into stage 0 if ``new_batch``, and advance every batch one stage."""
-        admitted: Optional[int] = None
+        admitted = self.next_batch if new_batch else None
+        waiting = list(self.waiting)
         if new_batch:
-            admitted = self.next_batch
-            self.next_batch += 1
-            self.waiting[0] = admitted
-        active = tuple((s, b) for s, b in enumerate(self.waiting) if b is not None)
-        clock = Clock(self.clocks, self.calls, active, admitted, self.waiting[-1])
+            waiting[0] = admitted
+        active = tuple((s, b) for s, b in enumerate(waiting) if b is not None)
+        clock = Clock(self.clocks, self.calls, active, admitted, waiting[-1])
+        self.open = clock  # first: from here on, an interruption finds the clock open
+        self.next_batch += bool(new_batch)
         self.clocks += 1
-        self.waiting = [None] + self.waiting[:-1]
+        self.waiting = [None] + waiting[:-1]
         return clock
+
+    def close(self, clock: Clock) -> None:
+        """``clock`` ran and its outputs were handed on: the stages caught up with the schedule."""
+        if self.open is clock:
+            self.open = None
 
     def progress_clocks(self, pull: Callable[[], bool]) -> Iterator[Clock]:
         """The clocks of one ``progress()`` call.
@@ -117,6 +126,7 @@ def schedule_table(names: Sequence[str], workers: Sequence[str], num_batches: in
             rows.append([str(schedule.calls), "-"] + [""] * len(names) + ["StopIteration"])
             break
         for clock in clocks:
+            schedule.close(clock)
             cells = [str(clock.batch_of(s)) if clock.batch_of(s) is not None else "." for s in range(len(names))]
             finished = str(clock.finished) if clock.finished is not None else ""
             rows.append([str(clock.call), str(clock.index)] + cells + [finished])

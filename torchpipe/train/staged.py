@@ -347,40 +347,57 @@ class StagedPipeline:
             self._on_abort(exc)
 
     def _run_clock(self, clock: Clock) -> Dict[int, Any]:
-        run = _ClockRun(list(self._values), list(self._ready))
-        self._failure.stage = None
-        program = self._program(clock.stages)
+        """Run ``clock`` and hand its outputs on; on any exception, empty the pipeline.
+
+        The schedule advanced to ``clock`` before this runs, so until the outputs are handed
+        on (``ClockSchedule.close``) the stages' values lag behind it. An exception in that
+        span, a stage's or a Ctrl-C's wherever it lands, drops every in-flight batch rather
+        than letting the next call feed each stage the input it already handled.
+        """
+        previous_record = self._runtime.last_step
+        run: Optional[_ClockRun] = None
         try:
+            run = _ClockRun(list(self._values), list(self._ready))
+            self._failure.stage = None
+            program = self._program(clock.stages)
             self._runtime.run(program, run, device_types=(self.device.type,), on_abort=self._wake,
                               owner=self._call_owner)
+            outputs = run.outputs
+            if self._streamed and self.depth - 1 in outputs:
+                # The caller reads the last output on its own stream: after the last stage's work.
+                caller = self._backend.current_stream(self.device)
+                self._backend.wait_event(caller, run.done[self.depth - 1])
+                _record_streams(outputs[self.depth - 1], caller, self._backend, self.device.type)
+            self._values = [None] + [outputs.get(s) for s in range(self.depth - 1)]
+            self._ready = [None] + [run.done.get(s) for s in range(self.depth - 1)]
+            self._schedule.close(clock)
         except BaseException as exc:  # noqa: B902
-            self._record()
-            dropped = [b for s, b in clock.active if not (s == self.depth - 1 and s in run.outputs)]
-            self._schedule.reset()
-            self._values = [None] * self.depth
-            self._ready = [None] * self.depth
-            failure = PipelineFailure(exc, clock, dict(run.outputs), dropped)
-            if self._on_failure is not None:
-                self._on_failure(failure)
-            stage = self._failure.stage or "caller (interrupted)"
-            if hasattr(exc, "add_note"):
-                finished = [b for s, b in clock.active if s == self.depth - 1 and s in run.outputs]
-                done = f"; batch {finished[0]} did finish (its output is not returned)" if finished else ""
-                exc.add_note(f"[torchpipe.train] clock {clock.index} failed in stage {stage!r}; "
-                             f"batches {dropped} were in flight and dropped{done}; the pipeline is empty and usable")
+            if self._schedule.open is clock:  # else the outputs were handed on: nothing to undo
+                self._abandon_clock(clock, run, exc, ran=self._runtime.last_step is not previous_record)
             raise
         self._record()
-        outputs = run.outputs
-        self._values = [None] + [outputs.get(s) for s in range(self.depth - 1)]
-        self._ready = [None] + [run.done.get(s) for s in range(self.depth - 1)]
-        if self._streamed and self.depth - 1 in outputs:
-            # The caller reads the last output on its own stream: after the last stage's work.
-            caller = self._backend.current_stream(self.device)
-            self._backend.wait_event(caller, run.done[self.depth - 1])
-            _record_streams(outputs[self.depth - 1], caller, self._backend, self.device.type)
         if self._after_clock is not None:
             self._after_clock(clock, outputs)
         return outputs
+
+    def _abandon_clock(self, clock: Clock, run: Optional[_ClockRun], exc: BaseException, ran: bool) -> None:
+        """Empty the pipeline after ``clock`` failed or was interrupted before it handed its outputs on."""
+        if ran:
+            self._record()
+        completed = dict(run.outputs) if run is not None else {}
+        dropped = [b for s, b in clock.active if not (s == self.depth - 1 and s in completed)]
+        self._schedule.reset()
+        self._values = [None] * self.depth
+        self._ready = [None] * self.depth
+        failure = PipelineFailure(exc, clock, completed, dropped)
+        if self._on_failure is not None:
+            self._on_failure(failure)
+        stage = self._failure.stage or "caller (interrupted)"
+        if hasattr(exc, "add_note"):
+            finished = [b for s, b in clock.active if s == self.depth - 1 and s in completed]
+            done = f"; batch {finished[0]} did finish (its output is not returned)" if finished else ""
+            exc.add_note(f"[torchpipe.train] clock {clock.index} failed in stage {stage!r}; "
+                         f"batches {dropped} were in flight and dropped{done}; the pipeline is empty and usable")
 
     def _record(self) -> None:
         record = self._runtime.last_step
@@ -438,6 +455,11 @@ class StagedPipeline:
                 if clock.finished is not None:
                     return outputs[self.depth - 1]
             raise StopIteration
+        except BaseException as exc:  # noqa: B902 - re-raised; only an open clock is undone
+            opened = self._schedule.open
+            if opened is not None:  # interrupted after the schedule advanced, before the clock ran
+                self._abandon_clock(opened, None, exc, ran=False)
+            raise
         finally:
             self._call_owner = None
 
