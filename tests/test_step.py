@@ -52,6 +52,26 @@ def test_loss_and_every_gradient_match_the_plain_model(schedule, options, balanc
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+# Review: a loss of shape (1,) was refused, though loss.backward() takes any one-element loss.
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_one_element_loss_of_shape_1_is_taken_as_a_scalar(schedule):
+    def loss_fn(out, target):
+        return nn.functional.mse_loss(out, target).reshape(1)
+
+    model = make_model().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(10, 8, dtype=torch.double), torch.randn(10, 8, dtype=torch.double)
+    expected_loss, expected = reference_grads(reference, x, y, loss_fn)
+    with Pipe(model, [2, 4, 2], chunks=3) as pipe:
+        loss = pipe.step(x, y, loss_fn, schedule=schedule)
+        evaluated = pipe.evaluate(x, y, loss_fn)
+    assert loss.shape == () and evaluated.shape == ()
+    torch.testing.assert_close(loss, expected_loss.reshape(()))
+    torch.testing.assert_close(evaluated, expected_loss.reshape(()))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], msg=name)
+
+
 def test_input_gradient_and_cross_entropy_with_integer_targets():
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 5))
     reference = copy.deepcopy(model)
@@ -284,6 +304,9 @@ def test_bad_arguments():
                 pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
         with pytest.raises(RuntimeError, match=r"cannot run under torch.inference_mode\(\)"):
             with torch.inference_mode():
+                pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
+        with pytest.raises(RuntimeError, match=r"cannot run under torch.inference_mode\(\)"):
+            with torch.inference_mode(), torch.enable_grad():  # grad mode on, yet nothing is recorded
                 pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss())
         with pytest.raises(ValueError, match="one value per element"):
             pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.MSELoss(reduction="none"), reduction="sum")

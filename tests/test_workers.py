@@ -337,6 +337,8 @@ def test_hostpool_tasks_run_under_the_submitters_thread_state():
             assert pool.submit(state).result(5) == (False, False, True, torch.bfloat16)
         with torch.inference_mode():
             assert pool.submit(state).result(5)[1] is True
+            with torch.enable_grad():
+                assert pool.submit(state).result(5)[:2] == (True, True)
         assert pool.submit(state).result(5) == (True, False, False, torch.float32)  # nothing stays behind
         with torchpipe.profiling.profile() as prof:
             pool.submit(lambda: torch.ones(3).sum(), label="lookup table 0").result(5)
@@ -470,6 +472,13 @@ def test_grad_mode_of_the_caller_reaches_every_worker():
             out = pipe(x)
         assert out.is_inference()
         assert all(p.modes == [(False, True)] * 2 for p in probes), [p.modes for p in probes]
+
+        for p in probes:  # review: entering inference mode on a worker turned grad mode back off
+            p.modes.clear()
+        with torch.inference_mode(), torch.enable_grad():
+            out = pipe(x)
+        assert out.is_inference() and out.grad_fn is None
+        assert all(p.modes == [(True, True)] * 2 for p in probes), [p.modes for p in probes]
 
         for p in probes:
             p.modes.clear()

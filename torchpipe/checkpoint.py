@@ -55,6 +55,7 @@ import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
 from .call_chain import RNGSection, enter_rng_section, leave_rng_section  # noqa: E402
 from .devices import get_backend  # noqa: E402
 from .microbatch import Batch, rebuild  # noqa: E402
+from .saved_versions import VersionedSaves  # noqa: E402
 from .thread_state import CHECKPOINT_HOOK_MARK, current_saved_tensors_hooks  # noqa: E402
 
 __all__ += ["checkpoint", "RNGGuard", "RNGReplayError", "StageRNG", "generator_state"]
@@ -471,14 +472,41 @@ def _counting_saves(function: Callable[[Any], Any], value: Any) -> Tuple[Any, in
     return output, saved
 
 
-def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageReplay") -> Batch:
+def _recompute_checking_versions(function: Callable[[Any], Any], value: Any, where: str) -> Any:
+    """``function(value)`` under the recompute's hooks, then autograd's in-place check.
+
+    The recompute runs the whole partition (``early_stop=False``), and torch's checkpoint
+    keeps what it saved as aliases: a later in-place change in the same recompute would reach
+    backward unnoticed, where autograd without the checkpoint raises.
+    """
+    hooks = current_saved_tensors_hooks()
+    if hooks is None:
+        return function(value)
+    pack, unpack = hooks
+    saves = VersionedSaves()
+
+    def recording_pack(tensor: torch.Tensor) -> Any:
+        saves.record(tensor)
+        return pack(tensor)
+
+    setattr(recording_pack, CHECKPOINT_HOOK_MARK, True)  # a Pipe called in here must see the checkpoint
+
+    with torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack):
+        output = function(value)
+    saves.check(lambda: where)
+    return output
+
+
+def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageReplay",
+               where: str = "recomputed by a checkpoint") -> Batch:
     """Run ``function`` on ``batch`` without keeping its activations; recompute them in backward.
 
     Built on PyTorch's non-reentrant checkpoint (saved-tensor hooks), which recomputes on
     demand during backward and supports tuple outputs and in-place layers. RNG replay and the
     ``is_checkpointing``/``is_recomputing`` flags come from ``replay``'s contexts. Whenever
     backward passes through the output, the partition is recomputed once, also when it saved
-    nothing (see :class:`_KeepOne`).
+    nothing (see :class:`_KeepOne`). A tensor saved for backward and then changed in place
+    fails the backward, as without the checkpoint; ``where`` names the job in that error.
     """
     atomic, template = batch.atomic, batch.values
     failures: List[BaseException] = []
@@ -490,7 +518,7 @@ def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageRepl
         # resume their context only on success, which would leave the checkpoint's
         # saved-tensor hooks installed on this worker thread for every later step.
         if _flags.recomputing:  # a failed recompute surfaces through backward as it is
-            output = function(value)
+            output = _recompute_checking_versions(function, value, where)
             return _with_kept_tensor(output) if keeps_one else output
         try:
             output, saved = _counting_saves(function, value)

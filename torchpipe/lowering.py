@@ -130,7 +130,7 @@ def _on_private_copy(partition: nn.Module, aliased_skip: Optional[Tuple[int, str
         clones: List[Tensor] = []
 
         def private(tensor: Tensor) -> Tensor:
-            if not tensor.is_floating_point():
+            if not (tensor.is_floating_point() or tensor.is_complex()):  # only these carry gradients
                 return tensor
             clones.append(tensor.clone())
             return clones[-1]
@@ -263,7 +263,7 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
         if replay is not None:
             versions = tuple(t._version for t in batch.tensors())
             with stage.rng.forward_section(training):
-                output = checkpoint(partition, batch, replay)
+                output = checkpoint(partition, batch, replay, f"recomputed for stage {stage.index}, micro-batch {microbatch}")
             _check_input_untouched(stage, batch, versions)
             if tracker is not None:
                 tracker.check_popped_untouched()

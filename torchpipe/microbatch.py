@@ -76,9 +76,18 @@ class Batch:
 
 
 def rebuild(template: Tuple[Any, ...], items: Sequence[Any]) -> Tuple[Any, ...]:
-    """``items`` as a tuple of ``template``'s kind: a namedtuple keeps its type and fields."""
-    if type(template) is not tuple and hasattr(template, "_fields"):
-        return type(template)(*items)
+    """``items`` as a tuple of ``template``'s kind.
+
+    A namedtuple keeps its type and fields, and so does a struct sequence such as
+    ``torch.return_types.max`` (what ``x.max(dim)`` returns: a later layer reads ``.values``).
+    """
+    kind = type(template)
+    if kind is tuple:
+        return tuple(items)
+    if hasattr(template, "_fields"):
+        return kind(*items)
+    if hasattr(kind, "n_sequence_fields"):  # a struct sequence: built from one sequence
+        return kind(tuple(items))
     return tuple(items)
 
 

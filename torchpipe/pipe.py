@@ -33,7 +33,7 @@ from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import Upstream, microbatch_weights, scalar_loss, split_targets
 from .step_report import StepReport, report
-from .thread_state import in_torch_checkpoint, warn_if_the_profiler_records_this_thread_only
+from .thread_state import in_torch_checkpoint, records_graphs, warn_if_the_profiler_records_this_thread_only
 from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, available_cores, spawn_workers, stop_workers
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
@@ -543,7 +543,7 @@ class Pipe(nn.Module):
             return _outside_compile(Pipe.forward)(self, input)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
-        if self._gradient_sync is not None and self.training and torch.is_grad_enabled():
+        if self._gradient_sync is not None and self.training and records_graphs():
             self._gradient_sync.warn_forward_unsynchronised()
         input_dim, output_dim, _ = self._batch_dims
         batches = scatter(input, self.chunks, input_dim)
@@ -560,7 +560,7 @@ class Pipe(nn.Module):
     def _forward_batches(self, batches: List[Batch]) -> List[Batch]:
         """Each micro-batch's output, in micro-batch order, ready on the caller's stream."""
         m = len(batches)
-        if self.training and torch.is_grad_enabled():
+        if self.training and records_graphs():
             stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
         else:
             stop = 0
@@ -700,7 +700,7 @@ class Pipe(nn.Module):
                 raise TypeError(f"Pipe.step got unexpected keyword argument(s) {unknown}: its own are reduction, "
                                 f"return_outputs, losses and loss_kwargs, and schedule {schedule!r} takes "
                                 f"{schedule_options(schedule) or 'no options'}")
-        if not torch.is_grad_enabled():
+        if not records_graphs():
             where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
             raise RuntimeError(f"Pipe.step computes gradients; it cannot run under {where}")
         _refuse_dataless(target, "target", self.devices[-1])

@@ -25,6 +25,7 @@ from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
 from .microbatch import Batch, BatchDim, check_joins, rebuild, why_not_gatherable
 from .runtime import Program
+from .saved_versions import check_unchanged
 from .skip.portal import SkipStore, StageSkips
 from .split_backward import WeightSplit
 from .step_inputs import scalar_loss
@@ -129,11 +130,18 @@ class _Handoff:
 
 
 class _CountSaved:
-    """Saved-tensor hooks that add up the bytes autograd keeps for backward."""
+    """Saved-tensor hooks that add up the bytes autograd keeps for backward.
 
-    def __init__(self, parameter_ids: FrozenSet[int]) -> None:
+    Installed hooks turn off autograd's own check that a saved tensor was not changed in
+    place before backward, so these check it themselves (:mod:`torchpipe.saved_versions`).
+    Under the caller's own hooks, autograd checks nothing either, and neither do these.
+    """
+
+    def __init__(self, parameter_ids: FrozenSet[int], stage: int, microbatch: int) -> None:
         self.nbytes = 0
         self.parameter_ids = parameter_ids
+        self.stage = stage
+        self.microbatch = microbatch
         # The caller's own hooks (``save_on_cpu``), which these would otherwise shadow.
         self.outer = current_saved_tensors_hooks()
 
@@ -151,10 +159,17 @@ class _CountSaved:
         # next stage is on another device, the outputs it copies get freed (``_drop_storage``
         # swaps their data); the alias keeps the values saved.
         packed = tensor.detach()
-        return packed if self.outer is None else self.outer[0](packed)
+        return (packed, packed._version) if self.outer is None else self.outer[0](packed)
 
     def unpack(self, packed: Any) -> Tensor:
-        return packed if self.outer is None else self.outer[1](packed)
+        if self.outer is not None:
+            return self.outer[1](packed)
+        alias, version = packed
+        check_unchanged(alias, version, self._where)
+        return alias
+
+    def _where(self) -> str:
+        return f"saved in stage {self.stage}'s forward of micro-batch {self.microbatch}"
 
 
 def _grad_positions(output: Batch) -> Tuple[int, ...]:
@@ -208,7 +223,7 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                 ctx.memory.freed_output_bytes[index - 1] += _free_sent_outputs(handoff, received)
             batch = received
         batch, leaves = _as_leaves(batch, positions)
-        counter = _CountSaved(parameter_ids)
+        counter = _CountSaved(parameter_ids, index, microbatch)
         skips = StageSkips()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             output = run_partition(stage, ctx, microbatch, batch, skips)

@@ -134,8 +134,11 @@ def microbatch_weights(loss_fn: Any, reduction: str, batches: Sequence[Batch], t
 
 
 def scalar_loss(loss: Any) -> Tensor:
-    """``loss`` if ``loss_fn`` returned what a micro-batch's loss must be; TypeError otherwise."""
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
+    """A micro-batch's loss as a 0-dim tensor; TypeError if ``loss_fn`` returned anything else.
+
+    A one-element loss of another shape (``(1,)``) is taken too, as ``loss.backward()`` takes it.
+    """
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
-        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} {shape}")
-    return loss
+        raise TypeError(f"loss_fn must return a scalar tensor (one element), got {type(loss).__name__} {shape}")
+    return loss if loss.dim() == 0 else loss.reshape(())

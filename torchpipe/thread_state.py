@@ -18,7 +18,16 @@ from .call_chain import Chain
 from .call_chain import current as current_chain
 
 __all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "current_saved_tensors_hooks", "in_torch_checkpoint",
-           "warn_if_the_profiler_records_this_thread_only"]
+           "records_graphs", "warn_if_the_profiler_records_this_thread_only"]
+
+
+def records_graphs() -> bool:
+    """Whether autograd records what runs on this thread now.
+
+    Grad mode alone does not say: ``torch.enable_grad()`` inside ``torch.inference_mode()``
+    turns grad mode on, yet inference tensors record nothing (and cannot be checkpointed).
+    """
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
 _TOP_SAVED_TENSORS_HOOKS: Optional[Callable[[bool], Any]] = getattr(
@@ -132,6 +141,8 @@ class ThreadState:
         stack = contextlib.ExitStack()
         if self.inference:
             stack.enter_context(torch.inference_mode())
+            if self.grad_enabled:  # ``enable_grad()`` inside it: entering inference mode turned grad mode off
+                stack.enter_context(torch.enable_grad())
         for device_type, dtype, cache in self.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
         if self.saved_hooks is not None:
