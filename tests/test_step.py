@@ -765,3 +765,33 @@ def test_a_failed_step_removes_the_gradients_it_gave_the_input_and_the_loss_modu
         with pytest.raises(IndexError):
             pipe.step(x, torch.tensor([0, 1, 2, 0, 1, 2, 0, 7]), loss_fn, reduction="mean")
     assert x.grad is None and loss_fn.scale.grad is None
+
+
+class SequenceHead(nn.Module):
+    """Reads an LSTM's ``(out, (h_n, c_n))``: the sequence output and the last hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, packed):
+        out, (h, _) = packed
+        return self.linear(out.mean(1) + h[-1])
+
+
+# Review: Pipe.step cut the graph only at top-level tensors, so h_n nested in the LSTM's
+# output kept stage 0's graph: stage 1's backward ran into it and freed it, and stage 0's own
+# backward then failed ("Trying to backward through the graph a second time").
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_tensors_nested_in_a_stage_output_carry_their_gradients_back(schedule, checkpoint):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.LSTM(5, 8, batch_first=True), SequenceHead()).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(6, 7, 3, dtype=torch.double), torch.randn(6, 1, dtype=torch.double)
+    expected_loss, expected = reference_grads(reference, x, y, nn.MSELoss())
+    with Pipe(model, [2, 1], chunks=3, checkpoint=checkpoint) as pipe:
+        loss = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    torch.testing.assert_close(loss, expected_loss)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], msg=name)

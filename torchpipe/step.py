@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
-from typing import Any, Callable, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -107,7 +107,7 @@ class _Saved:
     __slots__ = ("leaves", "outputs", "grad_positions", "grads", "bytes", "skips", "split", "aliased")
 
     def __init__(self, leaves: List[Tensor], outputs: List[Tensor], nbytes: int, skips: StageSkips,
-                 aliased: bool = False, grad_positions: Tuple[int, ...] = ()) -> None:
+                 aliased: bool = False, grad_positions: Tuple[Tuple[int, ...], ...] = ()) -> None:
         self.aliased = aliased  # autograd saved aliases, not these outputs: they may be freed
         self.grad_positions = grad_positions  # where ``outputs`` sit in the batch sent on
         self.leaves = leaves
@@ -172,12 +172,37 @@ class _CountSaved:
         return f"saved in stage {self.stage}'s forward of micro-batch {self.microbatch}"
 
 
-def _grad_positions(output: Batch) -> Tuple[int, ...]:
-    """Where in a stage's output the tensors that carry a gradient back are."""
-    return tuple(i for i, v in enumerate(output.values) if isinstance(v, Tensor) and v.requires_grad)
+Path = Tuple[int, ...]
+"""Where a value sits in a batch: its index, then indices into nested tuples and lists."""
 
 
-def _as_leaves(batch: Batch, positions: Sequence[int]) -> Tuple[Batch, List[Tensor]]:
+def _grad_positions(output: Batch) -> Tuple[Path, ...]:
+    """Where in a stage's output the tensors that carry a gradient back are.
+
+    Nested tuples and lists are searched too (an LSTM's ``(out, (h, c))``): a tensor in one
+    that kept the producer's graph would let the consumer's backward run into the producer's.
+    """
+    found: List[Path] = []
+    _collect_grad_paths(output.values, (), found)
+    return tuple(found)
+
+
+def _collect_grad_paths(values: Sequence[Any], prefix: Path, found: List[Path]) -> None:
+    for i, value in enumerate(values):
+        if isinstance(value, Tensor):
+            if value.requires_grad:
+                found.append(prefix + (i,))
+        elif isinstance(value, (tuple, list)):
+            _collect_grad_paths(value, prefix + (i,), found)
+
+
+def _value_at(values: Sequence[Any], path: Path) -> Any:
+    for i in path:
+        values = values[i]
+    return values
+
+
+def _as_leaves(batch: Batch, positions: Sequence[Path]) -> Tuple[Batch, List[Tensor]]:
     """Cut the graph at the stage input: the values at ``positions`` become leaves.
 
     ``positions`` are the producer's (:func:`_grad_positions`), so the leaves' gradients line
@@ -186,13 +211,23 @@ def _as_leaves(batch: Batch, positions: Sequence[int]) -> Tuple[Batch, List[Tens
     """
     if not positions:
         return batch, []
-    values = list(batch.values)
-    leaves: List[Tensor] = []
-    for i in positions:
-        leaf = values[i].detach().requires_grad_(True)
-        values[i] = leaf
-        leaves.append(leaf)
+    leaves = [_value_at(batch.values, path).detach().requires_grad_(True) for path in positions]
+    values = _with_leaves(batch.values, (), dict(zip(positions, leaves)))
     return Batch(values[0] if batch.atomic else rebuild(batch.values, values)), leaves
+
+
+def _with_leaves(values: Sequence[Any], prefix: Path, leaf_at: Dict[Path, Tensor]) -> List[Any]:
+    """``values`` with the leaf for each path in ``leaf_at``; containers on a path rebuilt as their kind."""
+    out = list(values)
+    for i, value in enumerate(values):
+        path = prefix + (i,)
+        leaf = leaf_at.get(path)
+        if leaf is not None:
+            out[i] = leaf
+        elif isinstance(value, (tuple, list)) and any(p[: len(path)] == path for p in leaf_at):
+            inner = _with_leaves(value, path, leaf_at)
+            out[i] = inner if isinstance(value, list) else rebuild(value, inner)
+    return out
 
 
 def _copies_between(producer: StageRunner, consumer: StageRunner) -> bool:
@@ -207,7 +242,7 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
     parameter_ids = frozenset(id(p) for p in stage.partition.parameters())
 
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
-        positions: Tuple[int, ...] = ()
+        positions: Tuple[Path, ...] = ()
         if inputs:
             handoff: _Handoff = inputs[0]
             batch, event = handoff.batch, handoff.event
@@ -247,7 +282,7 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                         check_joins(output, ctx.output_batch_dim, first, expected)
                     ctx.outputs[microbatch] = output.map_tensors(Tensor.detach)
         grad_positions = () if last else _grad_positions(output)
-        outputs = [loss] if last else [output.values[i] for i in grad_positions]
+        outputs = [loss] if last else [_value_at(output.values, path) for path in grad_positions]
         outputs += [tensor for _, tensor in skips.stashed]
         memory = ctx.memory
         memory.live_microbatches[index] += 1

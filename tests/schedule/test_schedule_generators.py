@@ -232,3 +232,12 @@ def test_plans_are_hashable_values() -> None:
     assert hash(build("1f1b", 3, 4)) == hash(build("1f1b", 3, 4))
     assert isinstance(build("1f1b", 3, 4), Plan)
     assert Action(0, "F", 0) in build("1f1b", 3, 4)
+
+
+def test_a_worker_the_plan_gives_nothing_is_not_counted_as_idle():
+    """Review: simulate() counted an empty worker as idle for the whole step, while the
+    runtime's measured bubble counts the workers that ran jobs: 0.5 planned beside 0.0 measured."""
+    plan = Plan.from_lists("one-worker", [["0F0", "1F0", "1B0", "0B0", "0F1", "1F1", "1B1", "0B1"], []],
+                           stage_to_worker=[0, 0])
+    assert plan.simulate().bubble_ratio == 0.0
+    assert build("1f1b", 2, 2).simulate().bubble_ratio == pytest.approx(1 / 3)  # every worker used: unchanged

@@ -34,6 +34,8 @@ class Simulation:
     """Result of ``Plan.simulate``: the numbers used to compare schedules.
 
     ``timeline`` holds ``(worker, action, start, end)`` sorted by start then worker;
+    ``bubble_ratio`` is the idle share of the workers that have actions (as measured after
+    a step: a worker given nothing is out of the step, not idle in it);
     ``peak_activations[w]`` counts (stage, micro-batch) pairs whose F has run on worker
     ``w`` and whose backward (B, or W when split) has not finished yet.
     """
@@ -148,7 +150,10 @@ def simulate(plan: "Plan", costs: Costs = None, *, comm: float = 0.0) -> Simulat
     makespan = max(free)
     if not math.isfinite(makespan):
         raise ValueError(f"plan {plan.name!r}: the costs add up past the largest float (makespan {makespan}); scale them down")
-    bubble = 1.0 - sum(busy) / (plan.num_workers * makespan) if makespan > 0 else 0.0
+    # Workers with actions only, as the runtime's measured bubble counts them: a worker the
+    # plan gives nothing takes no part in the step rather than idling through it.
+    working = sum(1 for actions in plan.worker_actions if actions)
+    bubble = 1.0 - sum(busy) / (working * makespan) if makespan > 0 else 0.0
     timeline.sort(key=lambda e: (e[2], e[0], e[3]))
     return Simulation(
         makespan=makespan,
