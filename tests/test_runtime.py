@@ -3,6 +3,7 @@ StepRecord timings and abort propagation."""
 import inspect
 import json
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -10,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from torchpipe.runtime import Program, Runtime, StepRecord
+from torchpipe.runtime import Latch, Program, Runtime, StepRecord
 from torchpipe.workers import spawn_workers, stop_workers
 
 pytestmark = pytest.mark.timeout(60)
@@ -463,3 +464,31 @@ def test_step_record_of_an_aborted_step_skips_jobs_that_never_ran(make_runtime):
     assert record.starts[1] == -1.0
     assert [e["name"] for e in record.chrome_trace()["traceEvents"] if e["ph"] == "X"] == []
     assert record.busy()[1] == 0.0
+
+
+def test_a_latch_set_before_or_during_a_wait_releases_it():
+    latch = Latch()
+    assert not latch.is_set()
+    threading.Timer(0.05, latch.set).start()
+    latch.wait()
+    assert latch.is_set()
+    latch.set()  # again: nothing changes
+    latch.wait()
+    ready = Latch()
+    ready.set()
+    ready.wait()
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
+def test_a_ctrl_c_during_a_latch_wait_leaves_it_usable():
+    """The step's caller waits on a Latch: an interrupt must not leave it half-changed."""
+    assert threading.current_thread() is threading.main_thread()
+    latch = Latch()
+    main = threading.main_thread().ident
+    threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        latch.wait()
+    assert not latch.is_set()
+    threading.Timer(0.05, latch.set).start()
+    latch.wait()
+    assert latch.is_set()
