@@ -85,6 +85,16 @@ def test_blockpartition_edge_cases() -> None:
     assert balance_by_cost([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]
 
 
+def test_blockpartition_solve_is_torchgpipes_call_with_an_optimal_split() -> None:
+    """Code written for torchgpipe calls ``blockpartition.solve(costs, partitions)`` and gets the
+    costs themselves, block by block; torchgpipe's heuristic cut [1, 1, 1, 10, 1, 1] into blocks
+    of 2, 11 and 2."""
+    assert blockpartition.solve([1, 1, 1, 10, 1, 1], 3) == [[1, 1, 1], [10], [1, 1]]
+    assert blockpartition.solve([3.5, 4]) == [[3.5, 4]]  # partitions defaults to 1, as there
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
+        blockpartition.solve([1, 2], 3)
+
+
 def test_blockpartition_prefix_is_balanced_on_ties() -> None:
     # Optimum is 10 (the last layer); the first blocks still split [1]*6 evenly.
     assert balance_by_cost([1, 1, 1, 1, 1, 1, 10], 3) == [3, 3, 1]
