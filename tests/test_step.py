@@ -795,3 +795,48 @@ def test_tensors_nested_in_a_stage_output_carry_their_gradients_back(schedule, c
     torch.testing.assert_close(loss, expected_loss)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], msg=name)
+
+
+class Pair(tuple):
+    """A tuple subclass with behaviour of its own, built from one sequence like tuple."""
+
+    @property
+    def first(self):
+        return self[0]
+
+
+class NestsItsOutput(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.kind = kind
+
+    def forward(self, x):
+        h = self.linear(x)
+        if self.kind == "subclass":
+            return h, Pair((h * 2, h * 3))
+        return h, {"a": h * 2, "b": [h * 3]}
+
+
+class ReadsTheNest(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, value):
+        h, rest = value
+        return h + rest.first if self.kind == "subclass" else h + rest["a"] * rest["b"][0]
+
+
+@pytest.mark.parametrize("kind", ["subclass", "dict"])
+def test_tensors_in_a_tuple_subclass_or_a_dict_in_a_stage_output_carry_their_gradients_back(kind):
+    torch.manual_seed(0)
+    model = nn.Sequential(NestsItsOutput(kind), ReadsTheNest(kind), nn.Linear(4, 4)).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4, dtype=torch.double), torch.randn(8, 4, dtype=torch.double)
+    expected_loss, expected = reference_grads(reference, x, y, nn.MSELoss())
+    with Pipe(model, [1, 2], chunks=2, checkpoint="never") as pipe:
+        loss = pipe.step(x, y, nn.MSELoss(), schedule="1f1b")
+    torch.testing.assert_close(loss, expected_loss)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], msg=name)

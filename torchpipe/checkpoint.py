@@ -55,7 +55,7 @@ import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
 from .call_chain import RNGSection, enter_rng_section, leave_rng_section  # noqa: E402
 from .devices import get_backend  # noqa: E402
 from .microbatch import Batch, rebuild  # noqa: E402
-from .saved_versions import VersionedSaves  # noqa: E402
+from .saved_versions import CheckpointVersions  # noqa: E402
 from .thread_state import CHECKPOINT_HOOK_MARK, current_saved_tensors_hooks  # noqa: E402
 
 __all__ += ["checkpoint", "RNGGuard", "RNGReplayError", "StageRNG", "generator_state"]
@@ -448,11 +448,12 @@ def _requires_grad(output: Any) -> bool:
     return isinstance(output, tuple) and any(isinstance(v, torch.Tensor) and v.requires_grad for v in output)
 
 
-def _counting_saves(function: Callable[[Any], Any], value: Any) -> Tuple[Any, int]:
+def _counting_saves(function: Callable[[Any], Any], value: Any, versions: CheckpointVersions) -> Tuple[Any, int]:
     """``function(value)`` and how many tensors it saved for backward through the checkpoint.
 
-    The checkpoint's own hooks do the saving; these only count on the way through. Where
-    torch does not expose the active hooks, the count is -1 (unknown).
+    The checkpoint's own hooks do the saving; these count on the way through, number each
+    save, and check it when backward reads it (``versions``). Where torch does not expose the
+    active hooks, the count is -1 (unknown).
     """
     hooks = current_saved_tensors_hooks()
     if hooks is None:
@@ -462,39 +463,44 @@ def _counting_saves(function: Callable[[Any], Any], value: Any) -> Tuple[Any, in
 
     def counting_pack(tensor: torch.Tensor) -> Any:
         nonlocal saved
+        index = saved
         saved += 1
-        return pack(tensor)
+        versions.forward_saved(index, tensor)
+        return pack(tensor), index
+
+    def checking_unpack(packed: Any) -> Any:
+        holder, index = packed
+        tensor = unpack(holder)  # the first one recomputes the partition
+        versions.check(index)
+        return tensor
 
     setattr(counting_pack, CHECKPOINT_HOOK_MARK, True)  # a Pipe called in here must see the checkpoint
 
-    with torch.autograd.graph.saved_tensors_hooks(counting_pack, unpack):
+    with torch.autograd.graph.saved_tensors_hooks(counting_pack, checking_unpack):
         output = function(value)
     return output, saved
 
 
-def _recompute_checking_versions(function: Callable[[Any], Any], value: Any, where: str) -> Any:
-    """``function(value)`` under the recompute's hooks, then autograd's in-place check.
+def _recompute_recording_versions(function: Callable[[Any], Any], value: Any, versions: CheckpointVersions) -> Any:
+    """``function(value)`` under the recompute's hooks, noting what each saved tensor's version was.
 
-    The recompute runs the whole partition (``early_stop=False``), and torch's checkpoint
-    keeps what it saved as aliases: a later in-place change in the same recompute would reach
-    backward unnoticed, where autograd without the checkpoint raises.
+    The recompute runs the whole partition (``early_stop=False``), so a tensor saved early may
+    be changed in place later in it; backward's read of it checks (``_counting_saves``).
     """
     hooks = current_saved_tensors_hooks()
     if hooks is None:
         return function(value)
     pack, unpack = hooks
-    saves = VersionedSaves()
+    versions.recompute_started()
 
     def recording_pack(tensor: torch.Tensor) -> Any:
-        saves.record(tensor)
+        versions.recompute_saved(tensor)
         return pack(tensor)
 
     setattr(recording_pack, CHECKPOINT_HOOK_MARK, True)  # a Pipe called in here must see the checkpoint
 
     with torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack):
-        output = function(value)
-    saves.check(lambda: where)
-    return output
+        return function(value)
 
 
 def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageReplay",
@@ -509,6 +515,7 @@ def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageRepl
     fails the backward, as without the checkpoint; ``where`` names the job in that error.
     """
     atomic, template = batch.atomic, batch.values
+    versions = CheckpointVersions(where)
     failures: List[BaseException] = []
     keeps_one: List[bool] = []  # set by the forward; the recompute must save what it saved
 
@@ -518,10 +525,10 @@ def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageRepl
         # resume their context only on success, which would leave the checkpoint's
         # saved-tensor hooks installed on this worker thread for every later step.
         if _flags.recomputing:  # a failed recompute surfaces through backward as it is
-            output = _recompute_checking_versions(function, value, where)
+            output = _recompute_recording_versions(function, value, versions)
             return _with_kept_tensor(output) if keeps_one else output
         try:
-            output, saved = _counting_saves(function, value)
+            output, saved = _counting_saves(function, value, versions)
         except BaseException as exc:  # noqa: B902 - re-raised below, unchanged
             failures.append(exc)
             return None

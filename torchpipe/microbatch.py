@@ -79,16 +79,18 @@ def rebuild(template: Tuple[Any, ...], items: Sequence[Any]) -> Tuple[Any, ...]:
     """``items`` as a tuple of ``template``'s kind.
 
     A namedtuple keeps its type and fields, and so does a struct sequence such as
-    ``torch.return_types.max`` (what ``x.max(dim)`` returns: a later layer reads ``.values``).
+    ``torch.return_types.max`` (what ``x.max(dim)`` returns: a later layer reads ``.values``)
+    or any other tuple subclass built from one sequence; one that is not becomes a tuple.
     """
     kind = type(template)
     if kind is tuple:
         return tuple(items)
     if hasattr(template, "_fields"):
         return kind(*items)
-    if hasattr(kind, "n_sequence_fields"):  # a struct sequence: built from one sequence
+    try:  # a struct sequence, or another subclass built like tuple itself: from one sequence
         return kind(tuple(items))
-    return tuple(items)
+    except Exception:  # noqa: BLE001 - a constructor of its own: the items as a plain tuple
+        return tuple(items)
 
 
 BatchDim = Union[int, Tuple[Optional[int], ...]]

@@ -8,11 +8,11 @@ on the overwritten values, silently, where the plain model raises.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 from torch import Tensor
 
-__all__ = ["VersionedSaves", "check_unchanged"]
+__all__ = ["CheckpointVersions", "check_unchanged"]
 
 
 def check_unchanged(alias: Tensor, version: int, where: Callable[[], str]) -> None:
@@ -31,20 +31,42 @@ def check_unchanged(alias: Tensor, version: int, where: Callable[[], str]) -> No
         )
 
 
-class VersionedSaves:
-    """The tensors a recompute saved, with their versions, to check once it has finished.
+class CheckpointVersions:
+    """Autograd's in-place check for one checkpointed call, made when backward reads a tensor.
 
-    A checkpoint recomputes a whole partition before backward unpacks anything, so a tensor
-    saved early and overwritten later in the same recompute must be caught at the end.
+    Backward reads a checkpointed tensor from the recompute, so two changes could hide there:
+    one made later in the same recompute (torch keeps the recomputed tensors as aliases, which
+    change with them), and one made to a parameter, or another leaf that requires grad,
+    between the forward and the backward (the recompute saves it again, at its new version).
+    Tensors are numbered in the order they are saved, which is how torch's checkpoint pairs
+    the forward's saves with the recompute's. As in autograd, a tensor that backward never
+    reads is never checked. Only leaves are remembered from the forward: they stay alive
+    anyway, where remembering an activation would undo the checkpoint's memory saving.
     """
 
-    def __init__(self) -> None:
-        self.saved: List[Tuple[Tensor, int]] = []
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.at_forward: Dict[int, Tuple[Tensor, int]] = {}
+        self.at_recompute: List[Tuple[Tensor, int]] = []
 
-    def record(self, tensor: Tensor) -> None:
-        self.saved.append((tensor.detach(), tensor._version))
+    def forward_saved(self, index: int, tensor: Tensor) -> None:
+        base = tensor._base if tensor._base is not None else tensor
+        if base.requires_grad and base.is_leaf:
+            self.at_forward[index] = (tensor.detach(), tensor._version)
 
-    def check(self, where: Callable[[], str]) -> None:
-        saved, self.saved = self.saved, []
-        for alias, version in saved:
-            check_unchanged(alias, version, where)
+    def recompute_started(self) -> None:
+        self.at_recompute = []
+
+    def recompute_saved(self, tensor: Tensor) -> None:
+        self.at_recompute.append((tensor.detach(), tensor._version))
+
+    def check(self, index: int) -> None:
+        """Raise autograd's error if the tensor saved ``index``-th changed in place since."""
+        where = self._where
+        if index in self.at_forward:
+            check_unchanged(*self.at_forward[index], where)
+        if index < len(self.at_recompute):
+            check_unchanged(*self.at_recompute[index], where)
+
+    def _where(self) -> str:
+        return self.where

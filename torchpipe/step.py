@@ -172,8 +172,8 @@ class _CountSaved:
         return f"saved in stage {self.stage}'s forward of micro-batch {self.microbatch}"
 
 
-Path = Tuple[int, ...]
-"""Where a value sits in a batch: its index, then indices into nested tuples and lists."""
+Path = Tuple[Any, ...]
+"""Where a value sits in a batch: its index, then indices or keys into nested tuples, lists and dicts."""
 
 
 def _grad_positions(output: Batch) -> Tuple[Path, ...]:
@@ -187,12 +187,17 @@ def _grad_positions(output: Batch) -> Tuple[Path, ...]:
     return tuple(found)
 
 
-def _collect_grad_paths(values: Sequence[Any], prefix: Path, found: List[Path]) -> None:
-    for i, value in enumerate(values):
+def _items(container: Any) -> Any:
+    """(index or key, value) pairs of a tuple, list or dict."""
+    return container.items() if isinstance(container, dict) else enumerate(container)
+
+
+def _collect_grad_paths(values: Any, prefix: Path, found: List[Path]) -> None:
+    for i, value in _items(values):
         if isinstance(value, Tensor):
             if value.requires_grad:
                 found.append(prefix + (i,))
-        elif isinstance(value, (tuple, list)):
+        elif isinstance(value, (tuple, list, dict)):
             _collect_grad_paths(value, prefix + (i,), found)
 
 
@@ -216,17 +221,27 @@ def _as_leaves(batch: Batch, positions: Sequence[Path]) -> Tuple[Batch, List[Ten
     return Batch(values[0] if batch.atomic else rebuild(batch.values, values)), leaves
 
 
-def _with_leaves(values: Sequence[Any], prefix: Path, leaf_at: Dict[Path, Tensor]) -> List[Any]:
-    """``values`` with the leaf for each path in ``leaf_at``; containers on a path rebuilt as their kind."""
-    out = list(values)
-    for i, value in enumerate(values):
+def _with_leaves(values: Any, prefix: Path, leaf_at: Dict[Path, Tensor]) -> Any:
+    """``values`` with the leaf for each path in ``leaf_at``; containers on a path rebuilt as their kind.
+
+    Returns a list for a tuple or list (the caller rebuilds the kind), a dict for a dict.
+    """
+    out = dict(values) if isinstance(values, dict) else list(values)
+    for i, value in _items(values):
         path = prefix + (i,)
         leaf = leaf_at.get(path)
         if leaf is not None:
             out[i] = leaf
-        elif isinstance(value, (tuple, list)) and any(p[: len(path)] == path for p in leaf_at):
+        elif isinstance(value, (tuple, list, dict)) and any(p[: len(path)] == path for p in leaf_at):
             inner = _with_leaves(value, path, leaf_at)
-            out[i] = inner if isinstance(value, list) else rebuild(value, inner)
+            if isinstance(value, tuple):
+                inner = rebuild(value, inner)
+            elif type(value) not in (list, dict):  # a subclass (an OrderedDict): keep it where it allows
+                try:
+                    inner = type(value)(inner)
+                except Exception:  # noqa: BLE001 - a constructor of its own: the plain container
+                    pass
+            out[i] = inner
     return out
 
 

@@ -239,3 +239,34 @@ def test_progress_under_a_profiler_that_records_the_caller_only_says_so(monkeypa
     told = [w for w in caught if "records only the thread that started it" in str(w.message)]
     # At the user's call: drain()'s progress() in train_helpers.py, not inside torchpipe.
     assert [w.filename.rsplit("/", 1)[-1] for w in told] == ["train_helpers.py"], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("where", ["before the hand-over", "after the hand-over"])
+def test_a_ctrl_c_around_a_clocks_hand_over_says_what_is_lost_and_counts_the_clock(where: str) -> None:
+    """Review: an interrupt once a clock had run but before it handed its outputs on left the
+    clock out of ``clocks_run``; one just after lost the clock's finished batch without a word."""
+    failures: List[Any] = []
+    pipe = StagedPipeline([PipelineStage("a", lambda b: b, "host"), PipelineStage("b", lambda b: b, "device"),
+                           PipelineStage("c", lambda b: b, "host")], on_failure=failures.append)
+    with pipe:
+        it = iter(range(10))
+        assert pipe.progress(it) == 0
+        schedule, close = pipe._schedule, pipe._schedule.close
+
+        def interrupted_close(clock):
+            if where == "after the hand-over":
+                close(clock)
+            raise KeyboardInterrupt("Ctrl-C")
+
+        schedule.close = interrupted_close
+        with pytest.raises(KeyboardInterrupt) as caught:
+            pipe.progress(it)
+        schedule.close = close
+        assert pipe.clocks_run == 4  # three to fill and return batch 0, and the interrupted one
+        assert "batch 1 did finish (its output is not returned)" in "".join(getattr(caught.value, "__notes__", []))
+        if where == "after the hand-over":
+            assert not failures and pipe.in_flight() == [2, 3]
+            assert drain(pipe, it) == list(range(2, 10))
+        else:
+            assert len(failures) == 1 and failures[0].dropped == [3, 2] and pipe.in_flight() == []
+            assert drain(pipe, it) == list(range(4, 10))

@@ -100,6 +100,13 @@ class PipelineFailure:
         self.dropped = dropped
 
 
+def _note_unreturned(exc: BaseException, clock: Clock) -> None:
+    """Tell the caller that ``clock``'s finished batch, if any, is lost with ``exc`` (the rest stays in flight)."""
+    if clock.finished is not None and hasattr(exc, "add_note"):
+        exc.add_note(f"[torchpipe.train] after clock {clock.index}: batch {clock.finished} did finish "
+                     "(its output is not returned); the batches in flight stay in flight")
+
+
 class _FirstFailure:
     """The stage that failed first in the current clock (None: the caller was interrupted)."""
 
@@ -243,6 +250,7 @@ class StagedPipeline:
         self.stage_seconds = [0.0] * len(stages)
         self.clock_seconds = 0.0
         self.clocks_run = 0
+        self._last_recorded: Optional[StepRecord] = None  # counted in the timings already
         self.records: Deque[StepRecord] = deque(maxlen=keep_records)
 
     # -- configuration -------------------------------------------------------------
@@ -370,14 +378,20 @@ class StagedPipeline:
                 _record_streams(outputs[self.depth - 1], caller, self._backend, self.device.type)
             self._values = [None] + [outputs.get(s) for s in range(self.depth - 1)]
             self._ready = [None] + [run.done.get(s) for s in range(self.depth - 1)]
+            self._record()
             self._schedule.close(clock)
         except BaseException as exc:  # noqa: B902
-            if self._schedule.open is clock:  # else the outputs were handed on: nothing to undo
+            if self._schedule.open is clock:
                 self._abandon_clock(clock, run, exc, ran=self._runtime.last_step is not previous_record)
+            else:  # the outputs were handed on: nothing to undo
+                _note_unreturned(exc, clock)
             raise
-        self._record()
-        if self._after_clock is not None:
-            self._after_clock(clock, outputs)
+        try:
+            if self._after_clock is not None:
+                self._after_clock(clock, outputs)
+        except BaseException as exc:  # noqa: B902 - the pipeline is in step; say what is lost
+            _note_unreturned(exc, clock)
+            raise
         return outputs
 
     def _abandon_clock(self, clock: Clock, run: Optional[_ClockRun], exc: BaseException, ran: bool) -> None:
@@ -400,9 +414,11 @@ class StagedPipeline:
                          f"batches {dropped} were in flight and dropped{done}; the pipeline is empty and usable")
 
     def _record(self) -> None:
+        """Add the runtime's last step to the timings, once."""
         record = self._runtime.last_step
-        if record is None:
+        if record is None or record is self._last_recorded:
             return
+        self._last_recorded = record
         self.clocks_run += 1
         self.clock_seconds += record.wall_end - record.wall_start
         for label, s, e in zip(record.labels, record.starts, record.ends):
