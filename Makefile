@@ -16,6 +16,8 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH)-$(FBGEMM)' | tr -c 'A-Za-z0-9
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# No stamp while installing: an install that fails part way is redone by the next make.
+	rm -f $(VENV)/.installed-*
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	# torchrec on CPU: the CPU fbgemm first, then torchrec without its CUDA fbgemm dependency.
@@ -24,7 +26,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[test,bench]"
 	# Fail here, naming the cause, rather than at test collection.
 	$(PY) -c "import torchrec" || { echo "torchrec does not load with $(TORCH) and $(FBGEMM): set FBGEMM=fbgemm-gpu-cpu==<the release for this torch>" >&2; exit 1; }
-	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 install: $(STAMP)
