@@ -478,6 +478,7 @@ def _counting_saves(function: Callable[[Any], Any], value: Any, versions: Checkp
 
     with torch.autograd.graph.saved_tensors_hooks(counting_pack, checking_unpack):
         output = function(value)
+    versions.forward_finished()
     return output, saved
 
 
@@ -500,7 +501,9 @@ def _recompute_recording_versions(function: Callable[[Any], Any], value: Any, ve
     setattr(recording_pack, CHECKPOINT_HOOK_MARK, True)  # a Pipe called in here must see the checkpoint
 
     with torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack):
-        return function(value)
+        output = function(value)
+    versions.recompute_finished()
+    return output
 
 
 def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageReplay",

@@ -29,7 +29,7 @@ from .batchnorm import running_statistics_frozen, statistics_updating_norms
 from .checkpoint import StageRNG, checkpoint
 from .copy import mark_ready, receive
 from .devices import Backend, get_backend
-from .microbatch import Batch
+from .microbatch import Batch, nested_tensors
 from .runtime import Program
 from .skip import Skippable, use_skip_tracker
 from .skip.portal import PipelineSkipTracker, SkipStore, StageSkips, replay_context
@@ -145,8 +145,13 @@ def _on_private_copy(partition: nn.Module, aliased_skip: Optional[Tuple[int, str
     return run
 
 
+def _input_versions(batch: Batch) -> Tuple[int, ...]:
+    """The versions of every tensor in a partition's input, nested ones included (an LSTM's state)."""
+    return tuple(t._version for t in nested_tensors(batch.values))
+
+
 def _check_input_untouched(stage: StageRunner, batch: Batch, versions: Tuple[int, ...]) -> None:
-    if tuple(t._version for t in batch.tensors()) != versions:
+    if _input_versions(batch) != versions:
         raise RuntimeError(
             f"partition {stage.index} modified its input in place while being checkpointed, so "
             "its recompute would start from the wrong values; make that layer out-of-place "
@@ -261,7 +266,7 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
         tracker = PipelineSkipTracker(ctx.skips, microbatch, stage, record, memo)
     with use_skip_tracker(tracker) if tracker is not None else contextlib.nullcontext():
         if replay is not None:
-            versions = tuple(t._version for t in batch.tensors())
+            versions = _input_versions(batch)
             with stage.rng.forward_section(training):
                 output = checkpoint(partition, batch, replay, f"recomputed for stage {stage.index}, micro-batch {microbatch}")
             _check_input_untouched(stage, batch, versions)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 __all__ = [
     "Batch", "BatchDim", "scatter", "gather", "rebuild", "why_not_gatherable", "TensorOrTensors", "batch_size",
-    "samples", "check_batch_dim", "common_batch_dim", "check_joins",
+    "samples", "check_batch_dim", "common_batch_dim", "check_joins", "nested_tensors",
 ]
 
 TensorOrTensors = Union[Tensor, Tuple[Any, ...]]
@@ -73,6 +73,15 @@ class Batch:
 
     def __repr__(self) -> str:
         return f"Batch[atomic={self.atomic}]({self.values!r})"
+
+
+def nested_tensors(values: Any) -> Iterator[Tensor]:
+    """Every tensor in ``values``, also those inside nested tuples, lists and dicts."""
+    for value in values.values() if isinstance(values, dict) else values:
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, (tuple, list, dict)):
+            yield from nested_tensors(value)
 
 
 def rebuild(template: Tuple[Any, ...], items: Sequence[Any]) -> Tuple[Any, ...]:

@@ -23,12 +23,16 @@ def check_unchanged(alias: Tensor, version: int, where: Callable[[], str]) -> No
     """
     now = alias._version
     if now != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{alias.type()} {list(alias.shape)}] is at version {now}; expected version "
-            f"{version} instead ({where()}). Avoid changing a tensor in place after an operation "
-            "saved it for backward, as in the plain model, where backward raises this error too"
-        )
+        _raise_changed(alias, now, version, where)
+
+
+def _raise_changed(alias: Tensor, now: int, version: int, where: Callable[[], str]) -> None:
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{alias.type()} {list(alias.shape)}] is at version {now}; expected version "
+        f"{version} instead ({where()}). Avoid changing a tensor in place after an operation "
+        "saved it for backward, as in the plain model, where backward raises this error too"
+    )
 
 
 class CheckpointVersions:
@@ -46,7 +50,10 @@ class CheckpointVersions:
 
     def __init__(self, where: str) -> None:
         self.where = where
+        # Leaves the forward saved, with their versions once the forward (or the last
+        # recompute) was done with them; changed before a recompute starts: which, how.
         self.at_forward: Dict[int, Tuple[Tensor, int]] = {}
+        self.changed_before: Dict[int, Tuple[int, int]] = {}
         self.at_recompute: List[Tuple[Tensor, int]] = []
 
     def forward_saved(self, index: int, tensor: Tensor) -> None:
@@ -54,8 +61,21 @@ class CheckpointVersions:
         if base.requires_grad and base.is_leaf:
             self.at_forward[index] = (tensor.detach(), tensor._version)
 
+    def forward_finished(self) -> None:
+        """The forward's own changes to its leaves (a weight normalised in place) are its own."""
+        self._settle_leaves()
+
     def recompute_started(self) -> None:
+        """Note the leaves changed since: by the caller (an optimizer step), not by the replay."""
+        self.changed_before = {index: (alias._version, version) for index, (alias, version) in self.at_forward.items()
+                               if alias._version != version}
         self.at_recompute = []
+
+    def recompute_finished(self) -> None:
+        self._settle_leaves()  # a second recompute (a split backward) replays them again
+
+    def _settle_leaves(self) -> None:
+        self.at_forward = {index: (alias, alias._version) for index, (alias, _) in self.at_forward.items()}
 
     def recompute_saved(self, tensor: Tensor) -> None:
         self.at_recompute.append((tensor.detach(), tensor._version))
@@ -63,8 +83,9 @@ class CheckpointVersions:
     def check(self, index: int) -> None:
         """Raise autograd's error if the tensor saved ``index``-th changed in place since."""
         where = self._where
-        if index in self.at_forward:
-            check_unchanged(*self.at_forward[index], where)
+        changed = self.changed_before.get(index)
+        if changed is not None:
+            _raise_changed(self.at_forward[index][0], *changed, where)
         if index < len(self.at_recompute):
             check_unchanged(*self.at_recompute[index], where)
 
