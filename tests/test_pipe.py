@@ -365,6 +365,19 @@ def test_a_tensor_changed_in_place_after_it_was_saved_fails_backward_as_in_the_p
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+def assert_trains_like_the_plain_model(model, balance, chunks, checkpoint, call, x, target):
+    """``call`` ('forward' for pipe(x) + backward, else a step schedule) gives the plain model's gradients."""
+    reference = copy.deepcopy(model)
+    nn.MSELoss()(reference(x), target).backward()
+    with Pipe(model, balance, chunks=chunks, checkpoint=checkpoint) as pipe:
+        if call == "forward":
+            nn.MSELoss()(pipe(x), target).backward()
+        else:
+            pipe.step(x, target, nn.MSELoss(), schedule=call)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 class ChangesAnUnreadSave(nn.Module):
     """exp saves its result, which is then changed in place; backward never reaches that node."""
 
@@ -382,16 +395,8 @@ class ChangesAnUnreadSave(nn.Module):
 def test_a_saved_tensor_backward_never_reads_may_change_in_place(call, checkpoint):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), ChangesAnUnreadSave(), nn.Linear(4, 1)).double()
-    reference = copy.deepcopy(model)
     x, target = torch.randn(8, 4, dtype=torch.double), torch.randn(8, 1, dtype=torch.double)
-    nn.MSELoss()(reference(x), target).backward()
-    with Pipe(model, [2, 1], chunks=2, checkpoint=checkpoint) as pipe:
-        if call == "forward":
-            nn.MSELoss()(pipe(x), target).backward()
-        else:
-            pipe.step(x, target, nn.MSELoss(), schedule=call)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert_trains_like_the_plain_model(model, [2, 1], 2, checkpoint, call, x, target)
 
 
 # Review: a parameter changed between a checkpointed forward and its backward was recomputed
@@ -424,16 +429,8 @@ class NormalisesItsWeightInPlace(nn.Linear):
 def test_a_forward_that_changes_its_own_weight_first_is_recomputed_without_error(call):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), NormalisesItsWeightInPlace(4, 4), nn.Linear(4, 4)).double()
-    reference = copy.deepcopy(model)
     x, target = torch.randn(6, 4, dtype=torch.double), torch.randn(6, 4, dtype=torch.double)
-    nn.MSELoss()(reference(x), target).backward()
-    with Pipe(model, [1, 1, 1], chunks=1, checkpoint="always") as pipe:
-        if call == "forward":
-            nn.MSELoss()(pipe(x), target).backward()
-        else:
-            pipe.step(x, target, nn.MSELoss(), schedule=call)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert_trains_like_the_plain_model(model, [1, 1, 1], 1, "always", call, x, target)
 
 
 class ScalesItsNestedInputInPlace(nn.Module):
