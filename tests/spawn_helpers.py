@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from typing import Any, Callable
@@ -9,8 +10,15 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
+# Before the suite's 120 s timeout ends the test (and with it the only trace of a hung rank):
+# a rank still running then writes every thread's stack to stderr, which the failure shows.
+STACKS_AFTER_S = 100
+
+
 def _run_then_exit(rank: int, worker: Callable[..., None], *args: Any) -> None:
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=False)
     worker(rank, *args)
+    faulthandler.cancel_dump_traceback_later()
     # A worker that returned has done and reported everything: leave without the interpreter's
     # teardown. A process group still alive there can abort the process after its work
     # ("terminate called without an active exception": docs/probe_exit_abort.py explains it).
