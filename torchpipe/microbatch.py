@@ -18,6 +18,7 @@ from torch import Tensor
 __all__ = [
     "Batch", "BatchDim", "scatter", "gather", "rebuild", "why_not_gatherable", "TensorOrTensors", "batch_size",
     "samples", "check_batch_dim", "common_batch_dim", "check_joins", "nested_tensors",
+    "nested_tensor_paths", "items_of",
 ]
 
 TensorOrTensors = Union[Tensor, Tuple[Any, ...]]
@@ -75,13 +76,27 @@ class Batch:
         return f"Batch[atomic={self.atomic}]({self.values!r})"
 
 
+def items_of(container: Any) -> Any:
+    """(index or key, value) pairs of a tuple, list or dict."""
+    return container.items() if isinstance(container, dict) else enumerate(container)
+
+
+def nested_tensor_paths(values: Any, prefix: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple[Any, ...], Tensor]]:
+    """(path, tensor) for every tensor in ``values``, also inside nested tuples, lists and dicts.
+
+    A path is the tensor's index in ``values``, then its indices or keys in the containers
+    around it (``(1, 0)``: the first item of the second value, an LSTM's ``h_n``).
+    """
+    for key, value in items_of(values):
+        if isinstance(value, Tensor):
+            yield prefix + (key,), value
+        elif isinstance(value, (tuple, list, dict)):
+            yield from nested_tensor_paths(value, prefix + (key,))
+
+
 def nested_tensors(values: Any) -> Iterator[Tensor]:
     """Every tensor in ``values``, also those inside nested tuples, lists and dicts."""
-    for value in values.values() if isinstance(values, dict) else values:
-        if isinstance(value, Tensor):
-            yield value
-        elif isinstance(value, (tuple, list, dict)):
-            yield from nested_tensors(value)
+    return (tensor for _, tensor in nested_tensor_paths(values))
 
 
 def rebuild(template: Tuple[Any, ...], items: Sequence[Any]) -> Tuple[Any, ...]:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from . import engine
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
-from .microbatch import Batch, BatchDim, check_joins, rebuild, why_not_gatherable
+from .microbatch import Batch, BatchDim, check_joins, items_of, nested_tensor_paths, rebuild, why_not_gatherable
 from .runtime import Program
 from .saved_versions import check_unchanged
 from .skip.portal import SkipStore, StageSkips
@@ -179,26 +179,11 @@ Path = Tuple[Any, ...]
 def _grad_positions(output: Batch) -> Tuple[Path, ...]:
     """Where in a stage's output the tensors that carry a gradient back are.
 
-    Nested tuples and lists are searched too (an LSTM's ``(out, (h, c))``): a tensor in one
-    that kept the producer's graph would let the consumer's backward run into the producer's.
+    Nested tuples, lists and dicts are searched too (an LSTM's ``(out, (h, c))``): a tensor
+    in one that kept the producer's graph would let the consumer's backward run into the
+    producer's.
     """
-    found: List[Path] = []
-    _collect_grad_paths(output.values, (), found)
-    return tuple(found)
-
-
-def _items(container: Any) -> Any:
-    """(index or key, value) pairs of a tuple, list or dict."""
-    return container.items() if isinstance(container, dict) else enumerate(container)
-
-
-def _collect_grad_paths(values: Any, prefix: Path, found: List[Path]) -> None:
-    for i, value in _items(values):
-        if isinstance(value, Tensor):
-            if value.requires_grad:
-                found.append(prefix + (i,))
-        elif isinstance(value, (tuple, list, dict)):
-            _collect_grad_paths(value, prefix + (i,), found)
+    return tuple(path for path, tensor in nested_tensor_paths(output.values) if tensor.requires_grad)
 
 
 def _value_at(values: Sequence[Any], path: Path) -> Any:
@@ -227,7 +212,7 @@ def _with_leaves(values: Any, prefix: Path, leaf_at: Dict[Path, Tensor]) -> Any:
     Returns a list for a tuple or list (the caller rebuilds the kind), a dict for a dict.
     """
     out = dict(values) if isinstance(values, dict) else list(values)
-    for i, value in _items(values):
+    for i, value in items_of(values):
         path = prefix + (i,)
         leaf = leaf_at.get(path)
         if leaf is not None:

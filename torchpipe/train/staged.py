@@ -362,7 +362,6 @@ class StagedPipeline:
         span, a stage's or a Ctrl-C's wherever it lands, drops every in-flight batch rather
         than letting the next call feed each stage the input it already handled.
         """
-        previous_record = self._runtime.last_step
         run: Optional[_ClockRun] = None
         try:
             run = _ClockRun(list(self._values), list(self._ready))
@@ -382,7 +381,7 @@ class StagedPipeline:
             self._schedule.close(clock)
         except BaseException as exc:  # noqa: B902
             if self._schedule.open is clock:
-                self._abandon_clock(clock, run, exc, ran=self._runtime.last_step is not previous_record)
+                self._abandon_clock(clock, run, exc)
             else:  # the outputs were handed on: nothing to undo
                 _note_unreturned(exc, clock)
             raise
@@ -394,10 +393,9 @@ class StagedPipeline:
             raise
         return outputs
 
-    def _abandon_clock(self, clock: Clock, run: Optional[_ClockRun], exc: BaseException, ran: bool) -> None:
+    def _abandon_clock(self, clock: Clock, run: Optional[_ClockRun], exc: BaseException) -> None:
         """Empty the pipeline after ``clock`` failed or was interrupted before it handed its outputs on."""
-        if ran:
-            self._record()
+        self._record()  # the clock's runtime step, if it got that far (an earlier one is counted already)
         completed = dict(run.outputs) if run is not None else {}
         dropped = [b for s, b in clock.active if not (s == self.depth - 1 and s in completed)]
         self._schedule.reset()
@@ -474,7 +472,7 @@ class StagedPipeline:
         except BaseException as exc:  # noqa: B902 - re-raised; only an open clock is undone
             opened = self._schedule.open
             if opened is not None:  # interrupted after the schedule advanced, before the clock ran
-                self._abandon_clock(opened, None, exc, ran=False)
+                self._abandon_clock(opened, None, exc)
             raise
         finally:
             self._call_owner = None
