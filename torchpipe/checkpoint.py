@@ -58,7 +58,7 @@ from .microbatch import Batch, rebuild  # noqa: E402
 from .saved_versions import CheckpointVersions  # noqa: E402
 from .thread_state import CHECKPOINT_HOOK_MARK, current_saved_tensors_hooks  # noqa: E402
 
-__all__ += ["checkpoint", "RNGGuard", "RNGReplayError", "StageRNG", "generator_state"]
+__all__ += ["checkpoint", "ForwardTensors", "RNGGuard", "RNGReplayError", "StageRNG", "generator_state", "tensor_slots"]
 
 
 def _import_collective_defaults_before_any_group() -> None:
@@ -394,6 +394,50 @@ class _Contexts:
 
     def __exit__(self, *exc: Any) -> None:
         self.stack.__exit__(*exc)
+
+
+TensorSlot = Tuple[Dict[str, Any], str]
+_MISSING = object()
+
+
+def tensor_slots(module: torch.nn.Module) -> List[TensorSlot]:
+    """Where ``module`` and its submodules keep their parameters and buffers: (dict, name) pairs."""
+    return [(slots, name) for m in module.modules() for slots in (m._parameters, m._buffers) for name in slots]
+
+
+class ForwardTensors:
+    """The parameters and buffers one checkpointed forward ran with, put back for its recompute.
+
+    ``torch.func.functional_call(pipe, tensors, x)`` swaps ``tensors`` into the modules for
+    the call and puts the modules' own back when it returns, before backward recomputes. A
+    recompute with the modules' own tensors would compute other values and send the
+    gradients to other tensors, silently. So when a slot holds another tensor at recompute
+    time, the recompute runs with the one the forward used (the plain model's graph keeps
+    exactly those), and the slot gets its tensor back afterwards.
+    """
+
+    __slots__ = ("slots", "values")
+
+    def __init__(self, slots: List[TensorSlot]) -> None:
+        self.slots = slots
+        self.values = [holder.get(name, _MISSING) for holder, name in slots]
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        swapped: List[Tuple[Dict[str, Any], str, Any]] = []
+        try:
+            for (holder, name), value in zip(self.slots, self.values):
+                current = holder.get(name, _MISSING)
+                if current is not value and value is not _MISSING:
+                    swapped.append((holder, name, current))
+                    holder[name] = value
+            yield
+        finally:
+            for holder, name, current in reversed(swapped):
+                if current is _MISSING:
+                    del holder[name]
+                else:
+                    holder[name] = current
 
 
 # Recompute the whole partition, as torchgpipe does. Non-reentrant checkpoint stops a

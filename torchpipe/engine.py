@@ -22,14 +22,16 @@ __all__ = ["backward", "grad"]
 _ENGINE: Any = getattr(torch.autograd.Variable, "_execution_engine", None)
 
 
-def backward(outputs: Sequence[Any], grads: Sequence[Tensor], inputs: Optional[Sequence[Any]] = None) -> None:
-    """Accumulate into ``.grad`` of every leaf, or of ``inputs`` only; frees the graph."""
+def backward(outputs: Sequence[Any], grads: Sequence[Tensor], inputs: Optional[Sequence[Any]] = None, *,
+             retain_graph: bool = False) -> None:
+    """Accumulate into ``.grad`` of every leaf, or of ``inputs`` only; frees the graph unless retained."""
     if inputs is not None and len(inputs) == 0:  # the engine would read () as "every leaf"
         raise ValueError("inputs must name at least one tensor, or be None for every leaf")
     if _ENGINE is None:  # pragma: no cover - every torch we support has the engine binding
-        torch.autograd.backward(list(outputs), list(grads), inputs=None if inputs is None else list(inputs))
+        torch.autograd.backward(list(outputs), list(grads), retain_graph=retain_graph,
+                                inputs=None if inputs is None else list(inputs))
         return
-    _ENGINE.run_backward(tuple(outputs), tuple(grads), False, False, tuple(inputs or ()), True, True)
+    _ENGINE.run_backward(tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs or ()), True, True)
 
 
 def grad(outputs: Sequence[Any], inputs: Sequence[Any], grads: Sequence[Tensor], *,

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .batchnorm import running_statistics_frozen, statistics_updating_norms
-from .checkpoint import StageRNG, checkpoint
+from .checkpoint import ForwardTensors, StageRNG, checkpoint, tensor_slots
 from .copy import mark_ready, receive
 from .devices import Backend, get_backend
 from .microbatch import Batch, nested_tensors
@@ -55,6 +55,8 @@ class StageRunner:
         self.has_skips = any(isinstance(m, Skippable) for m in partition.modules())
         # Batch norms a recompute must not update a second time.
         self.norms = statistics_updating_norms(partition)
+        # Where its parameters and buffers live: a recompute runs with the forward's (ForwardTensors).
+        self.tensor_slots = tensor_slots(partition)
         # What checkpointing runs: the partition, on a private copy if it starts in place.
         # Pipe.step runs it so too: its stage inputs are leaves, which nothing may change in place.
         self.starts_in_place = _starts_in_place(partition)
@@ -255,6 +257,8 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
         return Batch(partition(batch.value))  # the common case: nothing to set up around the call
     training = stage.partition.training
     replay = stage.rng.new_replay(training) if checkpointed else None
+    if replay is not None:
+        replay.recompute_extras.append(ForwardTensors(stage.tensor_slots).restored)
     if replay is not None and stage.norms:
         norms = stage.norms
         replay.recompute_extras.append(lambda: running_statistics_frozen(norms))

@@ -33,7 +33,8 @@ from .skip import inspect_skip_layout, verify_skippables
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import Upstream, microbatch_weights, scalar_loss, split_targets
 from .step_report import StepReport, report
-from .thread_state import in_torch_checkpoint, records_graphs, warn_if_the_profiler_records_this_thread_only
+from .thread_state import (in_torch_checkpoint, records_graphs, refuse_untransferable_state,
+                           warn_if_the_profiler_records_this_thread_only)
 from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, available_cores, spawn_workers, stop_workers
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
@@ -539,8 +540,9 @@ class Pipe(nn.Module):
     # ------------------------------------------------------------------ running
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
         """Run ``input`` through the pipeline: micro-batches, worker threads, gathered output."""
-        if torch.compiler.is_compiling():
+        if _compiling():
             return _outside_compile(Pipe.forward)(self, input)
+        refuse_untransferable_state("pipe(x)")
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
         if self._gradient_sync is not None and self.training and records_graphs():
@@ -590,10 +592,11 @@ class Pipe(nn.Module):
         ``losses``/``return_outputs``/``loss_kwargs`` mean what they mean there. The train/eval mode is
         yours: call ``pipe.eval()`` first for dropout off and batch norm's running statistics.
         """
-        if torch.compiler.is_compiling():
+        if _compiling():
             return _outside_compile(Pipe.evaluate)(self, input, target, loss_fn, reduction=reduction,
                                                    return_outputs=return_outputs, losses=losses,
                                                    loss_kwargs=loss_kwargs)
+        refuse_untransferable_state("Pipe.evaluate")
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
         reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
@@ -667,10 +670,11 @@ class Pipe(nn.Module):
         **loss_kwargs)``, passed as they are (not split: a per-sample tensor belongs in the
         target), as torch's pipelining ``step(..., loss_kwargs=)`` passes them.
         """
-        if torch.compiler.is_compiling():
+        if _compiling():
             return _outside_compile(Pipe.step)(self, input, target, loss_fn, schedule, reduction=reduction,
                                                return_outputs=return_outputs, losses=losses,
                                                loss_kwargs=loss_kwargs, **options)
+        refuse_untransferable_state("Pipe.step")
         sync = self._gradient_sync
         ticket = sync.ticket() if sync is not None else None
         try:
@@ -1028,6 +1032,15 @@ def _weighted_total(each: List[Tensor], scales: List[float]) -> Tensor:
     # A micro-batch of weight 0 (every target ignored) has a NaN loss that must not count.
     counted = [(loss, scale) for loss, scale in zip(each, scales) if scale != 0] or list(zip(each, scales))
     return torch.stack([loss.to(device) * scale for loss, scale in counted]).sum()
+
+
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing this call; ``torch.export`` is refused instead.
+
+    (Non-strict export reports itself as compiling too, also inside a ``torch._dynamo.disable``
+    region, so running eagerly there would only call the method again.)
+    """
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
 def _outside_compile(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -187,7 +187,14 @@ class WeightSplit:
         """
         if not self.whole_in_input:
             try:
-                return list(engine.grad(outputs, leaves, grad_outputs, retain_graph=True))
+                # Into the leaves' ``.grad`` (they are the step's own, fresh per micro-batch),
+                # not ``engine.grad``: under ``autograd.grad`` torch refuses a multi-grad hook
+                # on a leaf (``FlopCounterMode``'s module tracker puts one on every module input).
+                engine.backward(outputs, grad_outputs, inputs=leaves, retain_graph=True)
+                grads = [leaf.grad for leaf in leaves]
+                for leaf in leaves:
+                    leaf.grad = None
+                return grads
             except RuntimeError as exc:
                 if "donated buffers" not in str(exc):
                     raise

@@ -1,8 +1,10 @@
 """The caller's thread-local state, captured once and re-entered by the threads that work for it.
 
-Grad mode, inference mode, autocast, saved-tensor hooks and the profiler are all
-thread-local in PyTorch, so a worker thread would otherwise run with its own defaults; the
-call chain (:mod:`torchpipe.call_chain`) travels the same way.
+Grad mode, inference mode, autocast, saved-tensor hooks, Python modes (``with
+torch.device(...)``, ``FlopCounterMode``) and the profiler are all thread-local in PyTorch,
+so a worker thread would otherwise run with its own defaults; the call chain
+(:mod:`torchpipe.call_chain`) travels the same way. What cannot travel (a ``torch.func``
+transform, a tracer) is refused before a call starts: :func:`refuse_untransferable_state`.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from .call_chain import Chain
 from .call_chain import current as current_chain
 
 __all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "current_saved_tensors_hooks", "in_torch_checkpoint",
-           "records_graphs", "warn_if_the_profiler_records_this_thread_only"]
+           "records_graphs", "refuse_untransferable_state", "warn_if_the_profiler_records_this_thread_only"]
 
 
 def records_graphs() -> bool:
@@ -70,6 +72,48 @@ def _carried_saved_tensors_hooks() -> Optional[Tuple[Callable[[Any], Any], Calla
     return None if in_torch_checkpoint() else current_saved_tensors_hooks()
 
 
+_FOLLOWS_ONE_THREAD = ("it follows only the thread it started on, and torchpipe runs the stages on worker threads, "
+                      "so they would run outside it and the result would be silently wrong")
+
+
+def _untransferable_state() -> Optional[Tuple[str, str]]:
+    """The transform, tracer or mode on this thread that no worker thread can take part in,
+    and why: ``(name, reason)``, or None."""
+    if torch.compiler.is_exporting():
+        return "torch.export", _FOLLOWS_ONE_THREAD
+    if torch._C._get_tracing_state() is not None:
+        return "torch.jit.trace", _FOLLOWS_ONE_THREAD
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return "a torch.func transform (grad, vjp, jvp, vmap, jacrev, ...)", _FOLLOWS_ONE_THREAD
+    keys = torch._C._TorchDispatchModeKey
+    if torch._C._get_dispatch_mode(keys.PROXY) is not None:
+        return "make_fx (a proxy tracing mode)", _FOLLOWS_ONE_THREAD
+    if torch._C._get_dispatch_mode(keys.FUNCTIONAL) is not None:
+        return "functionalization (AOT autograd)", _FOLLOWS_ONE_THREAD
+    if torch._C._get_dispatch_mode(keys.FAKE) is not None:
+        return "FakeTensorMode", ("it keeps the state of the op it runs on the mode object, which stages running "
+                                  "at once on several worker threads would share")
+    return None
+
+
+def refuse_untransferable_state(what: str) -> None:
+    """Raise before a call when the caller runs under state no worker thread can take part in.
+
+    ``torch.func`` transforms and tracers keep their state on the thread that started them:
+    the stages, run on other threads, would escape them silently (``grad`` of a pipelined
+    model came out as zeros, ``make_fx`` recorded the result as a constant). A fake-tensor
+    mode keeps the state of the op it runs on the mode object, which stages running at once
+    would share. Checked before anything changes; ``what`` names the call in the message.
+    """
+    found = _untransferable_state()
+    if found is not None:
+        name, reason = found
+        raise RuntimeError(
+            f"{what} cannot run under {name}: {reason}. Apply it to the plain model (pipe[:] is an "
+            "nn.Sequential of the same layers, run on your thread), or to the layers inside the stages"
+        )
+
+
 _PROFILER_ON_THIS_THREAD: Optional[Callable[[], bool]] = getattr(torch._C._autograd, "_profiler_enabled", None)
 _warned_profiler_misses_workers = False
 
@@ -110,15 +154,81 @@ def first_frame_outside_torchpipe() -> int:
     return level
 
 
+def _single_threaded_mode(mode: Any) -> bool:
+    """A dispatch mode of torch's own that works for one thread only: not carried.
+
+    torch's selective checkpoint caches op results in the order one thread runs them.
+    Infrastructure modes (fake tensors, proxy tracing, functionalization) are refused before
+    a call gets here (:func:`refuse_untransferable_state`), and skipped here as well.
+    """
+    if getattr(mode, "_mode_key", None) is not None:
+        return True
+    names = ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+    return type(mode).__module__ == "torch.utils.checkpoint" and type(mode).__name__ in names
+
+
+class _Modes:
+    """The caller's Python modes (``TorchFunctionMode`` and ``TorchDispatchMode`` stacks).
+
+    ``with torch.device("meta")`` (a function mode), ``FlopCounterMode``, a user's logging or
+    numerics mode and ``allow_mutation_on_saved_tensors`` (a dispatch mode beside its
+    saved-tensor hooks) act on every op the caller's thread runs, and only there. A job
+    pushes the very same mode objects onto its own thread's stacks for its run and pops them
+    after: entering them again would reset their state (a flop counter's counts). So a mode
+    sees the stages' ops from several threads at once. Not carried: torch's modes that work
+    for one thread only (:func:`_single_threaded_mode`).
+    """
+
+    __slots__ = ("function_modes", "dispatch_modes")
+
+    def __init__(self, function_modes: List[Any], dispatch_modes: List[Any]) -> None:
+        self.function_modes = function_modes
+        self.dispatch_modes = dispatch_modes
+
+    @classmethod
+    def current(cls) -> Optional["_Modes"]:
+        if not torch._C._len_torch_function_stack() and not torch._C._len_torch_dispatch_stack():
+            return None  # the common case, without building lists
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        dispatch = [m for m in _get_current_dispatch_mode_stack() if not _single_threaded_mode(m)]
+        function = list(_get_current_function_mode_stack())
+        return cls(function, dispatch) if function or dispatch else None
+
+    def __enter__(self) -> None:
+        pushed_function = pushed_dispatch = 0
+        try:
+            for mode in self.function_modes:
+                torch._C._push_on_torch_function_stack(mode)
+                pushed_function += 1
+            for mode in self.dispatch_modes:
+                torch._C._push_on_torch_dispatch_stack(mode)
+                pushed_dispatch += 1
+        except BaseException:  # noqa: B902 - the caller will not call __exit__: undo what was pushed
+            self._pop(pushed_function, pushed_dispatch)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        self._pop(len(self.function_modes), len(self.dispatch_modes))
+
+    def _pop(self, function_count: int, dispatch_count: int) -> None:
+        for _ in range(dispatch_count):
+            torch._C._pop_torch_dispatch_stack(None)
+        for _ in range(function_count):
+            torch._C._pop_torch_function_stack()
+
+
 class ThreadState:
     """The caller's thread-local state that each job must run under.
 
-    Grad mode, inference mode, autocast, saved-tensor hooks (``save_on_cpu``) and whether a
-    profiler records: all thread-local in PyTorch, so a worker thread would otherwise
-    silently run with its own defaults.
+    Grad mode, inference mode, autocast, saved-tensor hooks (``save_on_cpu``), Python modes
+    (:class:`_Modes`) and whether a profiler records: all thread-local in PyTorch, so a worker
+    thread would otherwise silently run with its own defaults.
     """
 
-    __slots__ = ("grad_enabled", "inference", "autocast", "saved_hooks", "profiling", "plain", "chain", "owner")
+    __slots__ = ("grad_enabled", "inference", "autocast", "saved_hooks", "modes", "profiling", "plain", "chain",
+                 "owner")
 
     def __init__(self, device_types: Sequence[str], owner: Optional[int] = None) -> None:
         # Whom the jobs work for: the caller's chain, one level down for step ``owner``.
@@ -133,9 +243,10 @@ class ThreadState:
                     (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
                 )
         self.saved_hooks = _carried_saved_tensors_hooks()
+        self.modes = _Modes.current()
         self.profiling = bool(torch.autograd.profiler._is_profiler_enabled)
         # Nothing to enter around a job: the per-job fast path.
-        self.plain = not (self.inference or self.autocast or self.saved_hooks or self.profiling)
+        self.plain = not (self.inference or self.autocast or self.saved_hooks or self.modes or self.profiling)
 
     def contexts(self, label: str) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -147,6 +258,8 @@ class ThreadState:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
         if self.saved_hooks is not None:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks))
+        if self.modes is not None:
+            stack.enter_context(self.modes)
         if self.profiling:
             stack.enter_context(torch.profiler.record_function(label))
         return stack

@@ -28,7 +28,7 @@ import torch
 from .call_chain import Chain, adopt
 from .checks import check_positive_int
 from .devices import Backend, get_backend
-from .thread_state import ThreadState, warn_if_the_profiler_records_this_thread_only
+from .thread_state import ThreadState, refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only
 
 __all__ = [
     "Task",
@@ -342,13 +342,15 @@ class HostPool:
         """Run ``fn(*args, **kwargs)`` on a host thread; exceptions (any BaseException) land in the future.
 
         The task runs under the submitting thread's state, as a pipeline's jobs do: grad
-        mode, inference mode, CPU autocast, saved-tensor hooks, and under a profiler a
-        ``record_function`` named ``label`` (default: ``fn``'s name).
+        mode, inference mode, CPU autocast, saved-tensor hooks, Python modes, and under a
+        profiler a ``record_function`` named ``label`` (default: ``fn``'s name). A ``torch.func``
+        transform or a tracer cannot follow it there, and is refused (RuntimeError).
         """
         from concurrent.futures import Future
 
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
+        refuse_untransferable_state("HostPool.submit")
         warn_if_the_profiler_records_this_thread_only()
         future: "Future[Any]" = Future()
         state = ThreadState(("cpu",))

@@ -33,7 +33,7 @@ from ..call_lock import CallLock
 from ..devices import Backend, get_backend, usable_device
 from ..checks import as_int, check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
-from ..thread_state import warn_if_the_profiler_records_this_thread_only
+from ..thread_state import refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only
 from ..workers import STOP_TIMEOUT_S, Worker, available_cores, check_intra_op_threads, stop_workers
 from .schedule import Clock, ClockSchedule, schedule_table
 
@@ -438,6 +438,7 @@ class StagedPipeline:
         is exhausted *and* every in-flight batch was returned.
         """
         self._refuse_own_work("progress()")
+        refuse_untransferable_state("progress()")
         warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
         return self._lock.call(self._progress_holding_lock, dataloader_iter)
 
