@@ -1,6 +1,7 @@
 """Pipe gives the outputs and gradients of the plain nn.Sequential (transparency)."""
 import collections
 import copy
+import json
 import threading
 import time
 import warnings
@@ -978,6 +979,28 @@ def test_step_record_and_chrome_trace(tmp_path):
         path = tmp_path / "step.json"
         record.save_chrome_trace(str(path))
         assert path.stat().st_size > 0
+
+
+@pytest.mark.parametrize("schedule,options", [("interleaved-1f1b", {"virtual_stages": 2}), ("zb-v", {})])
+def test_step_trace_has_a_track_per_plan_worker_and_matches_the_plan_trace(schedule, options):
+    # 4 partitions on 2 plan workers: the threads of partitions 2 and 3 run nothing.
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    with Pipe(model, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=4) as pipe:
+        pipe.step(torch.randn(8, 4), torch.randn(8, 4), nn.MSELoss(), schedule=schedule, **options)
+        plan = pipe.plan(4, schedule, **options)
+        trace = json.loads(json.dumps(pipe.last_step.chrome_trace()))
+    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted(tracks) == sorted({e["tid"] for e in spans}) == [0, 1]
+    for w, actions in enumerate(plan.worker_actions):
+        stages = sorted({a.stage for a in actions})
+        assert tracks[w].endswith(f"(stages {', '.join(map(str, stages))})"), tracks[w]
+    planned = {e["args"]["action"]: e for e in plan.chrome_trace()["traceEvents"]}
+    assert sorted(planned) == sorted(e["args"]["action"] for e in spans)
+    for e in spans:
+        twin = planned[e["args"]["action"]]
+        assert (e["cat"], e["tid"], e["args"]) == (twin["cat"], twin["tid"], twin["args"])
+        assert e["name"] == f"stage {twin['args']['stage']} {twin['cat']} mb {twin['args']['microbatch']}"
 
 
 def test_profiler_sees_labelled_tasks_from_worker_threads():

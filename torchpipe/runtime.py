@@ -174,22 +174,48 @@ class StepRecord:
         return 1.0 - sum(self.busy()) / (len(set(self.workers)) * span)
 
     def chrome_trace(self) -> Dict[str, Any]:
-        """The step as Chrome trace events (open in chrome://tracing or Perfetto)."""
+        """The step as Chrome trace events (open in chrome://tracing or Perfetto).
+
+        One track per worker that had jobs. A key with ``stage``/``microbatch``/``kind``
+        fields (a plan's action) puts them in each event's ``args`` and ``cat``, with the
+        key's text (``"2F0"``) as ``args["action"]``, as in ``Plan.chrome_trace()``: a planned
+        and a measured trace can be matched action by action. A worker that ran several
+        stages (interleaved plans) says which in its track's name.
+        """
         events: List[Dict[str, Any]] = []
-        for w, name in enumerate(self.worker_names):
+        stages: Dict[int, List[Any]] = {}
+        for w, key in zip(self.workers, self.keys or [None] * len(self.workers)):
+            on_worker = stages.setdefault(w, [])
+            stage = getattr(key, "stage", None)
+            if stage is not None and stage not in on_worker:
+                on_worker.append(stage)
+        for w in sorted(stages):
+            name = self.worker_names[w]
+            if len(stages[w]) > 1:
+                name += f" (stages {', '.join(str(s) for s in sorted(stages[w]))})"
             events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": w, "args": {"name": name}})
         origin = min((s for s in self.starts if s >= 0), default=self.wall_start)
-        for label, w, s, e in zip(self.labels, self.workers, self.starts, self.ends):
+        keys = self.keys or [None] * len(self.labels)
+        for label, w, s, e, key in zip(self.labels, self.workers, self.starts, self.ends, keys):
             if s < 0:
                 continue
-            events.append(
-                {"ph": "X", "name": label, "pid": 0, "tid": w, "ts": (s - origin) * 1e6, "dur": (e - s) * 1e6}
-            )
+            event: Dict[str, Any] = {"ph": "X", "name": label, "pid": 0, "tid": w, "ts": (s - origin) * 1e6,
+                                     "dur": (e - s) * 1e6}
+            fields = _action_fields(key)
+            if fields:
+                event["cat"] = fields.pop("kind", "")
+                event["args"] = {"action": str(key), **fields}
+            events.append(event)
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def save_chrome_trace(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
+
+
+def _action_fields(key: Any) -> Dict[str, Any]:
+    """A plan action's ``stage``, ``microbatch`` and ``kind``, where ``key`` has them."""
+    return {name: getattr(key, name) for name in ("stage", "microbatch", "kind") if hasattr(key, name)}
 
 
 class Latch:

@@ -240,6 +240,14 @@ class _FakeFigure(_Recorder):
 
     fail_savefig: bool = False
 
+    def __init__(self, owner: str, log: list[_Call], axes: _Recorder) -> None:
+        super().__init__(owner, log)
+        self._axes = axes
+
+    def add_subplot(self, *args: Any, **kwargs: Any) -> _Recorder:
+        self._log.append(_Call(self._owner, "add_subplot", args, kwargs))
+        return self._axes
+
     def savefig(self, path: Any, *args: Any, **kwargs: Any) -> None:
         self._log.append(_Call(self._owner, "savefig", (path, *args), kwargs))
         if self.fail_savefig:
@@ -249,20 +257,31 @@ class _FakeFigure(_Recorder):
 
 
 class _FakeMatplotlib:
-    """The fake ``matplotlib`` and ``matplotlib.pyplot`` modules plus their call log."""
+    """Fake ``matplotlib`` modules (figure, Agg canvas, and pyplot) plus their call log.
+
+    save_png must draw on a bare ``Figure`` with the Agg canvas: every use of ``matplotlib.use``
+    or ``pyplot`` (which would change the caller's backend or figure registry) is logged too,
+    so a test can check there is none.
+    """
 
     def __init__(self) -> None:
         self.log: list[_Call] = []
-        self.figure = _FakeFigure("fig", self.log)
         self.axes = _Recorder("ax", self.log)
+        self.figure = _FakeFigure("fig", self.log, self.axes)
         self.matplotlib = types.ModuleType("matplotlib")
-        self.pyplot = types.ModuleType("matplotlib.pyplot")
         self.matplotlib.use = self._recording("matplotlib", "use")  # type: ignore[attr-defined]
-        self.matplotlib.pyplot = self.pyplot  # type: ignore[attr-defined]
-        self.pyplot.subplots = self._subplots  # type: ignore[attr-defined]
-        self.pyplot.close = self._recording("plt", "close")  # type: ignore[attr-defined]
-        # Any other pyplot function is recorded too rather than failing with AttributeError.
+        self.figure_module = types.ModuleType("matplotlib.figure")
+        self.figure_module.Figure = self._new_figure  # type: ignore[attr-defined]
+        self.backends = types.ModuleType("matplotlib.backends")
+        self.backend_agg = types.ModuleType("matplotlib.backends.backend_agg")
+        self.backend_agg.FigureCanvasAgg = self._recording("agg", "FigureCanvasAgg")  # type: ignore[attr-defined]
+        self.pyplot = types.ModuleType("matplotlib.pyplot")
         self.pyplot.__getattr__ = lambda name: self._recording("plt", name)  # type: ignore[attr-defined]
+
+    def modules(self) -> dict[str, types.ModuleType]:
+        return {"matplotlib": self.matplotlib, "matplotlib.figure": self.figure_module,
+                "matplotlib.backends": self.backends, "matplotlib.backends.backend_agg": self.backend_agg,
+                "matplotlib.pyplot": self.pyplot}
 
     def _recording(self, owner: str, name: str) -> Callable[..., None]:
         """A function that only records its calls under ``owner.name``."""
@@ -272,9 +291,9 @@ class _FakeMatplotlib:
 
         return function
 
-    def _subplots(self, *args: Any, **kwargs: Any) -> tuple[_FakeFigure, _Recorder]:
-        self.log.append(_Call("plt", "subplots", args, kwargs))
-        return self.figure, self.axes
+    def _new_figure(self, *args: Any, **kwargs: Any) -> _FakeFigure:
+        self.log.append(_Call("matplotlib.figure", "Figure", args, kwargs))
+        return self.figure
 
     def calls(self, owner: str, name: str) -> list[_Call]:
         """Recorded calls of ``owner.name``, in call order."""
@@ -289,8 +308,8 @@ class _FakeMatplotlib:
 def fake_mpl(monkeypatch: pytest.MonkeyPatch) -> _FakeMatplotlib:
     """Install the fake matplotlib in ``sys.modules`` for one test."""
     fake = _FakeMatplotlib()
-    monkeypatch.setitem(sys.modules, "matplotlib", fake.matplotlib)
-    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", fake.pyplot)
+    for name, module in fake.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
     return fake
 
 
@@ -341,11 +360,11 @@ def _by_label(fake: _FakeMatplotlib) -> dict[str, _Bar]:
 
 def _check_chart(fake: _FakeMatplotlib, plan: Plan, sim: Simulation, path: Path) -> None:
     """Everything save_png must have drawn for ``plan`` simulated as ``sim``."""
-    # Backend chosen before pyplot is used, headless.
-    assert [(c.args, c.kwargs) for c in fake.calls("matplotlib", "use")] == [(("Agg",), {})]
-    assert fake.index("matplotlib", "use") < fake.index("plt", "subplots")
-    assert len(fake.calls("plt", "subplots")) == 1
-    width, height = fake.calls("plt", "subplots")[0].kwargs["figsize"]
+    # One bare figure on the Agg canvas; the caller's backend and pyplot are left alone.
+    assert fake.calls("matplotlib", "use") == [] and not [c for c in fake.log if c.owner == "plt"]
+    assert len(fake.calls("matplotlib.figure", "Figure")) == 1
+    assert [c.args for c in fake.calls("agg", "FigureCanvasAgg")] == [(fake.figure,)]
+    width, height = fake.calls("matplotlib.figure", "Figure")[0].kwargs["figsize"]
     assert width > 0 and height > 0
     # One bar per action, on the row of the worker the plan puts it on, timed as simulated.
     bars = _by_label(fake)
@@ -369,11 +388,9 @@ def _check_chart(fake: _FakeMatplotlib, plan: Plan, sim: Simulation, path: Path)
     assert [c.args for c in fake.calls("ax", "set_xlabel")] == [("time",)]
     (title,) = fake.calls("ax", "set_title")
     assert title.args[0] == f"{plan.name}: bubble {sim.bubble_ratio:.1%}"
-    # Saved once to the path, then the figure is closed (after saving, not before).
+    # Saved once to the path.
     assert [c.args for c in fake.calls("fig", "savefig")] == [(str(path),)]
     assert path.read_bytes() == b"fake png"
-    assert [c.args for c in fake.calls("plt", "close")] == [(fake.figure,)]
-    assert fake.index("fig", "savefig") < fake.index("plt", "close")
 
 
 SAVE_PNG_CASES = [
@@ -440,7 +457,7 @@ def test_save_png_rejects_bad_costs_before_drawing(fake_mpl: _FakeMatplotlib, tm
         build("1f1b", 2, 2).save_png(str(path), {"F": -1})
     with pytest.raises(ValueError, match="comm"):
         build("1f1b", 2, 2).save_png(str(path), comm=-1.0)
-    assert fake_mpl.calls("plt", "subplots") == [] and not path.exists()
+    assert fake_mpl.calls("matplotlib.figure", "Figure") == [] and not path.exists()
 
 
 # Regression: the width once followed the raw makespan (0.4 inch per cost unit), so costs in
@@ -451,18 +468,28 @@ def test_save_png_figure_size_does_not_depend_on_cost_unit(fake_mpl: _FakeMatplo
     for scale in (1e-3, 1.0, 1e3):
         fake_mpl.log.clear()
         plan.save_png(str(tmp_path / "plan.png"), {k: scale for k in "FIW"})
-        sizes.append(fake_mpl.calls("plt", "subplots")[0].kwargs["figsize"])
+        sizes.append(fake_mpl.calls("matplotlib.figure", "Figure")[0].kwargs["figsize"])
     assert sizes[0] == sizes[1] == sizes[2]
     width, _ = sizes[0]
     assert 6.0 <= width <= 60.0
 
 
-# Regression: a failed savefig (missing directory, full disk) once left the figure open in pyplot.
-def test_save_png_closes_figure_when_savefig_fails(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:
+# Regression: a failed savefig (missing directory, full disk) once left the figure open in
+# pyplot. A bare figure is in no registry: nothing is left behind, and the error comes through.
+def test_save_png_leaves_nothing_open_when_savefig_fails(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:
     fake_mpl.figure.fail_savefig = True
     with pytest.raises(OSError):
         build("1f1b", 2, 2).save_png(str(tmp_path / "plan.png"))
-    assert [c.args for c in fake_mpl.calls("plt", "close")] == [(fake_mpl.figure,)]
+    assert not [c for c in fake_mpl.log if c.owner == "plt"]
+
+
+# Regression: save_png called matplotlib.use("Agg"), switching a notebook's backend for good.
+def test_save_png_keeps_the_callers_matplotlib_backend(tmp_path: Path) -> None:
+    matplotlib = pytest.importorskip("matplotlib")
+    before = matplotlib.get_backend()
+    build("1f1b", 2, 2).save_png(str(tmp_path / "plan.png"))
+    assert matplotlib.get_backend() == before
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_costs_too_far_apart_for_slots_and_times_that_overflow() -> None:

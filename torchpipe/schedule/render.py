@@ -117,6 +117,9 @@ def table(plan: "Plan", costs: Costs = None, *, comm: float = 0.0) -> str:
 def chrome_trace(plan: "Plan", costs: Costs = None, *, comm: float = 0.0, us_per_unit: float = 1.0) -> dict[str, Any]:
     """Chrome trace dict: one complete ("X") event per action, ``tid`` = worker.
 
+    Its ``cat`` and ``args`` (the action's text, stage, micro-batch) are those of a step's
+    measured trace (``pipe.last_step.chrome_trace()``), so the two match action by action.
+
     Cost units are taken as microseconds unless ``us_per_unit`` says otherwise
     (e.g. 1e6 for costs measured in seconds).
     """
@@ -133,7 +136,7 @@ def chrome_trace(plan: "Plan", costs: Costs = None, *, comm: float = 0.0, us_per
             "tid": w,
             "ts": start * scale,
             "dur": (end - start) * scale,
-            "args": {"stage": act.stage, "microbatch": act.microbatch},
+            "args": {"action": str(act), "stage": act.stage, "microbatch": act.microbatch},
         }
         for w, act, start, end in sim.timeline
     ]
@@ -144,12 +147,14 @@ def chrome_trace(plan: "Plan", costs: Costs = None, *, comm: float = 0.0, us_per
 
 
 def save_png(plan: "Plan", path: str, costs: Costs = None, *, comm: float = 0.0) -> None:
-    """Write a Gantt chart of the simulated plan; raises ImportError without matplotlib."""
-    try:
-        import matplotlib
+    """Write a Gantt chart of the simulated plan; raises ImportError without matplotlib.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    Drawn on a bare ``Figure`` with the Agg canvas, not through ``pyplot``: the caller's
+    backend (a notebook's inline one) and open figures stay as they were.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as exc:
         raise ImportError(
             "Plan.save_png needs matplotlib, which is not installed (pip install matplotlib); "
@@ -160,16 +165,15 @@ def save_png(plan: "Plan", path: str, costs: Costs = None, *, comm: float = 0.0)
     # Width follows the number of time slots, not the cost unit: costs in microseconds must
     # not ask for a million-inch figure. Capped so that long plans still make a sane image.
     width = min(_MAX_WIDTH_IN, max(6.0, len(_columns(sim)[0]) * 0.4))
-    fig, ax = plt.subplots(figsize=(width, 0.6 * plan.num_workers + 1.0))
-    try:
-        for w, act, start, end in sim.timeline:
-            ax.barh(w, end - start, left=start, color=colors[act.kind], edgecolor="black")
-            ax.text((start + end) / 2, w, str(act), ha="center", va="center", fontsize=7)
-        ax.set_yticks(range(plan.num_workers), [f"w{w}" for w in range(plan.num_workers)])
-        ax.invert_yaxis()
-        ax.set_xlabel("time")
-        ax.set_title(f"{plan.name}: bubble {sim.bubble_ratio:.1%}")
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:  # a failed save (missing directory, full disk) must not leak the figure
-        plt.close(fig)
+    fig = Figure(figsize=(width, 0.6 * plan.num_workers + 1.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for w, act, start, end in sim.timeline:
+        ax.barh(w, end - start, left=start, color=colors[act.kind], edgecolor="black")
+        ax.text((start + end) / 2, w, str(act), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(plan.num_workers), [f"w{w}" for w in range(plan.num_workers)])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(f"{plan.name}: bubble {sim.bubble_ratio:.1%}")
+    fig.tight_layout()
+    fig.savefig(path)
