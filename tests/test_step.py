@@ -1,7 +1,9 @@
 """Pipe.step: explicit backward on the workers, for every schedule, equals the plain model."""
+import collections
 import copy
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -669,6 +671,78 @@ def test_tensor_hooks_that_replace_gradients_apply_once_in_split_backward(schedu
         pipe.step(x, y, nn.MSELoss(), schedule=schedule)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-12, atol=1e-12, msg=f"{schedule}: {name}")
+
+
+def _counting_model():
+    """Three stages of Linear/LayerNorm/Conv1d layers, each parameter a branch of its own node."""
+    torch.manual_seed(0)
+
+    class Conv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(1, 1, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv(x.unsqueeze(1)).squeeze(1)
+
+    return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.LayerNorm(6), Conv(), nn.Linear(6, 6),
+                         nn.Tanh(), nn.Linear(6, 6), nn.Linear(6, 2)).double()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_parameter_and_module_backward_hooks_run_once_per_micro_batch(schedule, checkpoint):
+    """Under zb-h1/zb-v a parameter hook ran twice per micro-batch for every parameter that is a
+    branch of its own (a bias, a conv or LayerNorm weight): once where W captures its gradient,
+    once when it accumulates. And a stage whose W falls back to its whole backward (a
+    checkpointed micro-batch with more than two branch nodes) called its modules' full
+    backward hooks and pre-hooks a second time. The gradients were right; the calls were not."""
+    chunks = 3
+    x, y = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    counts = {"reference": collections.Counter(), "pipe": collections.Counter()}
+
+    def hooked(which):
+        model = _counting_model()
+        seen = counts[which]
+        for name, p in model.named_parameters():
+            p.register_hook(lambda g, name=name: seen.update([name]))
+        for index, layer in enumerate(model):
+            layer.register_full_backward_pre_hook(lambda m, g, index=index: seen.update([f"pre {index}"]))
+            layer.register_full_backward_hook(lambda m, gi, go, index=index: seen.update([f"post {index}"]))
+        return model
+
+    reference = hooked("reference")
+    for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+        (nn.MSELoss(reduction="sum")(reference(xs), ys) / x.numel() * 3).backward()
+    model = hooked("pipe")
+    balance = [3, 3, 3] if schedule != "zb-v" else [2, 1, 2, 1, 1, 2]
+    with Pipe(model, balance, devices=["cpu"] * len(balance), chunks=chunks, checkpoint=checkpoint) as pipe:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "Full backward hook is firing ... no inputs require gradients"
+            pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    assert counts["pipe"] == counts["reference"]
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_parameter_hook_that_replaces_its_gradient_applies_once_under_zero_bubble():
+    """W accumulates a parameter's captured gradient itself, without the hook a second time."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m[2].bias.register_hook(lambda g: g * 3)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    nn.MSELoss()(reference(x), y).backward()
+    grads = {}  # a post-accumulate hook still runs, once, after the accumulation W makes itself
+    model[2].bias.register_post_accumulate_grad_hook(lambda p: grads.setdefault("bias", []).append(p.grad.clone()))
+    with Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=1, checkpoint="never") as pipe:
+        pipe.step(x, y, nn.MSELoss(), schedule="zb-h1")
+    torch.testing.assert_close(model[2].bias.grad, reference[2].bias.grad, rtol=1e-12, atol=1e-12)
+    assert len(grads["bias"]) == 1
+    torch.testing.assert_close(grads["bias"][0], reference[2].bias.grad, rtol=1e-12, atol=1e-12)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
 
 
 class _ReluInPlaceInside(nn.Module):

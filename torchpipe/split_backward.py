@@ -24,12 +24,21 @@ correct but walks the input path a second time:
 * a checkpointed micro-batch of a stage with more than two frontier nodes: torch's
   checkpoint recomputes the forward once per backward call, so ``W`` would recompute the
   stage once per frontier node; walking the input path again costs less than that.
+
+Where the input path holds module backward hooks (``register_full_backward_hook`` and its
+pre-hook), walking it again in ``W`` would call them a second time for the micro-batch. Such
+a fallback runs the whole backward in ``I`` instead, once, and leaves ``W`` nothing to do.
+
+A parameter's own gradient (its ``AccumulateGrad`` node is a branch's first node) is taken
+at ``W``'s capture, where autograd applies the parameter's hooks (``p.register_hook``), and
+accumulated by calling that node directly, which does not apply them again.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
@@ -94,6 +103,11 @@ def _donates_buffers(node: Node) -> bool:
     return bool(getattr(metadata, "bw_donated_idxs", None))
 
 
+def _calls_module_hooks(node: Node) -> bool:
+    """Whether ``node`` calls an ``nn.Module``'s full backward hooks or pre-hooks."""
+    return type(node).__name__ == "BackwardHookFunctionBackward"
+
+
 def _below(roots: Sequence[Node]) -> Set[Node]:
     """Every node reachable from ``roots``, the roots included."""
     seen: Set[Node] = set()
@@ -128,10 +142,11 @@ class WeightSplit:
             elif output.grad_fn not in seen:
                 seen.add(output.grad_fn)
                 stack.append(output.grad_fn)
-        donating = False
+        donating = module_hooks = False
         while stack:
             node = stack.pop()
             donating = donating or _donates_buffers(node)
+            module_hooks = module_hooks or _calls_module_hooks(node)
             side: Dict[Edge, int] = {}
             for output, (child, slot) in enumerate(node.next_functions):
                 if child is None:
@@ -149,10 +164,11 @@ class WeightSplit:
         if self.whole:
             self.frontier = {}
         self.kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
-        # See input_grads: a region on the input path that cannot keep its graph.
-        self.whole_in_input = donating
+        # See input_grads: a region on the input path that cannot keep its graph, or module
+        # hooks that a whole backward in W would call a second time.
+        self.whole_in_input = donating or (self.whole and module_hooks)
         self.done_in_input = False
-        if donating:
+        if self.whole_in_input:
             self.frontier = {}
         self._hooks = [node.register_prehook(self._keeper(node)) for node in self.frontier]
 
@@ -219,7 +235,7 @@ class WeightSplit:
         if self.whole:
             self._whole_weight_grads(outputs, grad_outputs)
             return
-        entering: Dict[Edge, Tensor] = {}
+        entering: Dict[Edge, Tensor] = {}  # per branch start: the gradient that enters it
         for node, side in self.frontier.items():
             kept = self.kept.get(node)
             if kept is None:  # the node got no gradient in I (its outputs were unused)
@@ -232,8 +248,12 @@ class WeightSplit:
             for edge, grad in zip(side, side_grads):
                 if grad is not None:
                     entering[edge] = grad if edge not in entering else entering[edge] + grad
-        sources: List[Any] = [GradientEdge(child, slot) for child, slot in entering]
-        source_grads: List[Tensor] = list(entering.values())
+        sources: List[Any] = [GradientEdge(child, slot) for child, slot in entering if not _is_accumulator(child)]
+        source_grads: List[Tensor] = [grad for (child, _), grad in entering.items() if not _is_accumulator(child)]
+        with torch.no_grad():  # as in the engine: .grad accumulates in place
+            for (child, _), grad in entering.items():
+                if _is_accumulator(child):  # the hooks ran at the capture: accumulate only
+                    child(grad)
         for i in self.detached_outputs:
             grad = grad_outputs[i]
             if grad is not None:
@@ -255,7 +275,8 @@ class WeightSplit:
         here, before anything is accumulated: what reaches ``node`` and what stops at each
         branch is compared, by identity, with what was fed and what ``node`` sent. Then None:
         the caller runs the whole backward into the parameters instead, which applies every
-        hook once.
+        hook once. A branch that is a parameter's ``AccumulateGrad`` is exempt: its hooks are
+        applied here, once, and the caller accumulates without them.
         """
         fed = {i: g for i, g in enumerate(kept) if g is not None}
         if not fed:
@@ -279,8 +300,8 @@ class WeightSplit:
         sent = seen["sent"]
         if seen["replaced"] or sent is None:
             return None
-        for output, grad in zip(outputs, side_grads):
-            if grad is not None and sent[output] is not grad:
+        for (child, _), output, grad in zip(side, outputs, side_grads):
+            if grad is not None and sent[output] is not grad and not _is_accumulator(child):
                 return None
         return side_grads
 
