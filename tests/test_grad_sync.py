@@ -418,7 +418,25 @@ def test_ranks_whose_dtypes_differ_and_a_rank_outside_the_group_are_refused(tmp_
                               "group's ranks only"), membership
 
 
-def out_of_step_worker(rank: int, init_file: str, result_file: str) -> None:
+def _refused_step(pipe: Pipe, x: torch.Tensor, y: torch.Tensor, refusal: str) -> str:
+    """One step refused before it runs: an empty batch, or a caller under FakeTensorMode."""
+    if refusal == "empty batch":
+        try:
+            pipe.step(x[:0], y[:0], nn.MSELoss())
+        except ValueError as exc:
+            return str(exc)[:30]
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                pipe.step(x, y, nn.MSELoss())
+        except RuntimeError as exc:
+            return str(exc)[:30]
+    return "not refused"
+
+
+def out_of_step_worker(rank: int, init_file: str, result_file: str, refusal: str = "empty batch") -> None:
     start(rank, init_file, timeout_s=10)
     try:
         outcomes = []
@@ -427,10 +445,7 @@ def out_of_step_worker(rank: int, init_file: str, result_file: str) -> None:
         x, y = rank_batch(rank)
         pipe.step(x, y, nn.MSELoss())
         if rank == 1:  # a loop that skips a batch its step refused, and goes on
-            try:
-                pipe.step(x[:0], y[:0], nn.MSELoss())
-            except ValueError as exc:
-                outcomes.append(str(exc)[:30])
+            outcomes.append(_refused_step(pipe, x, y, refusal))
         pipe.zero_grad(set_to_none=True)
         try:
             pipe.step(x, y, nn.MSELoss())
@@ -456,15 +471,17 @@ def out_of_step_worker(rank: int, init_file: str, result_file: str) -> None:
         dist.destroy_process_group()
 
 
-def test_ranks_whose_calls_differ_are_told_instead_of_averaging_other_steps(tmp_path) -> None:
+@pytest.mark.parametrize("refusal", ["empty batch", "FakeTensorMode"])
+def test_ranks_whose_calls_differ_are_told_instead_of_averaging_other_steps(tmp_path, refusal) -> None:
     """Review: a rank that skipped a refused step (or stepped inside no_sync() alone) paired its
     next step's all-reduces with the other rank's previous step, and both averaged gradients
-    of different steps without a word."""
+    of different steps without a word. A step refused for the caller's state (a tracer, a
+    fake-tensor mode) is a refused step like any other: it was not counted."""
     result_file = str(tmp_path / "result")
-    spawn_ranks(out_of_step_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
+    spawn_ranks(out_of_step_worker, str(tmp_path / "init"), result_file, refusal, nprocs=WORLD)
     first = eval(open(f"{result_file}.0").read())
     second = eval(open(f"{result_file}.1").read())
-    assert second[0].startswith("the input batch is empty")
+    assert second[0].startswith("the input batch is empty" if refusal == "empty batch" else "Pipe.step cannot run under Fa")
     assert first[0] == ("the ranks are out of step: this rank's call 2 of step()/all_reduce() met calls 2..3 of "
                         "the others (a step refused, or run inside no_sync(), on some ranks only), so the "
                         "collectives paired up wrongly and no gradient was averaged: this rank's gradients are its "

@@ -674,10 +674,10 @@ class Pipe(nn.Module):
             return _outside_compile(Pipe.step)(self, input, target, loss_fn, schedule, reduction=reduction,
                                                return_outputs=return_outputs, losses=losses,
                                                loss_kwargs=loss_kwargs, **options)
-        refuse_untransferable_state("Pipe.step")
         sync = self._gradient_sync
         ticket = sync.ticket() if sync is not None else None
         try:
+            refuse_untransferable_state("Pipe.step")
             return self._step(input, target, loss_fn, schedule, reduction, return_outputs, losses, loss_kwargs,
                               options, ticket)
         finally:

@@ -29,16 +29,17 @@ Where the input path holds module backward hooks (``register_full_backward_hook`
 pre-hook), walking it again in ``W`` would call them a second time for the micro-batch. Such
 a fallback runs the whole backward in ``I`` instead, once, and leaves ``W`` nothing to do.
 
-A parameter's own gradient (its ``AccumulateGrad`` node is a branch's first node) is taken
-at ``W``'s capture, where autograd applies the parameter's hooks (``p.register_hook``), and
-accumulated by calling that node directly, which does not apply them again.
+A parameter whose ``AccumulateGrad`` node is a branch's first node (a bias, a conv weight)
+has its tensor hooks (``p.register_hook``) applied at ``W``'s capture and again when ``W``
+accumulates: twice per micro-batch (the node's own hooks and post-accumulate hooks run
+once). Accumulating without the engine would skip the node's hooks, on which gradient
+reduction and optimizer-in-backward code rely.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
@@ -248,12 +249,8 @@ class WeightSplit:
             for edge, grad in zip(side, side_grads):
                 if grad is not None:
                     entering[edge] = grad if edge not in entering else entering[edge] + grad
-        sources: List[Any] = [GradientEdge(child, slot) for child, slot in entering if not _is_accumulator(child)]
-        source_grads: List[Tensor] = [grad for (child, _), grad in entering.items() if not _is_accumulator(child)]
-        with torch.no_grad():  # as in the engine: .grad accumulates in place
-            for (child, _), grad in entering.items():
-                if _is_accumulator(child):  # the hooks ran at the capture: accumulate only
-                    child(grad)
+        sources: List[Any] = [GradientEdge(child, slot) for child, slot in entering]
+        source_grads: List[Tensor] = list(entering.values())
         for i in self.detached_outputs:
             grad = grad_outputs[i]
             if grad is not None:
@@ -275,8 +272,7 @@ class WeightSplit:
         here, before anything is accumulated: what reaches ``node`` and what stops at each
         branch is compared, by identity, with what was fed and what ``node`` sent. Then None:
         the caller runs the whole backward into the parameters instead, which applies every
-        hook once. A branch that is a parameter's ``AccumulateGrad`` is exempt: its hooks are
-        applied here, once, and the caller accumulates without them.
+        hook once.
         """
         fed = {i: g for i, g in enumerate(kept) if g is not None}
         if not fed:
@@ -300,8 +296,8 @@ class WeightSplit:
         sent = seen["sent"]
         if seen["replaced"] or sent is None:
             return None
-        for (child, _), output, grad in zip(side, outputs, side_grads):
-            if grad is not None and sent[output] is not grad and not _is_accumulator(child):
+        for output, grad in zip(outputs, side_grads):
+            if grad is not None and sent[output] is not grad:
                 return None
         return side_grads
 
