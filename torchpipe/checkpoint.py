@@ -416,28 +416,36 @@ class ForwardTensors:
     exactly those), and the slot gets its tensor back afterwards.
     """
 
-    __slots__ = ("slots", "values")
+    __slots__ = ("slots", "values", "swapped")
 
     def __init__(self, slots: List[TensorSlot]) -> None:
         self.slots = slots
         self.values = [holder.get(name, _MISSING) for holder, name in slots]
+        self.swapped: List[Tuple[Dict[str, Any], str, Any]] = []
 
-    @contextlib.contextmanager
-    def restored(self) -> Iterator[None]:
-        swapped: List[Tuple[Dict[str, Any], str, Any]] = []
+    def restored(self) -> "ForwardTensors":
+        """The context a recompute runs under (a factory for ``recompute_extras``)."""
+        return self
+
+    def __enter__(self) -> None:
+        swapped = self.swapped = []
         try:
             for (holder, name), value in zip(self.slots, self.values):
                 current = holder.get(name, _MISSING)
                 if current is not value and value is not _MISSING:
                     swapped.append((holder, name, current))
                     holder[name] = value
-            yield
-        finally:
-            for holder, name, current in reversed(swapped):
-                if current is _MISSING:
-                    del holder[name]
-                else:
-                    holder[name] = current
+        except BaseException:  # noqa: B902 - the caller will not call __exit__: put them back
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        for holder, name, current in reversed(self.swapped):
+            if current is _MISSING:
+                del holder[name]
+            else:
+                holder[name] = current
+        self.swapped = []
 
 
 # Recompute the whole partition, as torchgpipe does. Non-reentrant checkpoint stops a
