@@ -26,6 +26,7 @@ from .lowering import ForwardContext, StageRunner, lower_forward
 from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
                          samples, scatter)
 from .partition import BalanceError, as_positive_int, infer_placement, split_module, verify_balance, verify_module
+from .retired import check_not_renumbered
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build, schedule_options
 from .schedule.names import resolve as resolve_schedule
@@ -55,10 +56,12 @@ def _accept_partitioned_keys(module: nn.Module, state_dict: Dict[str, Any], pref
     """Load state dicts saved from torchgpipe's ``GPipe`` or fairscale's ``Pipe``.
 
     Those keep the layers under ``partitions.<i>.<name>``; a ``Pipe`` keeps the original
-    model's names (``<name>``), so that its state dict also loads into the plain model.
+    model's names (``<name>``), so that its state dict also loads into the plain model. Keys
+    renumbered per partition (the retired torch ``Pipe``'s) are refused before anything loads.
     """
     if "partitions" in module._modules:  # a layer of the model itself is called 'partitions'
         return
+    check_not_renumbered(state_dict, prefix, list(module._modules))
     start = prefix + "partitions."
     for key in [k for k in state_dict if k.startswith(start)]:
         match = _PARTITIONED_KEY.match(key, len(prefix))
