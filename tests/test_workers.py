@@ -592,3 +592,37 @@ def test_a_worker_refuses_a_task_it_would_never_run():
     worker.stop()
     with pytest.raises(RuntimeError, match="has stopped: its tasks would never run"):
         worker.put(Task(lambda: 1))
+
+
+def test_a_task_put_by_hand_runs_under_the_putting_threads_state():
+    """Review (the retired torch Pipe's test_grad_mode[False]): Worker.put ran every task with
+    grad mode on, whatever the putting thread's mode; HostPool.submit already carried it."""
+    out = queue.SimpleQueue()
+    worker = Worker("torchpipe-carry-test", out)
+
+    def state():
+        return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+
+    try:
+        with torch.no_grad():
+            worker.put(Task(state, lambda r: None))
+        assert get(out)[2][0] is False
+        with torch.inference_mode():
+            worker.put(Task(state, lambda r: None))
+        assert get(out)[2][:2] == (False, True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            worker.put(Task(state, lambda r: None))
+        assert get(out)[2] == (True, False, True, torch.bfloat16)
+        worker.put(Task(state, lambda r: None))  # and back to the defaults
+        assert get(out)[2][:3] == (True, False, False)
+        with torch.no_grad():  # a failing task is reported as itself, under the same state
+            failing = Task(lambda: 1 / 0, label="carried")
+            worker.put(failing)
+        ok, task, error = get(out)
+        assert not ok and task is failing and isinstance(error, ZeroDivisionError)
+        with torch.no_grad():  # a task queued on in_queue directly keeps the thread's defaults
+            worker.in_queue.put(Task(state, lambda r: None))
+        assert get(out)[2][0] is True
+    finally:
+        worker.stop()

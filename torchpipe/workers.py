@@ -185,14 +185,26 @@ class Worker:
     def put(self, task: Task) -> None:
         """Queue ``task``; tasks run in the order they are put.
 
+        The task runs under the putting thread's state, as a pipeline's jobs and
+        ``HostPool.submit``'s tasks do: grad mode, inference mode, autocast (CPU and the
+        worker's device), saved-tensor hooks, Python modes, and under a profiler a
+        ``record_function`` named by its label. (A task put on ``in_queue`` directly runs
+        under the thread's defaults: the runtime's own jobs carry their state themselves.)
         Refused at once, rather than reported never: a task that is not a `Task` (TypeError),
-        and one for a worker whose thread has stopped (RuntimeError).
+        one for a worker whose thread has stopped, and one put under a ``torch.func``
+        transform or a tracer, which cannot follow it to the worker (RuntimeError).
         """
         if not isinstance(task, Task):
             raise TypeError(f"Worker.put takes a torchpipe.workers.Task, got {type(task).__name__}")
+        self._refuse_if_stopped()
+        refuse_untransferable_state("Worker.put")
+        warn_if_the_profiler_records_this_thread_only()
+        device_types = ("cpu",) if self.device is None or self.device.type == "cpu" else ("cpu", self.device.type)
+        self.in_queue.put(_Carried(task, ThreadState(device_types)))
+
+    def _refuse_if_stopped(self) -> None:
         if self._stopping or not self._thread.is_alive():
             raise RuntimeError(f"worker {self.name!r} has stopped: its tasks would never run")
-        self.in_queue.put(task)
 
     def stop(self, join: bool = True, timeout: Optional[float] = None) -> None:
         """Ask the thread to exit after the tasks already queued, and (by default) join it."""
@@ -218,19 +230,38 @@ class Worker:
             task = get()
             if task is _STOP:
                 return
+            carried = None
+            if type(task) is _Carried:  # put by hand: run it under the putting thread's state
+                carried, task = task, task.task
             try:
-                if task.stream is None or self.backend is None:
-                    result = task.compute()
+                if carried is None:
+                    result = self._compute(task)
                 else:
-                    with self.backend.use_stream(task.stream):
-                        result = task.compute()
+                    with torch.set_grad_enabled(carried.state.grad_enabled), carried.state.contexts(task.label):
+                        result = self._compute(task)
             except BaseException as exc:  # noqa: B902 - KeyboardInterrupt must reach the caller too
                 put((False, task, exc))
-                del exc
+                del exc, carried
                 continue
             if task.finalize is not None:
                 put((True, task, result))
-            del task, result
+            del task, result, carried
+
+    def _compute(self, task: Task) -> Any:
+        if task.stream is None or self.backend is None:
+            return task.compute()
+        with self.backend.use_stream(task.stream):
+            return task.compute()
+
+
+class _Carried:
+    """A task put with :meth:`Worker.put`, with the putting thread's state to run it under."""
+
+    __slots__ = ("task", "state")
+
+    def __init__(self, task: Task, state: ThreadState) -> None:
+        self.task = task
+        self.state = state
 
 
 def spawn_workers(
@@ -374,7 +405,9 @@ class HostPool:
 
         task = Task(compute, label=name)
         with self._lock:  # queued before close() can queue the stop marker, or refused
-            self._pick(key).put(task)
+            worker = self._pick(key)
+            worker._refuse_if_stopped()
+            worker.in_queue.put(task)  # not put(): compute carries the state already
         return future
 
     def close(self) -> None:
