@@ -85,9 +85,12 @@ def test_cli_knows_every_suite_and_all():
     with pytest.raises(SystemExit):
         parse_args(["overhead", "--repeats", "0"])
     assert parse_args(["gpipe", "--stage-ms", "10"]).stage_ms == 10.0
-    for bad in ("0", "-1", "nan"):
+    for bad in ("0", "-1", "nan", "inf"):
         with pytest.raises(SystemExit):
             parse_args(["gpipe", "--stage-ms", bad])
+    assert parse_args(["all", "--stage-ms", "3"]).stage_ms == 3.0
+    with pytest.raises(SystemExit):  # a suite without simulated stages would ignore it silently
+        parse_args(["overhead", "--stage-ms", "3"])
 
 
 def test_stage_ms_sets_the_simulated_latency():
@@ -145,6 +148,10 @@ def test_schedules_suite_quick(tmp_path):
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
     one_f_one_b = [row for row in rows if row["schedule"] == "1f1b"]
     assert all(row["peak_mb"] == "[4, 3, 2, 1]" for row in one_f_one_b)
+    # 1F1B's stage 0 holds p of GPipe's m micro-batches: the worst worker's ratio is p/m exactly.
+    assert {row["m"]: row["peak_vs_gpipe"] for row in one_f_one_b} == {8: pytest.approx(4 / 8), 32: pytest.approx(4 / 32)}
+    for row in rows:  # achieved is the call's wall time, which contains the runtime's own span
+        assert row["achieved_ms"] >= row["span_ms"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
@@ -246,3 +253,44 @@ def test_release_waits_for_the_peers_stopped_workers_to_end():
     assert stuck.is_alive() and time.monotonic() - began < 5
     forever.set()
     stuck.join(5)
+
+
+def test_overhead_formula_on_known_step_times():
+    """Review: the suite tests checked only the JSON's shape, so a wrong formula passed. The
+    overhead is (pipeline step - chunked-loop step) / (stages x chunks), from the medians."""
+    from torchpipe.bench.overhead import STAGES, overhead_tables, report_chunks
+    from torchpipe.bench.peers import THREADS
+    from torchpipe.bench.timing import Measurement
+
+    chunks = 8
+    step_ms = {"plain": 1.0, "loop": 2.0, "torchpipe": 2.8, "torchgpipe": 6.0, "fairscale": 7.0, THREADS: 2.4}
+    measured = {name: Measurement(name, 10, [ms / 1e3 * k for k in (0.9, 1.0, 1.3)]) for name, ms in step_ms.items()}
+    result = SuiteResult("overhead", "synthetic")
+    steps, summary = overhead_tables("steps", "summary")
+    labels = {name: name for name in step_ms}
+    report_chunks(result, steps, summary, chunks, measured, {}, labels)
+    row = summary.rows[0]
+    per = STAGES * chunks
+    assert STAGES == 4
+    assert row["torchpipe"] == pytest.approx((2.8 - 2.0) / 1e3 / per * 1e6)      # 25 us
+    assert row["torchgpipe"] == pytest.approx((6.0 - 2.0) / 1e3 / per * 1e6)     # 125 us
+    assert row[THREADS] == pytest.approx((2.4 - 2.0) / 1e3 / per * 1e6)
+    assert row["tp_over_floor"] == pytest.approx(row["torchpipe"] - row[THREADS])
+    assert row["tg_over_tp"] == pytest.approx(5.0) and row["fs_over_tp"] == pytest.approx(6.25)
+    goals = {goal.name: goal for goal in result.goals}
+    assert goals["chunks=8: torchpipe overhead per (stage, mb), us"].met is True  # 25 <= 25
+    assert goals["chunks=8: torchgpipe overhead / torchpipe overhead"].met is True  # 5 >= 3.5
+
+
+def test_schedules_suite_costs_and_peaks_follow_the_plans():
+    """The simulated makespans use F = t, B = 2t (stage 0 of a split schedule: I = 0, W = 2t, as it
+    runs), and the 1F1B peak ratio is exactly p/m on the tight worker."""
+    from torchpipe.bench.schedules import STAGES, stage_costs
+    from torchpipe.schedule import build
+
+    t, p = 1.0, STAGES
+    for m in (8, 32):
+        costs = stage_costs(t, p)
+        assert build("gpipe", p, m).simulate(costs).makespan == pytest.approx(3 * t * (m + p - 1))
+        assert build("1f1b", p, m).simulate(costs).makespan == pytest.approx(3 * t * (m + p - 1))
+    assert stage_costs(t, 8)["I"] == [0.0] + [t] * 7 and stage_costs(t, 8)["W"] == [2 * t] + [t] * 7

@@ -735,7 +735,7 @@ class Pipe(nn.Module):
         context = StepContext(batches, targets, self._input_events(batches), _loss_call(loss_fn, loss_kwargs), scales, stop, len(self._stages),
                               keep_outputs=return_outputs, output_batch_dim=output_dim,
                               output_samples=self._followed_samples(batches) if return_outputs else None,
-                              sync_ticket=ticket)
+                              sync_ticket=ticket, stage_to_worker=plan.stage_to_worker)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
         if not any(context.loss_has_graph):
             # The plain model's loss.backward() refuses such a loss too; nothing was changed.

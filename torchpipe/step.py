@@ -39,19 +39,40 @@ class MemoryRecord:
 
     ``freed_output_bytes[s]``: bytes of stage ``s``'s outputs freed as soon as stage ``s + 1``
     had its own copy of them (a hand-off across devices), summed over the step; see
-    :func:`_free_sent_outputs`.
+    :func:`_free_sent_outputs`. ``peak_worker_bytes[w]``: the most bytes worker ``w``'s stages
+    held at once. Under interleaved schedules a worker hosts several stages, which peak at
+    different times, so this is less than the sum of their ``peak_bytes``.
     """
 
-    def __init__(self, num_stages: int) -> None:
+    def __init__(self, num_stages: int, stage_to_worker: Optional[Sequence[int]] = None) -> None:
         self.live_microbatches = [0] * num_stages
         self.peak_microbatches = [0] * num_stages
         self.live_bytes = [0] * num_stages
         self.peak_bytes = [0] * num_stages
         self.freed_output_bytes = [0] * num_stages
+        self._worker_of = list(stage_to_worker) if stage_to_worker is not None else list(range(num_stages))
+        num_workers = max(self._worker_of, default=-1) + 1
+        self.live_worker_bytes = [0] * num_workers
+        self.peak_worker_bytes = [0] * num_workers
+
+    def kept(self, stage: int, nbytes: int) -> None:
+        """A micro-batch's activations of ``stage`` are alive until :meth:`released` (called on its worker)."""
+        self.live_microbatches[stage] += 1
+        self.live_bytes[stage] += nbytes
+        self.peak_microbatches[stage] = max(self.peak_microbatches[stage], self.live_microbatches[stage])
+        self.peak_bytes[stage] = max(self.peak_bytes[stage], self.live_bytes[stage])
+        worker = self._worker_of[stage]
+        self.live_worker_bytes[worker] += nbytes
+        self.peak_worker_bytes[worker] = max(self.peak_worker_bytes[worker], self.live_worker_bytes[worker])
+
+    def released(self, stage: int, nbytes: int) -> None:
+        self.live_microbatches[stage] -= 1
+        self.live_bytes[stage] -= nbytes
+        self.live_worker_bytes[self._worker_of[stage]] -= nbytes
 
     def __repr__(self) -> str:
         return (f"MemoryRecord(peak_microbatches={self.peak_microbatches}, peak_bytes={self.peak_bytes}, "
-                f"freed_output_bytes={self.freed_output_bytes})")
+                f"peak_worker_bytes={self.peak_worker_bytes}, freed_output_bytes={self.freed_output_bytes})")
 
 
 class StepContext:
@@ -70,6 +91,7 @@ class StepContext:
         output_batch_dim: BatchDim = 0,
         output_samples: Optional[List[int]] = None,
         sync_ticket: Any = None,
+        stage_to_worker: Optional[Sequence[int]] = None,
     ) -> None:
         self.batches = batches
         self.targets = targets
@@ -87,7 +109,7 @@ class StepContext:
         self.output_batch_dim = output_batch_dim
         self.output_samples = output_samples  # checked against, when the output's batch dim follows the input's
         self.outputs: List[Optional[Batch]] = [None] * len(batches)
-        self.memory = MemoryRecord(num_stages)
+        self.memory = MemoryRecord(num_stages, stage_to_worker)
         self.skips = SkipStore()
         # With a GradientSync: this call's place in its call count (see grad_sync.py), and the
         # step's all-reduces, set under the step lock (None inside no_sync()).
@@ -284,11 +306,7 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
         grad_positions = () if last else _grad_positions(output)
         outputs = [loss] if last else [_value_at(output.values, path) for path in grad_positions]
         outputs += [tensor for _, tensor in skips.stashed]
-        memory = ctx.memory
-        memory.live_microbatches[index] += 1
-        memory.live_bytes[index] += counter.nbytes
-        memory.peak_microbatches[index] = max(memory.peak_microbatches[index], memory.live_microbatches[index])
-        memory.peak_bytes[index] = max(memory.peak_bytes[index], memory.live_bytes[index])
+        ctx.memory.kept(index, counter.nbytes)
         saved = _Saved(leaves, outputs, counter.nbytes, skips, aliased=sends_copies, grad_positions=grad_positions)
         if last:
             return _Handoff(None, None, saved)
@@ -368,9 +386,7 @@ def _send_skip_grads(stage: StageRunner, ctx: StepContext, microbatch: int, save
 
 
 def _release(ctx: StepContext, index: int, saved: _Saved) -> None:
-    memory = ctx.memory
-    memory.live_microbatches[index] -= 1
-    memory.live_bytes[index] -= saved.bytes
+    ctx.memory.released(index, saved.bytes)
     saved.leaves = []
     saved.outputs = []
     saved.grads = None

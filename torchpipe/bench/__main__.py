@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from .registry import SUITES, Options
+from .registry import STAGE_MS_SUITES, SUITES, Options
 from .report import SuiteResult, environment, print_suite, results_document, write_json
 
 
@@ -26,8 +27,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if args.stage_ms is not None and not args.stage_ms > 0:
-        parser.error(f"--stage-ms must be a positive number of milliseconds, got {args.stage_ms}")
+    if args.stage_ms is not None and not (args.stage_ms > 0 and math.isfinite(args.stage_ms)):
+        parser.error(f"--stage-ms must be a positive, finite number of milliseconds, got {args.stage_ms}")
+    if args.stage_ms is not None and args.suite not in (*STAGE_MS_SUITES, "all"):
+        parser.error(f"--stage-ms applies to the {' and '.join(STAGE_MS_SUITES)} suites only, not to {args.suite!r}")
     return args
 
 
@@ -49,15 +52,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         t0 = time.perf_counter()
         result = SUITES[name](options)
         result.config["seconds"] = round(time.perf_counter() - t0, 1)
+        if args.stage_ms is not None and name in STAGE_MS_SUITES:
+            result.config["stage_ms_option"] = args.stage_ms
         print_suite(result)
         results.append(result)
-    meta["seconds"] = round(time.perf_counter() - started, 1)
+        meta["seconds"] = round(time.perf_counter() - started, 1)
+        if args.json:  # after every suite, so that a later suite's failure loses nothing
+            write_json(args.json, results, meta)
     if args.json:
-        doc = write_json(args.json, results, meta)
         print(f"# wrote {args.json}")
-    else:
-        doc = results_document(results, meta)
-    return doc
+    return results_document(results, meta)
 
 
 if __name__ == "__main__":

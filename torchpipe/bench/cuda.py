@@ -106,7 +106,7 @@ def run(options: Options) -> SuiteResult:
     elif all(p.available for p in peers):
         result.notes.append("no shims needed: torchgpipe and fairscale import and run unmodified with torch "
                             f"{torch.__version__}")
-    versions = ", ".join(f"{p.name} {p.version}" for p in peers if p.available)
+    versions = ", ".join(f"{p.name} {p.version}" for p in peers if p.available and p.version)
     result.notes.append(f"versions: {versions}")
     result.notes.append("every timed call ends with torch.cuda.synchronize(), so step times include the GPU work")
     result.notes.append("each pipeline's output was checked against the plain model (the chunked loop for the real "

@@ -180,7 +180,7 @@ def run(options: Options) -> SuiteResult:
         ],
     )
     backward.notes.append(
-        "serial = every stage one after another, 3 x m x p x t. On CPU torchpipe's backward runs through "
+        "serial = every stage one after another with the measured costs, m x p x (t_f + t_b). On CPU torchpipe's backward runs through "
         "autograd on the caller's thread, so it does not pipeline: expect about (m + p - 1) t + 2 m p t"
     )
     forward.notes.append("last_step, job, hand-off and bubble measured come from pipe.last_step (torchpipe only): "
@@ -247,7 +247,7 @@ def run(options: Options) -> SuiteResult:
             forward.add(**row)
 
             fb_wall = fb[peer.name].median
-            backward.add(m=m, case=peer.label, ideal_ms=ideal_fb * 1e3, serial_ms=3 * m * p * t_f * 1e3,
+            backward.add(m=m, case=peer.label, ideal_ms=ideal_fb * 1e3, serial_ms=m * p * (t_f + t_b) * 1e3,
                          wall_ms=fb_wall * 1e3,
                          eff_wall=result.ratio(f"m={m}/{peer.name} forward+backward ideal / wall", ideal_fb, fb_wall))
         if "torchpipe" in fwd and THREADS in fwd:

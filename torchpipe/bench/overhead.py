@@ -112,7 +112,8 @@ def report_chunks(result: SuiteResult, steps: Table, summary: Table, chunks: int
         m = measured[name]
         row: Dict[str, Any] = dict(chunks=chunks, case=labels[name], step_ms=m.median * 1e3, spread=m.spread,
                                    iters=m.iters, vs_plain=m.median / plain, vs_loop=m.median / loop)
-        result.ratio(f"{key_prefix}chunks={chunks}/{name} step / plain step", m.median, plain)
+        if name != "plain":
+            result.ratio(f"{key_prefix}chunks={chunks}/{name} step / plain step", m.median, plain)
         if name not in ("plain", "loop"):
             overhead[name] = (m.median - loop) / (STAGES * chunks)
             row["overhead_us"] = overhead[name] * 1e6
@@ -226,7 +227,7 @@ def _run(options: Options) -> SuiteResult:
     else:
         result.notes.append("no shims needed: torchgpipe and fairscale import and run unmodified with torch "
                             f"{torch.__version__}")
-    versions = ", ".join(f"{p.name} {p.version}" for p in peers if p.available)
+    versions = ", ".join(f"{p.name} {p.version}" for p in peers if p.available and p.version)
     result.notes.append(f"versions: {versions}")
     result.notes.append(f"torch.set_num_threads({INTRA_OP_THREADS}) for the whole suite (caller and every thread "
                         "it starts), so that all cases run with the same intra-op threading")

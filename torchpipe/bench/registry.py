@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, TextIO
 from .report import SuiteResult
 from .timing import TimingConfig
 
-__all__ = ["Options", "SUITES", "register", "suite_names"]
+__all__ = ["Options", "SUITES", "STAGE_MS_SUITES", "register", "suite_names"]
 
 
 @dataclass
@@ -70,6 +70,9 @@ SUITES: Dict[str, Suite] = {
     "cuda": _lazy(".cuda"),
 }
 """Suite name -> runner. ``cuda`` needs a GPU: without one it returns at once, its notes saying it was skipped."""
+
+STAGE_MS_SUITES = ("gpipe", "schedules")
+"""The suites whose simulated stages take ``--stage-ms``; the others have no such latency."""
 
 
 def register(name: str, suite: Suite) -> None:
