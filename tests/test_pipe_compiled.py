@@ -62,3 +62,33 @@ def test_a_pipe_inside_a_compiled_model_and_a_compiled_step():
         assert_same_grads(outer[1], reference[1])
     finally:
         outer[1].close()
+
+
+def test_a_compiled_layer_with_deferred_batch_norm_trains_like_the_eager_one():
+    """Review: traced, DeferredBatchNorm's pending counters became guards, so a compiled block
+    compiled anew for every micro-batch; past dynamo's recompile limit a checkpointed
+    micro-batch's forward and its recompute ran different code, and backward failed with
+    torch's CheckpointError. The statistics tracking now stays out of the graph. (Each
+    micro-batch is normalised with its own statistics, so the reference is the same pipe with
+    the block left eager.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1),
+                          nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()),
+                          nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
+    eager_model = copy.deepcopy(model)
+    model[1] = torch.compile(model[1], backend="aot_eager")
+    x, y = torch.randn(20, 3, 4, 4), torch.randint(0, 5, (20,))
+    settings = dict(chunks=10, checkpoint="always", deferred_batch_norm=True)
+    with Pipe(model, [1, 1, 2], **settings) as pipe, Pipe(eager_model, [1, 1, 2], **settings) as eager:
+        for _ in range(2):
+            pipe.zero_grad()
+            eager.zero_grad()
+            loss = pipe.step(x, y, nn.CrossEntropyLoss(), schedule="1f1b")
+            expected = eager.step(x, y, nn.CrossEntropyLoss(), schedule="1f1b")
+            torch.testing.assert_close(loss, expected)
+            for (name, param), want in zip(pipe.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(param.grad, want.grad, msg=name)
+        norm, want = pipe[1]._orig_mod[1], eager[1][1]
+        torch.testing.assert_close(norm.running_mean, want.running_mean)
+        torch.testing.assert_close(norm.running_var, want.running_var)
+        assert norm.num_batches_tracked.item() == want.num_batches_tracked.item() == 2

@@ -115,11 +115,23 @@ class DeferredBatchNorm(_BatchNorm):
         # micro-batch could corrupt the pending statistics.
         output = F.batch_norm(input, None, None, self.weight, self.bias, training=True,
                               momentum=0.0, eps=self.eps)
+        self._track(input)
+        return output
+
+    @torch.compiler.disable
+    def _track(self, input: Tensor) -> None:
+        """Count the micro-batch toward the pending statistics; commit after the last one.
+
+        Kept out of ``torch.compile``: traced, the pending counters would become guards, so a
+        compiled layer would compile anew for every micro-batch of a step, and past the
+        recompile limit a checkpointed micro-batch's forward and its recompute would run
+        different code (torch's checkpoint then refuses the recompute). Out of the graph,
+        forward and recompute compile to the same normalisation.
+        """
         if not is_recomputing():
             self._accumulate(input)
             if self._pending_microbatches >= self.microbatches:
                 self._commit()
-        return output
 
     # -- statistics ---------------------------------------------------------------------
 
