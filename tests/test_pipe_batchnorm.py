@@ -158,3 +158,49 @@ def test_a_refused_pipe_leaves_the_model_unconverted(monkeypatch):
     with pytest.raises(MemoryError):
         Pipe(model, [1, 1], devices=["cpu", "cpu"], chunks=2, deferred_batch_norm=True)
     assert model[0] is norm and model[1][1] is inner
+
+
+class FailsOnMicrobatch(nn.Module):
+    """Raises in the forward of its ``fail_at``-th micro-batch of a call (0-based)."""
+
+    def __init__(self, fail_at):
+        super().__init__()
+        self.fail_at = fail_at
+        self.seen = 0
+
+    def forward(self, x):
+        self.seen += 1
+        if self.seen == self.fail_at + 1:
+            raise ValueError("boom in a later partition")
+        return x
+
+
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b"])
+def test_a_failed_call_leaves_the_running_statistics_as_they_were(path):
+    """Review: a partition commits its statistics after its last micro-batch's forward, while a
+    later partition may still fail; whether a layer had got that far depended on the schedule
+    and on timing, so a failed step left the statistics changed or not. The commits of a failed
+    call are now undone; a later call commits as usual."""
+    chunks = 4
+    failing = FailsOnMicrobatch(fail_at=chunks - 1)
+    layers = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), failing, nn.Linear(6, 6))
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    with Pipe(layers, [2, 2], chunks=chunks, checkpoint="never", deferred_batch_norm=True) as pipe:
+        norm = pipe[1]
+        before = (norm.running_mean.clone(), norm.running_var.clone(), int(norm.num_batches_tracked))
+
+        def call():
+            if path == "forward":
+                pipe(x).sum().backward()
+            else:
+                pipe.step(x, y, nn.MSELoss(), schedule=path)
+
+        # Under GPipe partition 0 has run all its forwards, and committed, before partition 1
+        # fails on the last micro-batch; under 1F1B it has too, by the time its last F ran.
+        with pytest.raises(ValueError, match="boom"):
+            call()
+        assert torch.equal(norm.running_mean, before[0]) and torch.equal(norm.running_var, before[1])
+        assert int(norm.num_batches_tracked) == before[2] == 0
+        failing.fail_at = -1  # never again
+        call()
+        assert int(norm.num_batches_tracked) == 1 and not torch.equal(norm.running_mean, before[0])

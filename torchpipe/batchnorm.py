@@ -33,7 +33,8 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torchpipe.checkpoint import is_recomputing
 from torchpipe.checks import check_positive_int
 
-__all__ = ["DeferredBatchNorm", "set_microbatches", "statistics_updating_norms", "running_statistics_frozen"]
+__all__ = ["DeferredBatchNorm", "set_microbatches", "undo_commits", "statistics_updating_norms",
+           "running_statistics_frozen"]
 
 TModule = TypeVar("TModule", bound=nn.Module)
 
@@ -84,6 +85,7 @@ class DeferredBatchNorm(_BatchNorm):
         self.microbatches = chunks
         self.input_dims: Optional[Tuple[int, ...]] = None
         self._reset_pending()
+        self._before_commit: Optional[Tuple[Tensor, Tensor, Tensor]] = None  # see undo_commits
 
     # -- per-step API -------------------------------------------------------------------
 
@@ -95,6 +97,7 @@ class DeferredBatchNorm(_BatchNorm):
         """
         self.microbatches = _check_microbatches(microbatches)
         self._reset_pending()
+        self._before_commit = None
 
     # -- nn.Module ----------------------------------------------------------------------
 
@@ -174,6 +177,9 @@ class DeferredBatchNorm(_BatchNorm):
         assert self._pending_mean is not None and self._pending_m2 is not None
         count = self._pending_count  # > 1: F.batch_norm refused smaller micro-batches
         with torch.no_grad():
+            # What undo_commits puts back if the step this commit belongs to fails.
+            self._before_commit = (self.running_mean.clone(), self.running_var.clone(),
+                                   self.num_batches_tracked.clone())
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
@@ -253,6 +259,24 @@ def set_microbatches(module: nn.Module, microbatches: int) -> None:
     for layer in module.modules():
         if isinstance(layer, DeferredBatchNorm):
             layer.set_microbatches(microbatches)
+
+
+def undo_commits(module: nn.Module) -> None:
+    """Put back the running statistics that a failed step committed.
+
+    A partition commits its batch norms' statistics once it has run the last micro-batch's
+    forward, while later partitions may still fail; which layers got that far depends on
+    the schedule and the threads' timing. Undone, a failed step leaves every running
+    statistic as it was before the step, whatever the timing.
+    """
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, DeferredBatchNorm) and getattr(layer, "_before_commit", None) is not None:
+                mean, var, tracked = layer._before_commit
+                layer.running_mean.copy_(mean)
+                layer.running_var.copy_(var)
+                layer.num_batches_tracked.copy_(tracked)
+                layer._before_commit = None
 
 
 def _check_microbatches(microbatches: int) -> int:

@@ -841,6 +841,10 @@ class Pipe(nn.Module):
                     pass
             for tensor in without_grad:
                 tensor.grad = None
+            if self.deferred_batch_norm:
+                from .batchnorm import undo_commits
+
+                undo_commits(self)
             raise
         finally:
             record = self._runtime.last_step
