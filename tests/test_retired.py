@@ -113,3 +113,135 @@ def test_torchgpipe_layouts_are_not_taken_for_retired_ones():
         backwards = {key.replace("partitions.0.", "partitions.2.", 1): value for key, value in saved.items()}
         with pytest.raises(ValueError, match=r"partitions\.2 name layers that come before those of partitions\.1"):
             pipe.load_state_dict(backwards)  # embed's partition after head's: renumbered, not torchgpipe's
+
+
+# ---------------------------------------------------------------- torchpipe.retired.Pipe
+
+class Mix(nn.Module):
+    """A layer of the retired calling convention: two arguments in, two out."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, a, b):
+        return torch.tanh(self.linear(a)) + b, b * 0.5 + a
+
+
+class Merge(nn.Module):
+    def forward(self, a, b):
+        return a * b
+
+
+class DropFirst(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, a, b):
+        return self.dropout(a), b
+
+
+def retired_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Mix(), nn.Sequential(Mix(), DropFirst(0.2), Mix()), Mix(), Merge()).double()
+
+
+def spread_reference(model):
+    from torchpipe.partition import SpreadingSequential
+
+    return SpreadingSequential(*copy.deepcopy(model))
+
+
+@pytest.mark.parametrize("chunks, checkpoint", [(1, "never"), (3, "never"), (3, "always"), (3, "except_last")])
+def test_the_retired_pipe_spreads_tuples_and_takes_several_inputs(chunks, checkpoint):
+    """Review (the retired suite's input_pair, valid_non_tensor, uneven_batch_size): its models
+    take several inputs, and a layer's tuple output is spread over the next layer's arguments."""
+    from torchpipe.retired import Pipe as RetiredPipe
+
+    model = retired_model()
+    reference = spread_reference(model)
+    a, b = torch.randn(7, 4, dtype=torch.double), torch.randn(7, 4, dtype=torch.double)
+    with RetiredPipe(model, chunks=chunks, checkpoint=checkpoint) as pipe:
+        assert pipe.balance == [1, 1, 1, 1] and pipe.devices == [torch.device("cpu")] * 4
+        torch.manual_seed(1)
+        out = pipe(a, b)
+        torch.manual_seed(1)
+        expected = reference(a, b) if chunks == 1 else torch.cat(
+            [reference(x, y) for x, y in zip(a.chunk(chunks), b.chunk(chunks))])
+        if chunks == 1:
+            assert torch.equal(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        for (name, got), want in zip(pipe.named_parameters(), reference.parameters()):
+            if chunks == 1:
+                assert torch.equal(got.grad, want.grad), name
+            else:  # dropout draws per micro-batch; compare where the arithmetic is the same
+                assert got.grad is not None and got.grad.shape == want.grad.shape, name
+    with RetiredPipe(retired_model().eval(), chunks=chunks, checkpoint=checkpoint) as pipe:
+        reference = spread_reference(retired_model().eval())
+        torch.testing.assert_close(pipe(a, b), reference(a, b))
+        pipe(a, b).sum().backward()
+        reference(a, b).sum().backward()
+        for (name, got), want in zip(pipe.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, msg=name)
+
+
+def test_the_retired_pipe_steps_a_tuple_input_and_slices_like_it_runs():
+    from torchpipe.retired import Pipe as RetiredPipe
+
+    model = retired_model().eval()
+    reference = spread_reference(model)
+    a, b, target = (torch.randn(6, 4, dtype=torch.double) for _ in range(3))
+    with RetiredPipe(model, chunks=2) as pipe:
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            pipe.zero_grad()
+            reference.zero_grad()
+            loss = pipe.step((a, b), target, nn.MSELoss(), schedule=schedule)
+            expected = nn.MSELoss()(reference(a, b), target)
+            expected.backward()
+            torch.testing.assert_close(loss, expected.detach())
+            for (name, got), want in zip(pipe.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(got.grad, want.grad, msg=f"{schedule} {name}")
+        head = pipe[:2]
+        torch.testing.assert_close(head(a, b)[0], reference[:2](a, b)[0])
+        copied = copy.deepcopy(pipe)
+        try:
+            torch.testing.assert_close(copied(a, b), reference(a, b))
+        finally:
+            copied.close()
+        with pytest.raises(TypeError, match="at least one input"):
+            pipe()
+
+
+def test_the_retired_pipe_places_with_device_and_refuses_what_the_retired_one_refused():
+    from torchpipe.retired import Pipe as RetiredPipe
+    from torchpipe.retired import WithDevice, retired_split
+
+    layers = nn.Sequential(nn.Linear(4, 4), WithDevice(nn.ReLU(), "cpu"), nn.Linear(4, 4))
+    unwrapped, balance, devices = retired_split(layers)
+    assert balance == [1, 1, 1] and isinstance(unwrapped[1], nn.ReLU)
+    with RetiredPipe(layers, chunks=2) as pipe:
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(pipe(x), unwrapped(x))
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        RetiredPipe(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="chunks"):
+        RetiredPipe(nn.Sequential(nn.Linear(2, 2)), chunks=0)
+
+
+def test_the_retired_pipe_loads_the_retired_pipes_state_dicts_as_they_are():
+    from torchpipe.retired import Pipe as RetiredPipe
+
+    trained = retired_model()
+    saved = retired_layout(trained, [1, 1, 1, 1]).state_dict()  # the retired Pipe on CPU
+    assert "partitions.1.2.linear.weight" in saved  # the nested Sequential, flattened
+    with RetiredPipe(retired_model(), chunks=2) as pipe:
+        for module in pipe.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.weight)
+        pipe.load_state_dict(saved)
+        for want, got in zip(trained.parameters(), pipe.parameters()):
+            assert torch.equal(got, want)
+        assert pipe.state_dict().keys() == trained.state_dict().keys()  # saves the model's own names
+        pipe.load_state_dict(trained.state_dict())  # and loads them

@@ -10,7 +10,8 @@ from torch import nn
 
 from .devices import as_device
 
-__all__ = ["verify_module", "verify_balance", "split_module", "infer_placement", "BalanceError", "as_positive_int"]
+__all__ = ["verify_module", "verify_balance", "split_module", "infer_placement", "BalanceError", "as_positive_int",
+           "SpreadingSequential"]
 
 
 class BalanceError(ValueError):
@@ -139,21 +140,49 @@ def _refuse_dataless_layers(named: List[Tuple[str, nn.Module]], balance: Sequenc
         start += size
 
 
+class SpreadingSequential(nn.Sequential):
+    """An ``nn.Sequential`` that spreads a tuple over the next layer's positional arguments.
+
+    PyTorch's retired ``Pipe`` ran its partitions this way: a layer that returns ``(a, b)``
+    feeds ``forward(self, a, b)`` of the next one, where torchgpipe's convention (and
+    ``nn.Sequential``'s) passes the tuple as one argument. A child that is a plain
+    ``nn.Sequential`` is run the same way, layer by layer, as the retired ``Pipe`` flattened
+    such children into its partitions.
+    """
+
+    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+        value: Any = inputs[0] if len(inputs) == 1 else inputs
+        return _spread_through(self, value)
+
+
+def _spread_through(layers: nn.Sequential, value: Any) -> Any:
+    for layer in layers:
+        if type(layer) is nn.Sequential:
+            value = _spread_through(layer, value)
+        elif isinstance(value, tuple):
+            value = layer(*value)
+        else:
+            value = layer(value)
+    return value
+
+
 def split_module(
-    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device]
+    module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device], spread_tuples: bool = False
 ) -> Tuple[List[nn.Sequential], List[Tuple[str, nn.Module]]]:
     """Move the children into one ``nn.Sequential`` per partition, on its device.
 
     Returns the partitions and the children's original ``(name, layer)`` pairs, so that the
-    pipeline can keep the Sequential's parameter names.
+    pipeline can keep the Sequential's parameter names. With ``spread_tuples`` the partitions
+    are :class:`SpreadingSequential` (the retired torch ``Pipe``'s calling convention).
     """
     named = list(module.named_children())
     _refuse_dataless_layers(named, balance, devices)  # before any layer moves
     partitions: List[nn.Sequential] = []
+    container = SpreadingSequential if spread_tuples else nn.Sequential
     start = 0
     for size, device in zip(balance, devices):
         layers = OrderedDict(named[start : start + size])
-        partition = nn.Sequential(layers)
+        partition = container(layers)
         partition.to(as_device(device))
         partitions.append(partition)
         start += size

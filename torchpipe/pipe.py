@@ -25,8 +25,9 @@ from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward
 from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
                          samples, scatter)
-from .partition import BalanceError, as_positive_int, infer_placement, split_module, verify_balance, verify_module
-from .retired import check_not_renumbered
+from .partition import (BalanceError, SpreadingSequential, as_positive_int, infer_placement, split_module,
+                        verify_balance, verify_module)
+from .state_keys import check_not_renumbered, retired_pipe_state_dict
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build, schedule_options
 from .schedule.names import resolve as resolve_schedule
@@ -57,9 +58,15 @@ def _accept_partitioned_keys(module: nn.Module, state_dict: Dict[str, Any], pref
 
     Those keep the layers under ``partitions.<i>.<name>``; a ``Pipe`` keeps the original
     model's names (``<name>``), so that its state dict also loads into the plain model. Keys
-    renumbered per partition (the retired torch ``Pipe``'s) are refused before anything loads.
+    renumbered per partition (the retired torch ``Pipe``'s) are refused before anything loads,
+    except by ``torchpipe.retired.Pipe``, which is split as that ``Pipe`` was and converts them.
     """
     if "partitions" in module._modules:  # a layer of the model itself is called 'partitions'
+        return
+    if getattr(module, "_retired_layout", False):  # torchpipe.retired.Pipe: the layout it was split like
+        converted = retired_pipe_state_dict(state_dict, module, module.balance, prefix)
+        state_dict.clear()
+        state_dict.update(converted)
         return
     check_not_renumbered(state_dict, prefix, list(module._modules))
     start = prefix + "partitions."
@@ -93,6 +100,7 @@ def _moved(watched: List[Tuple[torch.Generator, Tensor]]) -> bool:
 
 
 _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "_chunks", "_checkpoint", "deferred_batch_norm",
+                   "spread_tuples",
                    "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
 
 
@@ -215,6 +223,10 @@ class Pipe(nn.Module):
             one int >= 0 (checked against each micro-batch's samples); otherwise required.
         target_batch_dim: the same for ``step``'s target. Default: the output's batch dim
             when that names one dim >= 0; otherwise required.
+        spread_tuples: a tuple between layers is spread over the next layer's positional
+            arguments (PyTorch's retired ``Pipe``: ``forward(self, a, b)``), instead of passed
+            as one argument (torchgpipe's convention, the default). ``torchpipe.retired.Pipe``
+            sets it.
 
     The parameter names stay those of ``module`` (``pipe.state_dict()`` loads into the
     original model and back). Workers start once and are reused; ``close()`` (or ``with``,
@@ -234,6 +246,7 @@ class Pipe(nn.Module):
         batch_dim: BatchDim = 0,
         output_batch_dim: Optional[BatchDim] = None,
         target_batch_dim: Optional[BatchDim] = None,
+        spread_tuples: bool = False,
     ) -> None:
         super().__init__()
         # Validate everything before touching the module: errors leave no state behind.
@@ -243,6 +256,8 @@ class Pipe(nn.Module):
         checkpoint = _check_checkpoint(checkpoint)
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
+        if not isinstance(spread_tuples, bool):
+            raise TypeError(f"spread_tuples must be a bool, got {spread_tuples!r}")
         verify_module(module)
         _check_child_names(module)
         budget = ThreadBudget(intra_op_threads)
@@ -271,7 +286,7 @@ class Pipe(nn.Module):
             undo_conversion = _undo_for(module)
             module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
         try:
-            partitions, named = split_module(module, balance_list, device_list)
+            partitions, named = split_module(module, balance_list, device_list, spread_tuples)
         except BaseException:
             if undo_conversion is not None:  # a refused Pipe leaves the user's model as it was
                 undo_conversion()
@@ -284,6 +299,7 @@ class Pipe(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
+        self.spread_tuples = spread_tuples
         self._given_batch_dims = given_batch_dims
         self._batch_dims = batch_dims
         object.__setattr__(self, "partitions", nn.ModuleList(partitions))
@@ -342,6 +358,7 @@ class Pipe(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state.setdefault("_given_batch_dims", (0, None, None))  # pickled before batch dims existed
         state.setdefault("_batch_dims", (0, 0, 0))
+        state.setdefault("spread_tuples", False)
         super().__setstate__(state)
         self._start_workers()
 
@@ -350,10 +367,15 @@ class Pipe(nn.Module):
         return sum(len(p) for p in self.partitions)
 
     def __getitem__(self, index: Union[int, slice]) -> nn.Module:
-        """The layer at ``index``; a slice gives the layers as a plain ``nn.Sequential`` (runs on the caller)."""
+        """The layer at ``index``; a slice gives the layers as a plain ``nn.Sequential`` (runs on the caller).
+
+        With ``spread_tuples`` the slice is a :class:`SpreadingSequential`, which calls its
+        layers the same way the pipeline does.
+        """
         named = list(self._modules.items())  # the layers, under their names in the original model
         if isinstance(index, slice):
-            return nn.Sequential(OrderedDict(named[index]))
+            container = SpreadingSequential if self.spread_tuples else nn.Sequential
+            return container(OrderedDict(named[index]))
         return named[index][1]
 
     def __iter__(self) -> Iterator[nn.Module]:

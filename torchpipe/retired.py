@@ -1,114 +1,101 @@
-"""State dicts saved by PyTorch's retired ``torch.distributed.pipeline.sync.Pipe``.
+"""``torchpipe.retired.Pipe``: PyTorch's retired ``torch.distributed.pipeline.sync.Pipe``, without RPC.
 
-torchgpipe and fairscale keep each layer under ``partitions.<i>.<name>``, with the model's
-own child name, so a ``Pipe`` loads their state dicts as they are. The retired torch ``Pipe``
-(torch 1.8 to 2.3) renumbered the layers from 0 inside each partition, after flattening
-children that are themselves ``nn.Sequential``: its keys read ``partitions.<i>.<j>.weight``,
-where ``j`` says nothing about the layer without the partition sizes. Mapping such keys by
-name would load one layer's weights into another, so ``Pipe.load_state_dict`` refuses them
-(:func:`check_not_renumbered`) and :func:`retired_pipe_state_dict` converts them, given the
-partition sizes the retired ``Pipe`` had.
+Code written for the retired ``Pipe`` (torch 1.8 to 2.3) moves here by changing its import.
+The constructor takes the same arguments and splits the model the same way: consecutive
+children on one accelerator form a partition, every child on the CPU (or without
+parameters) gets a partition of its own, and ``WithDevice(module, device)`` places a child
+by hand. Calls take several inputs (``pipe(a, b)``), and a tuple between layers is spread
+over the next layer's arguments (``forward(self, a, b)``). Its state dicts (layers numbered
+per partition) load as they are. One difference remains: the output is the value itself,
+not an ``RRef`` (no ``.local_value()``), and no RPC needs to be initialised.
 """
 from __future__ import annotations
 
-import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from collections import OrderedDict
+from typing import Any, List, Tuple
 
+import torch
 from torch import nn
 
-from .partition import verify_balance
+from .devices import DeviceLike
+from .pipe import Pipe as _Pipe
+from .state_keys import retired_pipe_state_dict
 
-__all__ = ["retired_pipe_state_dict", "check_not_renumbered"]
-
-_KEY = re.compile(r"partitions\.(\d+)\.([^.]+)\.(.+)")
-
-_HOW_TO_CONVERT = (
-    "PyTorch's retired Pipe saved its layers that way (numbered from 0 inside each partition); convert it "
-    "with torchpipe.retired.retired_pipe_state_dict(state_dict, model, balance), where balance is the "
-    "number of the model's children in each of that Pipe's partitions (on CPU it made one partition per "
-    "child: [1] * len(model); on GPUs, one per run of children on the same device)"
-)
+__all__ = ["Pipe", "WithDevice", "retired_pipe_state_dict"]
 
 
-def check_not_renumbered(state_dict: Mapping[str, Any], prefix: str, child_names: Sequence[str]) -> None:
-    """ValueError if ``partitions.<i>.<name>`` keys cannot be torchgpipe's (one name, one partition, in order).
+class WithDevice(nn.Module):
+    """Puts ``module`` on ``device`` in a retired-style ``Pipe``: for a layer without parameters
+    (which would otherwise get a CPU partition of its own), or to override placement."""
 
-    torchgpipe and fairscale put every child in exactly one partition, in the model's
-    order. A name found in two partitions, or partitions whose names run backwards in the
-    model, means the layers were renumbered per partition: the retired torch ``Pipe``'s
-    layout, which loaded by name would put weights into the wrong layers.
+    def __init__(self, module: nn.Module, device: DeviceLike) -> None:
+        super().__init__()
+        self._module = module
+        self._device = torch.device(device)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._module(*args, **kwargs)
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+
+def _device_of(name: str, module: nn.Module) -> torch.device:
+    """The device of ``module``'s parameters; the CPU for a module without any (the retired rule)."""
+    found = {p.device for p in module.parameters()}
+    if len(found) > 1:
+        raise ValueError(f"child {name!r} has parameters on several devices {sorted(map(str, found))}; "
+                         "expected one device per child (move it with .to(), or wrap it in WithDevice)")
+    return found.pop() if found else torch.device("cpu")
+
+
+def retired_split(module: nn.Sequential) -> Tuple[nn.Sequential, List[int], List[torch.device]]:
+    """The retired ``Pipe``'s partitions: ``(module without WithDevice wrappers, balance, devices)``.
+
+    A new partition starts wherever the device changes, and at every child on the CPU.
     """
-    position = {name: index for index, name in enumerate(child_names)}
-    partition_of: Dict[str, int] = {}
-    span: Dict[int, List[int]] = {}
-    for key in state_dict:
-        if not key.startswith(prefix):
-            continue
-        match = _KEY.fullmatch(key, len(prefix))
-        if match is None:
-            continue
-        partition, name = int(match.group(1)), match.group(2)
-        seen = partition_of.setdefault(name, partition)
-        if seen != partition:
-            raise ValueError(
-                f"state dict key {key!r}: layer {name!r} also appears under {prefix}partitions.{seen}; "
-                f"expected each layer in one partition (torchgpipe's and fairscale's layout). {_HOW_TO_CONVERT}"
-            )
-        if name in position:
-            span.setdefault(partition, []).append(position[name])
-    ordered = sorted(span.items())
-    for (before, earlier), (after, later) in zip(ordered, ordered[1:]):
-        if max(earlier) >= min(later):
-            raise ValueError(
-                f"state dict keys under {prefix}partitions.{after} name layers that come before those of "
-                f"{prefix}partitions.{before} in the model; expected the partitions in the model's order "
-                f"(torchgpipe's and fairscale's layout). {_HOW_TO_CONVERT}"
-            )
-
-
-def _flattened_names(module: nn.Sequential, start: int, size: int) -> List[str]:
-    """The key prefixes of the retired ``Pipe``'s layers ``0..`` in one partition.
-
-    It flattened a child that is an ``nn.Sequential`` into that child's own children.
-    """
-    children = list(module.named_children())[start:start + size]
-    names: List[str] = []
-    for name, child in children:
-        if isinstance(child, nn.Sequential):
-            names.extend(f"{name}.{grandchild}" for grandchild, _ in child.named_children())
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
+    children: "OrderedDict[str, nn.Module]" = OrderedDict()
+    balance: List[int] = []
+    devices: List[torch.device] = []
+    for name, child in module.named_children():
+        if isinstance(child, WithDevice):
+            device, child = child.device, child.module
         else:
-            names.append(name)
-    return names
+            device = _device_of(name, child)
+        children[name] = child
+        if devices and devices[-1] == device and device.type != "cpu":
+            balance[-1] += 1
+        else:
+            balance.append(1)
+            devices.append(device)
+    return nn.Sequential(children), balance, devices
 
 
-def retired_pipe_state_dict(state_dict: Mapping[str, Any], model: nn.Module,
-                            balance: Sequence[int], prefix: str = "") -> Dict[str, Any]:
-    """A state dict of the retired torch ``Pipe``, keyed by ``model``'s own names.
+class Pipe(_Pipe):
+    """PyTorch's retired ``Pipe``: ``Pipe(module, chunks=1, checkpoint='except_last', deferred_batch_norm=False)``.
 
-    ``model`` is the ``nn.Sequential`` (or a ``Pipe`` of it) the retired ``Pipe`` wrapped,
-    and ``balance`` the number of its children in each of that ``Pipe``'s partitions. The
-    result loads into a ``Pipe`` of any balance and into the plain model. Keys outside
-    ``partitions`` are kept; a key that names a partition or a layer that ``balance`` does
-    not have is refused (ValueError), so nothing is dropped silently.
+    A :class:`torchpipe.Pipe` with the retired one's split (see :func:`retired_split`), its
+    calling convention (``pipe(*inputs)``, tuples spread over the next layer's arguments) and
+    its state-dict layout. Every other method (``step``, ``evaluate``, the schedules) is
+    torchpipe's.
     """
-    names = [name for name, _ in model.named_children()]
-    sizes = verify_balance(balance, len(names))
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    layers: Optional[List[List[str]]] = None
-    converted: Dict[str, Any] = {}
-    for key, value in state_dict.items():
-        match = _KEY.fullmatch(key, len(prefix)) if key.startswith(prefix) else None
-        if match is None:
-            converted[key] = value
-            continue
-        if layers is None:
-            layers = [_flattened_names(model, start, size) for start, size in zip(starts, sizes)]  # type: ignore[arg-type]
-        partition, index = int(match.group(1)), match.group(2)
-        if partition >= len(layers) or not index.isdigit() or int(index) >= len(layers[partition]):
-            raise ValueError(
-                f"state dict key {key!r}: expected partitions.<i>.<j> with i < {len(layers)} and j below "
-                f"partition i's layer count, {[len(part) for part in layers]} under balance {list(sizes)} "
-                f"(nn.Sequential children count their own children); is balance the retired Pipe's?"
-            )
-        converted[f"{prefix}{layers[partition][int(index)]}.{match.group(3)}"] = value
-    return converted
+
+    def __init__(self, module: nn.Sequential, chunks: int = 1, checkpoint: str = "except_last",
+                 deferred_batch_norm: bool = False, **options: Any) -> None:
+        unwrapped, balance, devices = retired_split(module)
+        super().__init__(unwrapped, balance, devices=devices, chunks=chunks, checkpoint=checkpoint,
+                         deferred_batch_norm=deferred_batch_norm, spread_tuples=True, **options)
+        self._retired_layout = True  # partitions.<i>.<j> keys are read as the retired Pipe wrote them
+
+    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+        """``pipe(a, b)`` runs the first layer as ``forward(a, b)``, split into micro-batches."""
+        if not inputs:
+            raise TypeError("Pipe() needs at least one input")
+        return super().forward(inputs[0] if len(inputs) == 1 else inputs)
