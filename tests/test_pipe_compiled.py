@@ -92,3 +92,46 @@ def test_a_compiled_layer_with_deferred_batch_norm_trains_like_the_eager_one():
         torch.testing.assert_close(norm.running_mean, want.running_mean)
         torch.testing.assert_close(norm.running_var, want.running_var)
         assert norm.num_batches_tracked.item() == want.num_batches_tracked.item() == 2
+
+
+class _UntracedDropout(nn.Module):
+    """A module torch.compile does not trace (a logging module, a custom kernel): the compiled
+    layer around it breaks its graph there."""
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return nn.functional.dropout(x, 0.1, self.training)
+
+
+def _encoder_block():
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    layer.dropout = _UntracedDropout()
+    return layer
+
+
+@pytest.mark.parametrize("path, checkpoint", [("step", "never"), ("step", "always"), ("forward", "always")])
+def test_a_compiled_layer_that_breaks_its_graph_runs_under_the_pipes_saved_tensor_hooks(path, checkpoint):
+    """Review: after a graph break inside a compiled layer, torch.compile compiled the frames
+    autograd called into, our saved-tensor hooks among them, on fake tensors: Pipe.step failed
+    in its byte-counting hook, and a checkpointed pipe(x) in its save-counting hook. The hooks
+    are now out of the compiler's reach, as torch's checkpoint keeps its own."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 8), _encoder_block(), nn.Linear(8, 2)).eval()  # no dropout draws
+    model = copy.deepcopy(reference)
+    model[1] = torch.compile(model[1], backend="aot_eager")
+    x, y = torch.randn(4, 3, 8), torch.randn(4, 3, 2)
+    with Pipe(model, [1, 1, 1], chunks=2, checkpoint=checkpoint) as pipe:
+        pipe.train()
+        reference.train()
+        pipe[1]._orig_mod.dropout.eval()  # the graph still breaks there; no random numbers drawn
+        reference[1].dropout.eval()
+        if path == "step":
+            loss = pipe.step(x, y, nn.MSELoss())
+            expected = nn.MSELoss()(reference(x), y)
+            torch.testing.assert_close(loss, expected.detach())
+        else:
+            pipe(x).sum().backward()
+            expected = reference(x).sum()
+        expected.backward()
+        for (name, param), want in zip(pipe.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, want.grad, msg=name)

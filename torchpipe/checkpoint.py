@@ -500,6 +500,46 @@ def _requires_grad(output: Any) -> bool:
     return isinstance(output, tuple) and any(isinstance(v, torch.Tensor) and v.requires_grad for v in output)
 
 
+class _CountingHooks:
+    """The checkpoint's own hooks, with each save counted and numbered on the way through.
+
+    Methods, wrapped once in ``torch.compiler.disable`` (as torch wraps its checkpoint's hooks):
+    autograd calls a pack hook from inside whatever runs, and after a graph break inside a
+    compiled layer torch.compile would try to compile the hook itself, on fake tensors.
+    """
+
+    def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any], versions: CheckpointVersions) -> None:
+        self._pack = pack
+        self._unpack = unpack
+        self.versions = versions
+        self.saved = 0
+
+    @torch.compiler.disable
+    def pack(self, tensor: torch.Tensor) -> Any:
+        index = self.saved
+        self.saved += 1
+        self.versions.forward_saved(index, tensor)
+        return self._pack(tensor), index
+
+    @torch.compiler.disable
+    def unpack(self, packed: Any) -> Any:
+        holder, index = packed
+        tensor = self._unpack(holder)  # the first one recomputes the partition
+        self.versions.check(index)
+        return tensor
+
+    @torch.compiler.disable
+    def recording_pack(self, tensor: torch.Tensor) -> Any:
+        """The recompute's pack: note each saved tensor's version for the reads to check."""
+        self.versions.recompute_saved(tensor)
+        return self._pack(tensor)
+
+
+# A Pipe called inside these hooks' scope must see the checkpoint around it.
+setattr(_CountingHooks.pack, CHECKPOINT_HOOK_MARK, True)
+setattr(_CountingHooks.recording_pack, CHECKPOINT_HOOK_MARK, True)
+
+
 def _counting_saves(function: Callable[[Any], Any], value: Any, versions: CheckpointVersions) -> Tuple[Any, int]:
     """``function(value)`` and how many tensors it saved for backward through the checkpoint.
 
@@ -510,28 +550,11 @@ def _counting_saves(function: Callable[[Any], Any], value: Any, versions: Checkp
     hooks = current_saved_tensors_hooks()
     if hooks is None:
         return function(value), -1
-    pack, unpack = hooks
-    saved = 0
-
-    def counting_pack(tensor: torch.Tensor) -> Any:
-        nonlocal saved
-        index = saved
-        saved += 1
-        versions.forward_saved(index, tensor)
-        return pack(tensor), index
-
-    def checking_unpack(packed: Any) -> Any:
-        holder, index = packed
-        tensor = unpack(holder)  # the first one recomputes the partition
-        versions.check(index)
-        return tensor
-
-    setattr(counting_pack, CHECKPOINT_HOOK_MARK, True)  # a Pipe called in here must see the checkpoint
-
-    with torch.autograd.graph.saved_tensors_hooks(counting_pack, checking_unpack):
+    counting = _CountingHooks(*hooks, versions)
+    with torch.autograd.graph.saved_tensors_hooks(counting.pack, counting.unpack):
         output = function(value)
     versions.forward_finished()
-    return output, saved
+    return output, counting.saved
 
 
 def _recompute_recording_versions(function: Callable[[Any], Any], value: Any, versions: CheckpointVersions) -> Any:
@@ -543,16 +566,9 @@ def _recompute_recording_versions(function: Callable[[Any], Any], value: Any, ve
     hooks = current_saved_tensors_hooks()
     if hooks is None:
         return function(value)
-    pack, unpack = hooks
     versions.recompute_started()
-
-    def recording_pack(tensor: torch.Tensor) -> Any:
-        versions.recompute_saved(tensor)
-        return pack(tensor)
-
-    setattr(recording_pack, CHECKPOINT_HOOK_MARK, True)  # a Pipe called in here must see the checkpoint
-
-    with torch.autograd.graph.saved_tensors_hooks(recording_pack, unpack):
+    recording = _CountingHooks(*hooks, versions)
+    with torch.autograd.graph.saved_tensors_hooks(recording.recording_pack, hooks[1]):
         output = function(value)
     versions.recompute_finished()
     return output

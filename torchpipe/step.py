@@ -167,6 +167,10 @@ class _CountSaved:
         # The caller's own hooks (``save_on_cpu``), which these would otherwise shadow.
         self.outer = current_saved_tensors_hooks()
 
+    # Wrapped in torch.compiler.disable, as torch wraps its checkpoint's hooks: autograd calls
+    # them from inside whatever runs, and after a graph break inside a compiled layer
+    # torch.compile would otherwise try to compile the hook itself, on fake tensors.
+    @torch.compiler.disable
     def pack(self, tensor: Tensor) -> Tensor:
         # Parameters (a Linear saves its weight, maybe as a view) are not activations. Known
         # by id: ``isinstance(t, nn.Parameter)`` runs a Python metaclass check, tens of us here.
@@ -183,6 +187,7 @@ class _CountSaved:
         packed = tensor.detach()
         return (packed, packed._version) if self.outer is None else self.outer[0](packed)
 
+    @torch.compiler.disable
     def unpack(self, packed: Any) -> Tensor:
         if self.outer is not None:
             return self.outer[1](packed)

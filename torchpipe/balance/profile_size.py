@@ -101,6 +101,10 @@ def _forward_measured_by_allocator(layer: nn.Module, value: Activation,
             gc.enable()
 
 
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
+
+
 def _forward_measured_by_autograd(layer: nn.Module, value: Activation, popped: List[Tensor],
                                   skips: ProfilingSkipTracker) -> tuple[Activation, int]:
     kept: Dict[int, int] = {}
@@ -112,7 +116,9 @@ def _forward_measured_by_autograd(layer: nn.Module, value: Activation, popped: L
         # sees and, with no backward run here, nothing breaks: every call would leak it.
         return tensor.detach()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    # Not compiled by torch.compile (as torch's checkpoint hooks are not): a profiled layer
+    # that breaks its graph would otherwise have the hook compiled, on fake tensors.
+    with torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(pack), torch.compiler.disable(_same)):
         output = call_layer(layer, value)
     for tensor in (*tensors_of(output), *skips.stashed):  # a stash lives until its pop
         _remember_storage(kept, tensor)
