@@ -5,10 +5,13 @@ The eighteenth session saw this path slower after its changes in 8 of 9 alternat
 calls, wall clock and process CPU time (all threads), on the ``overhead`` suite's model
 (4 x Linear(16, 16), batch 64, four CPU partitions, one intra-op thread, ``checkpoint='never'``).
 With ``count`` as the first argument it instead counts the Python-level calls per ``pipe(x)``
-+ backward, by thread: a measure of added work that does not depend on the VM's noise. Run it
-from each tree with the tree first on ``sys.path``:
++ backward, by thread: a measure of added work that does not depend on the VM's noise. With
+``phases`` it splits the forward call by the step record's job times: the caller's time until
+the first job starts, the jobs themselves, the gaps between consecutive jobs (hand-offs), and
+the time from the last job's end until the call returns. Run it from each tree with the tree
+first on ``sys.path``:
 
-    cd <tree> && PYTHONPATH=. /work/main/.venv/bin/python docs/probe_forward_chunks1.py [count]
+    cd <tree> && PYTHONPATH=. /work/main/.venv/bin/python docs/probe_forward_chunks1.py [count|phases]
 """
 import collections
 import statistics
@@ -39,6 +42,27 @@ class CallCounter:
             self.counts[(threading.current_thread().name.split("-")[0], event)] += 1
 
 
+def phases(pipe: Pipe, x: torch.Tensor, calls: int = 2000) -> None:
+    """Median microseconds of each phase of a forward call (see the module docstring)."""
+    parts: dict = {"total": [], "caller until the first job": [], "4 jobs": [], "3 hand-offs": [],
+                   "last job's end until return": []}
+    for _ in range(calls):
+        start = time.perf_counter()
+        y = pipe(x)
+        end = time.perf_counter()
+        record = pipe.last_step
+        order = sorted(range(len(record.starts)), key=lambda i: record.starts[i])
+        parts["total"].append(end - start)
+        parts["caller until the first job"].append(record.starts[order[0]] - start)
+        parts["4 jobs"].append(sum(record.ends[i] - record.starts[i] for i in order))
+        parts["3 hand-offs"].append(sum(record.starts[b] - record.ends[a] for a, b in zip(order, order[1:])))
+        parts["last job's end until return"].append(end - record.ends[order[-1]])
+        y.sum().backward()
+    print("torchpipe from", torchpipe.__file__)
+    for name, values in parts.items():
+        print(f"{name}: {statistics.median(values) * 1e6:.1f} us")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     count = len(sys.argv) > 1 and sys.argv[1] == "count"
@@ -50,6 +74,9 @@ def main() -> None:
     with Pipe(make_model(), [1, 1, 1, 1], devices=["cpu"] * 4, chunks=1, checkpoint="never") as pipe:
         for _ in range(50):
             pipe(x).sum().backward()
+        if len(sys.argv) > 1 and sys.argv[1] == "phases":
+            phases(pipe, x)
+            return
         if count:
             counter.on = True
             for _ in range(COUNTED_CALLS):
