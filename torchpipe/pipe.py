@@ -27,11 +27,11 @@ from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_bat
                          samples, scatter)
 from .partition import (BalanceError, SpreadingSequential, as_positive_int, infer_placement, split_module,
                         verify_balance, verify_module)
-from .state_keys import check_not_renumbered, retired_pipe_state_dict
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, Plan, build, schedule_options
 from .schedule.names import resolve as resolve_schedule
 from .skip import inspect_skip_layout, verify_skippables
+from .state_keys import check_not_renumbered, retired_pipe_state_dict
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import Upstream, microbatch_weights, scalar_loss, split_targets
 from .step_report import StepReport, report

@@ -45,7 +45,7 @@ class WithDevice(nn.Module):
         return self._device
 
 
-def _device_of(name: str, module: nn.Module) -> torch.device:
+def _parameter_device(name: str, module: nn.Module) -> torch.device:
     """The device of ``module``'s parameters; the CPU for a module without any (the retired rule)."""
     found = {p.device for p in module.parameters()}
     if len(found) > 1:
@@ -68,7 +68,7 @@ def retired_split(module: nn.Sequential) -> Tuple[nn.Sequential, List[int], List
         if isinstance(child, WithDevice):
             device, child = child.device, child.module
         else:
-            device = _device_of(name, child)
+            device = _parameter_device(name, child)
         children[name] = child
         if devices and devices[-1] == device and device.type != "cpu":
             balance[-1] += 1
