@@ -12,7 +12,7 @@ partition sizes the retired ``Pipe`` had.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Sequence
 
 from torch import nn
 
@@ -94,15 +94,13 @@ def retired_pipe_state_dict(state_dict: Mapping[str, Any], model: nn.Module,
     names = [name for name, _ in model.named_children()]
     sizes = verify_balance(balance, len(names))
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    layers: Optional[List[List[str]]] = None
+    layers = [_flattened_names(model, start, size) for start, size in zip(starts, sizes)]  # type: ignore[arg-type]
     converted: Dict[str, Any] = {}
     for key, value in state_dict.items():
         match = _KEY.fullmatch(key, len(prefix)) if key.startswith(prefix) else None
         if match is None:
             converted[key] = value
             continue
-        if layers is None:
-            layers = [_flattened_names(model, start, size) for start, size in zip(starts, sizes)]  # type: ignore[arg-type]
         partition, index = int(match.group(1)), match.group(2)
         if partition >= len(layers) or not index.isdigit() or int(index) >= len(layers[partition]):
             raise ValueError(
