@@ -890,15 +890,18 @@ class _InterruptingQueue:
 
 
 # Regression: an interrupt while a step's tasks were being queued left the half-queued step in
-# place, with workers that never counted out: the next call waited for it forever.
+# place, with workers that never counted out: the next call waited for it forever. Worker 0's
+# tasks are queued by the caller; worker 1's by worker 0's first job, once it has a result for
+# them (a failure there stands for any error while a job queues the next worker's tasks).
 @pytest.mark.parametrize("fail_at", [1, 2, 4])
 @pytest.mark.parametrize("call", ["forward", "step"])
-def test_an_interrupt_while_queueing_a_step_leaves_the_pipe_usable(fail_at, call, no_thread_leak):
+@pytest.mark.parametrize("queued_by", ["caller", "job"])
+def test_an_interrupt_while_queueing_a_step_leaves_the_pipe_usable(fail_at, call, queued_by, no_thread_leak):
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     with Pipe(model, [2, 2], chunks=4) as pipe:
-        worker = pipe._workers[1]
+        worker = pipe._workers[0 if queued_by == "caller" else 1]
         real = worker.in_queue
         worker.in_queue = _InterruptingQueue(real, fail_at)
         try:
@@ -1041,6 +1044,47 @@ print("after", pipe(-torch.ones(1, 1)).item(), flush=True)
 pipe.close()
 """)
     assert "interrupted" in out and "refused while stuck" in out and "after -1.0" in out
+
+
+def test_one_interrupt_stops_waiting_for_a_stage_that_never_returns_after_a_grace():
+    """After one Ctrl-C, the caller waits ``ABANDON_AFTER_S`` for the stages to leave the
+    aborted step, then gives up as a second Ctrl-C would: a signal handler that raises only
+    once (pytest-timeout's) still ends the call instead of hanging it."""
+    out = _run_script(_WATCHDOG + """
+import signal, torch
+from torch import nn
+import torchpipe.runtime
+from torchpipe import Pipe
+torchpipe.runtime.ABANDON_AFTER_S = 1.0
+release = threading.Event()
+
+class Stuck(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            release.wait()
+        return x
+
+def interrupt_once():
+    time.sleep(0.5); os.kill(os.getpid(), signal.SIGINT)
+
+pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=1)
+threading.Thread(target=interrupt_once, daemon=True).start()
+start = time.perf_counter()
+try:
+    pipe(torch.ones(1, 1))
+except KeyboardInterrupt:
+    print("interrupted after %.1f s" % (time.perf_counter() - start), flush=True)
+try:
+    pipe(torch.zeros(1, 1))
+except RuntimeError as exc:
+    assert "has not returned" in str(exc), exc
+    print("refused while stuck", flush=True)
+release.set()
+time.sleep(0.2)
+print("after", pipe(-torch.ones(1, 1)).item(), flush=True)
+pipe.close()
+""")
+    assert "interrupted after 1." in out and "refused while stuck" in out and "after -1.0" in out, out
 
 
 def test_a_nested_pipe_that_draws_inside_a_checkpointed_forward_is_refused():

@@ -263,12 +263,37 @@ def explode_in_job():
     raise Boom("job failed")
 
 
+def test_a_worker_gets_its_tasks_once_its_first_job_has_all_its_inputs(make_runtime):
+    """Queued up front, a worker would wake once for its queue and again for its input: one more
+    thread hand-off per step on the critical path of a one-micro-batch call. So a worker whose
+    first job needs results is handed its tasks by the job that completes the last of them."""
+    runtime = make_runtime(3)
+    queued = {}
+
+    def look(name, value):
+        def run(ctx, inputs):
+            queued[name] = [runtime.workers[w].in_queue.qsize() for w in (1, 2)]
+            return value + sum(inputs)
+        return run
+
+    program = Program(3)
+    program.add(0, "a", look("during a", 1))
+    program.add(1, "b", look("during b", 10), deps=["a"])
+    program.add(1, "b2", look("during b2", 100))  # no inputs, but queued behind b
+    program.add(2, "c", look("during c", 1000), deps=["a", "b"], keep=True)
+    assert runtime.run(program, None) == {"c": 1012}
+    # While a runs, neither worker has tasks; while b runs, worker 2 still waits for b, and b2 is
+    # queued behind b on worker 1.
+    assert queued["during a"] == [0, 0]
+    assert queued["during b"] == [1, 0]
+
+
 def test_abort_wakes_jobs_waiting_on_a_failed_dependency(make_runtime):
     runtime = make_runtime(3)
     ran = []
 
     def fail(ctx, inputs):
-        time.sleep(0.1)  # the other workers are blocked on this job meanwhile
+        time.sleep(0.1)  # the other workers wait for this job meanwhile (not yet given their tasks)
         explode_in_job()
 
     def record(name):

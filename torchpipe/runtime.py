@@ -1,11 +1,13 @@
 """The runtime: executes a :class:`Program` of jobs on worker threads.
 
 A program is the lowered form of a plan: per worker, an ordered list of jobs, each naming the
-jobs whose results it needs. The runtime queues every job of a step up front, in plan order,
+jobs whose results it needs. The runtime queues each worker's jobs in plan order, all at once,
 so no scheduling thread sits between two jobs: a job waits only for its own dependencies,
 and the worker that finishes a job hands its result straight to the consumer. This is what
 keeps the per-task cost low (torchgpipe's scheduler thread takes a round trip per task and a
-barrier per clock cycle).
+barrier per clock cycle). A worker whose first job needs results is queued by the job that
+completes the last of them, not at the start of the step: woken early it would only block
+again on its input, one more thread wake-up on the critical path of a one-micro-batch call.
 
 Failure handling: the first exception of any job, on any worker, aborts the step. Every wait
 on a dependency wakes up on abort, the remaining jobs of the step are skipped, the runtime
@@ -31,6 +33,15 @@ from .workers import Task, Worker
 __all__ = ["Program", "Runtime", "StepRecord", "ThreadState", "StepAborted", "Latch"]
 
 JobFunction = Callable[[Any, Tuple[Any, ...]], Any]
+
+ABANDON_AFTER_S = 10.0
+"""How long the caller waits, after an interrupt aborted its step, for every job to leave it.
+
+A job stuck in user code cannot see the abort. Past this, the caller stops waiting and
+raises the interrupt (as a second interrupt does at once); the next step refuses to start
+until that job returns. A signal handler that raises once (pytest-timeout's) so still ends
+the call instead of hanging it.
+"""
 
 
 class StepAborted(Exception):
@@ -112,6 +123,13 @@ class Program:
         # A result with a single consumer is dropped by that consumer without a shared count.
         self.drop_on_take = [n == 1 and not job.keep for n, job in zip(self.consumers, self.jobs)]
         self.kept = [(job.key, job.index) for job in self.jobs if job.keep]
+        # A worker whose first job needs results is queued only once they are all there (see
+        # ``Runtime``): ``first_needs[w]`` counts them, ``unblocks[i]`` the workers job i counts for.
+        self.first_needs = [len(set(jobs[0].deps)) if jobs else 0 for jobs in self.worker_jobs]
+        self.unblocks: List[Tuple[int, ...]] = [() for _ in self.jobs]
+        for w, jobs in enumerate(self.worker_jobs):
+            for dep in set(jobs[0].deps) if jobs else ():
+                self.unblocks[dep] += (w,)
         self._frozen = True
         return self
 
@@ -245,23 +263,30 @@ class Latch:
     def is_set(self) -> bool:
         return self._set
 
-    def wait(self) -> None:
-        """Return once ``set()`` was called; may be called again after an interrupt."""
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Return once ``set()`` was called (True), or after ``timeout`` seconds (False).
+
+        May be called again after an interrupt.
+        """
         if not self._set:
-            self._lock.acquire()  # never released: every later wait sees ``_set``
+            # Never released once acquired: every later wait sees ``_set``.
+            return self._lock.acquire(timeout=-1 if timeout is None else timeout)
+        return True
 
 
 class _Step:
     """The mutable state of one running step: result slots, abort flag, timings."""
 
-    def __init__(self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]] = None) -> None:
+    def __init__(self, program: Program, context: Any, state: ThreadState,
+                 on_abort: Optional[Callable[[Optional[BaseException]], None]] = None,
+                 launch: Optional[Callable[[int], None]] = None) -> None:
         n = len(program.jobs)
         self.context = context
         self.on_abort = on_abort
         # Each worker with jobs counts down once, after its last job of the step.
         self.remaining_workers = sum(1 for jobs in program.worker_jobs if jobs)
         self.finished = Latch()
-        self.abandoned = False  # the caller stopped waiting (a second interrupt): jobs may still run
+        self.abandoned = False  # the caller stopped waiting after an interrupt: jobs may still run
         self.owner = state.owner  # this step's token in the chains of the work it waits on
         if not self.remaining_workers:
             self.finished.set()
@@ -278,6 +303,12 @@ class _Step:
         self.aborted = False
         self.woken = False
         self.error: Optional[BaseException] = None
+        # Workers queued by the results their first job needs (``launch(w)`` queues them).
+        self.launch = launch
+        self.unblocks = program.unblocks
+        self.missing_inputs = list(program.first_needs)
+        self.unlaunched = {w for w, jobs in enumerate(program.worker_jobs) if jobs and program.first_needs[w]}
+        self.half_launched = False
         self.starts = [-1.0] * n
         self.ends = [-1.0] * n
 
@@ -288,6 +319,23 @@ class _Step:
             self.values[index] = value
             self.done[index] = True
             self.locks[index].release()
+            for worker in self.unblocks[index]:
+                self.missing_inputs[worker] -= 1
+                if not self.missing_inputs[worker]:
+                    # Under the guard: an abort, which takes it too, either comes first (and
+                    # counts this worker out) or sees its tasks queued ahead of a drain marker.
+                    self.unlaunched.discard(worker)
+                    assert self.launch is not None
+                    try:
+                        self.launch(worker)
+                    except BaseException:  # noqa: B902 - aborts the step, in the job that launched
+                        # Some of its tasks may be queued but not its last, which counts it out:
+                        # count it out here, and have the caller drain the queues (``half_launched``).
+                        self.half_launched = True
+                        self.remaining_workers -= 1
+                        if not self.remaining_workers:
+                            self.finished.set()
+                        raise
 
     def take(self, index: int) -> Any:
         lock = self.locks[index]
@@ -334,6 +382,11 @@ class _Step:
             if self.error is None and error is not None:
                 self.error = error
             self.aborted = True
+            while self.unlaunched:  # never queued, and never will be: count them out here
+                self.unlaunched.pop()
+                self.remaining_workers -= 1
+                if not self.remaining_workers:
+                    self.finished.set()
             for i, lock in enumerate(self.locks):
                 if not self.done[i]:
                     try:
@@ -499,21 +552,28 @@ class Runtime:
         if previous is not None:  # a step an interrupt left behind: end it, let the workers drain
             if previous.abandoned and not previous.finished.is_set():
                 raise RuntimeError(
-                    "a job of an earlier step, left behind by a second interrupt, has not returned: a stage "
+                    "a job of an earlier step, left behind when an interrupt stopped the wait for it, has not returned: a stage "
                     "that never returns (or waits for something that waits for this pipeline) holds its "
                     "worker. Nothing can run here until it returns; close() this pipeline and build a new one"
                 )
             previous.abort(None)
             self._drain_workers()
             self._step = None
-        step = _Step(program, context, state, on_abort)
+        worker_tasks = self._tasks_for(program)
+        queues = [worker.in_queue for worker in self.workers]
+
+        def launch(w: int) -> None:
+            put = queues[w].put
+            for task in worker_tasks[w]:
+                put(task)
+
+        step = _Step(program, context, state, on_abort, launch)
         wall_start = time.perf_counter()
         try:
             self._step = step  # inside the try: an interrupt here still aborts and drains
-            for worker, tasks in zip(self.workers, self._tasks_for(program)):
-                put = worker.in_queue.put
-                for task in tasks:
-                    put(task)
+            for w, tasks in enumerate(worker_tasks):
+                if tasks and not program.first_needs[w]:
+                    launch(w)
         except BaseException as exc:  # noqa: B902 - an interrupt while queueing: some workers lack tasks
             step.abort(exc)
             try:
@@ -524,21 +584,25 @@ class Runtime:
         interrupt: Optional[BaseException] = None
         while True:
             try:
-                step.finished.wait()
-                break
+                if step.finished.wait(None if interrupt is None else ABANDON_AFTER_S):
+                    break
             except BaseException as exc:  # noqa: B902 - KeyboardInterrupt while waiting: abort, drain
-                if interrupt is not None:
-                    # A second interrupt: the abort did not end the step, so a job does not
-                    # return (it waits for something that will never come). Stop waiting and
-                    # leave the step behind; the next run refuses until the job returns.
-                    step.abandoned = True
-                    raise interrupt
-                interrupt = exc
-                try:
-                    step.abort(exc)
-                except BaseException:  # noqa: B902 - an interrupt inside the abort: it is aborted anyway
-                    pass
+                if interrupt is None:
+                    interrupt = exc
+                    try:
+                        step.abort(exc)
+                    except BaseException:  # noqa: B902 - an interrupt inside the abort: it is aborted anyway
+                        pass
+                    continue
+            # A second interrupt, or the abort did not end the step within ABANDON_AFTER_S: a
+            # job does not return (it waits for something that will never come). Stop waiting
+            # and leave the step behind; the next run refuses until the job returns.
+            step.abandoned = True
+            assert interrupt is not None
+            raise interrupt
         wall_end = time.perf_counter()
+        if step.half_launched:  # a worker got part of its tasks: they must run before the next step
+            self._drain_workers()
         self._step = None
         self.last_step = StepRecord(
             labels=list(program.labels),
