@@ -152,6 +152,10 @@ def test_schedules_suite_quick(tmp_path):
     assert {row["m"]: row["peak_vs_gpipe"] for row in one_f_one_b} == {8: pytest.approx(4 / 8), 32: pytest.approx(4 / 32)}
     for row in rows:  # achieved is the call's wall time, which contains the runtime's own span
         assert row["achieved_ms"] >= row["span_ms"] > 0
+        # Each action costs the stage alone at least its sleeps: the plan takes at least as long.
+        assert row["sim_ms"] >= row["sleep_sim_ms"] > 0
+    for costs in result["config"]["stage_alone_ms"].values():
+        assert costs["F"] >= 0.3 and costs["I"] >= 0.3 and costs["W"] >= 0.3 and costs["B"] >= 0.6, costs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without CUDA")
@@ -294,3 +298,15 @@ def test_schedules_suite_costs_and_peaks_follow_the_plans():
         assert build("gpipe", p, m).simulate(costs).makespan == pytest.approx(3 * t * (m + p - 1))
         assert build("1f1b", p, m).simulate(costs).makespan == pytest.approx(3 * t * (m + p - 1))
     assert stage_costs(t, 8)["I"] == [0.0] + [t] * 7 and stage_costs(t, 8)["W"] == [2 * t] + [t] * 7
+
+
+def test_schedules_suite_simulates_with_what_the_stage_alone_costs():
+    """Measured alone, each kind costs at least its sleeps; stage 0 of a split schedule runs I = 0
+    and W = the whole backward, as in the pipeline."""
+    from torchpipe.bench.schedules import StageAlone
+
+    t = 0.001
+    alone = StageAlone.measure(t, 4, samples=3)
+    assert alone.forward >= t and alone.input_grad >= t and alone.weight_grad >= t and alone.backward >= 2 * t
+    costs = StageAlone(1.0, 2.5, 1.2, 1.3).costs(4)
+    assert costs == {"F": 1.0, "B": 2.5, "I": [0.0, 1.2, 1.2, 1.2], "W": [2.5, 1.3, 1.3, 1.3]}

@@ -7,9 +7,10 @@ backward halves are separate autograd nodes, so ``I`` (gradient for the stage in
 kernels do. ``time.sleep`` releases the GIL, the way an accelerator kernel runs while the
 host thread waits: the figures measure the runtime's schedule execution, not the 2-core CPU.
 
-Reported per schedule and m: simulated makespan (the plan's list scheduler with the
-measured costs) against the achieved one (the wall time of the ``Pipe.step`` call), measured
-against simulated bubble, and peak bytes saved for backward per stage and per worker
+Reported per schedule and m: simulated makespan (the plan's list scheduler fed with what each
+action kind costs the stage run alone on one thread, its sleeps and the layer's own Python)
+against the achieved one (the wall time of the ``Pipe.step`` call), measured against simulated
+bubble, and peak bytes saved for backward per stage and per worker
 (``pipe.last_memory``). For
 contrast, the ``forward()`` path (GPipe forward, then autograd's backward on the caller's
 thread) and torchgpipe on the same stages.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -106,14 +108,19 @@ def run(options: Options) -> SuiteResult:
     )
     t_measured = measured_sleep(t, 20 if options.quick else 100)
     result.config["measured_t_ms"] = round(t_measured * 1e3, 4)
+    alone = {m: StageAlone.measure(t, BATCH // m, 10 if options.quick else 40) for m in MICROBATCHES}
+    result.config["stage_alone_ms"] = {m: costs.as_ms() for m, costs in alone.items()}
     table = Table(
-        "Achieved vs simulated makespan (simulated = the same plan's list scheduler with the measured sleep costs)",
+        "Achieved vs simulated makespan (simulated = the same plan's list scheduler with each action's cost as the "
+        "stage alone takes it)",
         [
             Column("m", "m"),
             Column("schedule", "schedule", align="<"),
             Column("sim_ms", "simulated ms", "{:.2f}"),
             Column("achieved_ms", "achieved ms", "{:.2f}"),
             Column("eff", "sim/achieved", "{:.3f}"),
+            Column("sleep_sim_ms", "sim, sleeps only ms", "{:.2f}"),
+            Column("eff_sleep", "sleeps-only sim/achieved", "{:.3f}"),
             Column("span_ms", "runtime span ms", "{:.2f}"),
             Column("own_sim_ms", "sim, own jobs ms", "{:.2f}"),
             Column("eff_own", "own sim/span", "{:.3f}"),
@@ -140,8 +147,14 @@ def run(options: Options) -> SuiteResult:
                        "peak bytes / gpipe's is the worst worker's ratio")
     table.notes.append("achieved = wall time of the pipe.step call; runtime span = pipe.last_step.makespan, from the "
                        "first action's start to the last one's end (without splitting the batch and the call's set-up)")
-    table.notes.append("simulated: stage 0 of the split schedules (zb-h1, zb-v) is costed as it runs: I = 0 and "
-                       "W = 2t, since its I has no stage input to compute a gradient for and its W runs the whole "
+    table.notes.append("simulated: each action kind costs what one SplitSleepLayer takes for it alone on one thread, "
+                       "no pipeline and no other thread running (median; per m, since the micro-batch size "
+                       "differs): its sleeps plus the layer's own Python, which on this machine runs slower "
+                       "right after a sleep than in a warm loop. The runtime cannot beat the layer it runs")
+    table.notes.append("sim, sleeps only: the same plan with the bare sleep as every cost (F = I = W = t, B = 2t, "
+                       "t = time.sleep(t) measured alone): what a layer with no Python at all would allow")
+    table.notes.append("stage 0 of the split schedules (zb-h1, zb-v) is costed as it runs: I = 0 and W = the whole "
+                       "backward, since its I has no stage input to compute a gradient for and its W runs the whole "
                        "backward, into the caller's input too")
     table.notes.append("sim, own jobs = pipe.last_report().planned_makespan: the same plan's list scheduler fed with "
                        "each action's duration as measured in that very step (median over repeats): a runtime with "
@@ -161,7 +174,8 @@ def run(options: Options) -> SuiteResult:
             stages = p * virtual
             model = nn.Sequential(*[SplitSleepLayer(t) for _ in range(stages)])
             plan = build(name, stages, m, **options_)
-            simulated = plan.simulate(stage_costs(t_measured, stages))
+            simulated = plan.simulate(alone[m].costs(stages))
+            sleeps_only = plan.simulate(stage_costs(t_measured, stages))
             with Pipe(model, [1] * stages, devices=["cpu"] * stages, chunks=m, checkpoint="never") as pipe:
                 pipe.step(x, target, _loss, schedule=name, reduction="sum", **options_)  # warm-up
                 walls, makespans, bubbles, own_makespans = [], [], [], []
@@ -189,6 +203,9 @@ def run(options: Options) -> SuiteResult:
                                        peak_worker_kib=str([round(b / 1024) for b in worker_bytes]))
             row["eff"] = result.ratio(f"m={m}/{name} simulated makespan / achieved wall time", simulated.makespan,
                                       achieved)
+            row["sleep_sim_ms"] = sleeps_only.makespan * 1e3
+            row["eff_sleep"] = result.ratio(f"m={m}/{name} sleeps-only simulated makespan / achieved wall time",
+                                            sleeps_only.makespan, achieved)
             own = statistics.median(own_makespans)
             row["own_sim_ms"] = own * 1e3
             row["eff_own"] = result.ratio(f"m={m}/{name} simulated with its own job times / runtime span", own, span)
@@ -208,6 +225,54 @@ def run(options: Options) -> SuiteResult:
             contrast.add(m=m, case=case, wall_ms=wall * 1e3,
                          vs_1f1b=result.ratio(f"m={m}/{case} wall / 1f1b achieved", wall, one_f_one_b_wall))
     return result
+
+
+@dataclass(frozen=True)
+class StageAlone:
+    """What each action kind costs one ``SplitSleepLayer`` run alone on the calling thread, in seconds.
+
+    The simulated makespan must not charge the runtime for the layer's own work: the sleeps,
+    and the Python around them (two custom autograd Functions, a clone, an add), which on a
+    VM whose vCPU idles during the sleep runs several times slower after it than in a warm
+    loop. Measured with no pipeline and no other thread running.
+    """
+
+    forward: float
+    backward: float
+    input_grad: float
+    weight_grad: float
+
+    @classmethod
+    def measure(cls, seconds: float, rows: int, samples: int) -> "StageAlone":
+        layer = SplitSleepLayer(seconds)
+        x = torch.randn(rows, WIDTH, requires_grad=True)
+        times: Dict[str, List[float]] = {"F": [], "B": [], "I": [], "W": []}
+        for _ in range(samples):
+            start = time.perf_counter()
+            out = layer(x)
+            times["F"].append(time.perf_counter() - start)
+            grad = torch.ones_like(out)
+            start = time.perf_counter()
+            out.backward(grad)
+            times["B"].append(time.perf_counter() - start)
+            out = layer(x)
+            start = time.perf_counter()
+            torch.autograd.grad(out, x, grad, retain_graph=True)  # the input half only
+            times["I"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            torch.autograd.grad(out, layer.weight, grad)  # the weight half only
+            times["W"].append(time.perf_counter() - start)
+        f, b, i, w = (statistics.median(times[kind]) for kind in "FBIW")
+        return cls(f, b, i, w)
+
+    def costs(self, stages: int) -> Dict[str, Any]:
+        """Per-kind costs for ``Plan.simulate``; stage 0's split as it runs (I = 0, W = the whole backward)."""
+        return {"F": self.forward, "B": self.backward, "I": [0.0] + [self.input_grad] * (stages - 1),
+                "W": [self.backward] + [self.weight_grad] * (stages - 1)}
+
+    def as_ms(self) -> Dict[str, float]:
+        return {"F": round(self.forward * 1e3, 4), "B": round(self.backward * 1e3, 4),
+                "I": round(self.input_grad * 1e3, 4), "W": round(self.weight_grad * 1e3, 4)}
 
 
 def stage_costs(t: float, stages: int) -> Dict[str, Any]:
