@@ -875,7 +875,11 @@ def _assert_next_call_finishes(pipe, x, reference, message):
 
 
 class _InterruptingQueue:
-    """Stands in for a worker's in_queue: the ``fail_at``-th put raises KeyboardInterrupt."""
+    """Stands in for a worker's in_queue: the ``fail_at``-th put raises KeyboardInterrupt.
+
+    Each task waits 0.1 s once taken, so that what was queued before the failure is still running
+    when the call returns, unless the runtime waits for it (a drain).
+    """
 
     def __init__(self, real, fail_at):
         self.real, self.fail_at, self.puts = real, fail_at, 0
@@ -887,7 +891,9 @@ class _InterruptingQueue:
         self.real.put(item)
 
     def get(self):
-        return self.real.get()
+        item = self.real.get()
+        time.sleep(0.1)
+        return item
 
 
 # Regression: an interrupt while a step's tasks were being queued left the half-queued step in

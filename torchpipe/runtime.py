@@ -40,7 +40,8 @@ ABANDON_AFTER_S = 10.0
 A job stuck in user code cannot see the abort. Past this, the caller stops waiting and
 raises the interrupt (as a second interrupt does at once); the next step refuses to start
 until that job returns. A signal handler that raises once (pytest-timeout's) so still ends
-the call instead of hanging it.
+the call instead of hanging it. (Not bounded: the drain after a job failed to queue another
+worker's tasks, a queue put that raised on a worker thread, which waits for that worker.)
 """
 
 
@@ -283,8 +284,12 @@ class _Step:
         n = len(program.jobs)
         self.context = context
         self.on_abort = on_abort
-        # Each worker with jobs counts down once, after its last job of the step.
-        self.remaining_workers = sum(1 for jobs in program.worker_jobs if jobs)
+        # Each worker queued for the step counts down once, after its last job of the step. The
+        # caller queues those whose first job needs nothing; a job that completes the inputs of
+        # another worker's first job queues that worker, and counts it in first (``set``). A
+        # worker never queued (the step aborted first) never counts, so an abort has nothing to
+        # count out and may be repeated.
+        self.remaining_workers = sum(1 for w, jobs in enumerate(program.worker_jobs) if jobs and not program.first_needs[w])
         self.finished = Latch()
         self.abandoned = False  # the caller stopped waiting after an interrupt: jobs may still run
         self.owner = state.owner  # this step's token in the chains of the work it waits on
@@ -307,7 +312,6 @@ class _Step:
         self.launch = launch
         self.unblocks = program.unblocks
         self.missing_inputs = list(program.first_needs)
-        self.unlaunched = {w for w, jobs in enumerate(program.worker_jobs) if jobs and program.first_needs[w]}
         self.half_launched = False
         self.starts = [-1.0] * n
         self.ends = [-1.0] * n
@@ -322,19 +326,18 @@ class _Step:
             for worker in self.unblocks[index]:
                 self.missing_inputs[worker] -= 1
                 if not self.missing_inputs[worker]:
-                    # Under the guard: an abort, which takes it too, either comes first (and
-                    # counts this worker out) or sees its tasks queued ahead of a drain marker.
-                    self.unlaunched.discard(worker)
+                    # Under the guard: an abort, which takes it too, either comes first (and this
+                    # worker is never queued) or finds its tasks queued ahead of a drain marker.
+                    # Counted in before its tasks go: its last one may count it out at once.
                     assert self.launch is not None
+                    self.remaining_workers += 1
                     try:
                         self.launch(worker)
                     except BaseException:  # noqa: B902 - aborts the step, in the job that launched
-                        # Some of its tasks may be queued but not its last, which counts it out:
-                        # count it out here, and have the caller drain the queues (``half_launched``).
+                        # Some of its tasks may be queued, but not its last, which would count it
+                        # out: take it back out, and have the caller drain the queues.
                         self.half_launched = True
                         self.remaining_workers -= 1
-                        if not self.remaining_workers:
-                            self.finished.set()
                         raise
 
     def take(self, index: int) -> Any:
@@ -382,11 +385,6 @@ class _Step:
             if self.error is None and error is not None:
                 self.error = error
             self.aborted = True
-            while self.unlaunched:  # never queued, and never will be: count them out here
-                self.unlaunched.pop()
-                self.remaining_workers -= 1
-                if not self.remaining_workers:
-                    self.finished.set()
             for i, lock in enumerate(self.locks):
                 if not self.done[i]:
                     try:
@@ -552,9 +550,10 @@ class Runtime:
         if previous is not None:  # a step an interrupt left behind: end it, let the workers drain
             if previous.abandoned and not previous.finished.is_set():
                 raise RuntimeError(
-                    "a job of an earlier step, left behind when an interrupt stopped the wait for it, has not returned: a stage "
-                    "that never returns (or waits for something that waits for this pipeline) holds its "
-                    "worker. Nothing can run here until it returns; close() this pipeline and build a new one"
+                    "a job of an earlier step, left behind when an interrupt stopped the wait for it, has not returned: "
+                    "a stage that is still running, or never returns (it waits for something that waits for this "
+                    "pipeline), holds its worker. Nothing can run here until it returns, and then this pipeline "
+                    "works again; if it never will, close() this pipeline and build a new one"
                 )
             previous.abort(None)
             self._drain_workers()
@@ -601,9 +600,11 @@ class Runtime:
             assert interrupt is not None
             raise interrupt
         wall_end = time.perf_counter()
-        if step.half_launched:  # a worker got part of its tasks: they must run before the next step
-            self._drain_workers()
-        self._step = None
+        try:
+            if step.half_launched:  # a worker got part of its tasks: they must run before the next step
+                self._drain_workers()
+        finally:
+            self._step = None
         self.last_step = StepRecord(
             labels=list(program.labels),
             workers=list(program.job_workers),
