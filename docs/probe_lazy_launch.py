@@ -3,7 +3,8 @@
 Quoted in docs/benchmarks.md (twentieth session). The runtime queues a worker whose first job needs
 results only when the job that completes them ends (``Program.first_needs``/``unblocks``). This
 probe switches that off on the very program the ``Pipe`` runs, by giving every worker zero needed
-inputs (then the caller queues them all at the start, as before the change), and alternates the
+inputs (then the caller queues them all at the start, as before the change: ``first_workers``
+is every worker with jobs), and alternates the
 two in one process, so that the VM's per-process placement noise is the same for both:
 
     .venv/bin/python docs/probe_lazy_launch.py forward   # overhead suite's model, pipe(x) + backward
@@ -28,18 +29,19 @@ ROUNDS = 20
 
 def alternate(call, program, calls: int) -> None:
     """Time ``calls`` calls of ``call`` per round, lazy and eager in turn (order swapped each round)."""
-    lazy = (list(program.first_needs), list(program.unblocks))
-    eager = ([0] * len(program.first_needs), [()] * len(program.unblocks))
+    lazy = (list(program.first_needs), list(program.unblocks), program.first_workers)
+    eager = ([0] * len(program.first_needs), [()] * len(program.unblocks),
+             tuple(w for w, jobs in enumerate(program.worker_jobs) if jobs))
     times = {"lazy": [], "eager": []}
     for r in range(ROUNDS):
         order = [("lazy", lazy), ("eager", eager)]
-        for name, (needs, unblocks) in order if r % 2 else order[::-1]:
-            program.first_needs, program.unblocks = list(needs), list(unblocks)
+        for name, (needs, unblocks, first) in order if r % 2 else order[::-1]:
+            program.first_needs, program.unblocks, program.first_workers = list(needs), list(unblocks), first
             start = time.perf_counter()
             for _ in range(calls):
                 call()
             times[name].append((time.perf_counter() - start) / calls * 1e3)
-    program.first_needs, program.unblocks = lazy
+    program.first_needs, program.unblocks, program.first_workers = lazy
     wins = sum(a < b for a, b in zip(times["lazy"], times["eager"]))
     print(f"  lazy {statistics.median(times['lazy']):.3f} ms, eager {statistics.median(times['eager']):.3f} ms, "
           f"lazy / eager {statistics.median(times['lazy']) / statistics.median(times['eager']):.3f}, "

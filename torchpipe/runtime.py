@@ -125,12 +125,16 @@ class Program:
         self.drop_on_take = [n == 1 and not job.keep for n, job in zip(self.consumers, self.jobs)]
         self.kept = [(job.key, job.index) for job in self.jobs if job.keep]
         # A worker whose first job needs results is queued only once they are all there (see
-        # ``Runtime``): ``first_needs[w]`` counts them, ``unblocks[i]`` the workers job i counts for.
-        self.first_needs = [len(set(jobs[0].deps)) if jobs else 0 for jobs in self.worker_jobs]
+        # ``Runtime``): ``first_needs[w]`` counts them, ``unblocks[i]`` the workers job i counts for,
+        # and the caller queues ``first_workers``, whose first job needs nothing.
+        self.first_needs = [0] * self.num_workers
         self.unblocks: List[Tuple[int, ...]] = [() for _ in self.jobs]
         for w, jobs in enumerate(self.worker_jobs):
-            for dep in set(jobs[0].deps) if jobs else ():
+            needed = set(jobs[0].deps) if jobs else set()
+            self.first_needs[w] = len(needed)
+            for dep in needed:
                 self.unblocks[dep] += (w,)
+        self.first_workers = tuple(w for w, jobs in enumerate(self.worker_jobs) if jobs and not self.first_needs[w])
         self._frozen = True
         return self
 
@@ -289,7 +293,7 @@ class _Step:
         # another worker's first job queues that worker, and counts it in first (``set``). A
         # worker never queued (the step aborted first) never counts, so an abort has nothing to
         # count out and may be repeated.
-        self.remaining_workers = sum(1 for w, jobs in enumerate(program.worker_jobs) if jobs and not program.first_needs[w])
+        self.remaining_workers = len(program.first_workers)
         self.finished = Latch()
         self.abandoned = False  # the caller stopped waiting after an interrupt: jobs may still run
         self.owner = state.owner  # this step's token in the chains of the work it waits on
@@ -570,9 +574,8 @@ class Runtime:
         wall_start = time.perf_counter()
         try:
             self._step = step  # inside the try: an interrupt here still aborts and drains
-            for w, tasks in enumerate(worker_tasks):
-                if tasks and not program.first_needs[w]:
-                    launch(w)
+            for w in program.first_workers:
+                launch(w)
         except BaseException as exc:  # noqa: B902 - an interrupt while queueing: some workers lack tasks
             step.abort(exc)
             try:
