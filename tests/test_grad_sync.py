@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import threading
 import time
 import warnings
@@ -101,6 +102,7 @@ def test_step_gradients_equal_the_plain_models_averaged_over_ranks(tmp_path) -> 
 
 def accumulation_worker(rank: int, init_file: str) -> None:
     start(rank, init_file)
+    ddp = None
     try:
         pipe = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2, chunks=3, checkpoint="never")
         sync = GradientSync(pipe)
@@ -145,6 +147,11 @@ def accumulation_worker(rank: int, init_file: str) -> None:
         for got, want in zip(ddp.module.parameters(), averaged_reference_grads(reference, x, y)):
             torch.testing.assert_close(got.grad, want, rtol=0, atol=1e-14)
     finally:
+        # Free the DDP before the group: freed after it, its Reducer destroys the gloo group with
+        # the GIL held, while a gloo thread may need the GIL to free a finished all-reduce, a
+        # deadlock in torch itself (this test hung 1 run in 29; docs/probe_ddp_teardown.py).
+        del ddp
+        gc.collect()
         dist.destroy_process_group()
 
 

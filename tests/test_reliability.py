@@ -1066,6 +1066,122 @@ def test_a_stage_that_never_returns_is_left_behind_at_a_second_interrupt_or_afte
     assert "refused while stuck" in out and "after -1.0" in out, out
 
 
+_ABORT_CUT_SHORT = """
+import signal, torch
+from torch import nn
+import torchpipe.runtime as runtime
+from torchpipe import Pipe
+runtime.ABANDON_AFTER_S = 0.5
+real_abort = runtime._Step.abort
+cut = []
+
+def abort_cut_short(self, error):
+    # A second Ctrl-C that lands on the back edge of abort()'s retry loop (outside its try)
+    # leaves it with the step marked aborted and some of its waits never released.
+    if not cut:
+        cut.append(error)
+        with self.guard:
+            self.aborted, self.error = True, error
+        raise KeyboardInterrupt
+    return real_abort(self, error)
+
+runtime._Step.abort = abort_cut_short
+
+class SlowSecond(nn.Module):  # the second micro-batch is slow: stage 1 is then waiting for it
+    calls = 0
+    def forward(self, x):
+        SlowSecond.calls += 1
+        if SlowSecond.calls == 2:
+            time.sleep(0.3)
+        return x * 2
+
+torch.manual_seed(0)
+model = nn.Sequential(SlowSecond(), nn.Linear(4, 4))
+pipe = Pipe(model, [1, 1], chunks=2)
+threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+try:
+    pipe(torch.ones(2, 4))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+x = torch.randn(2, 4)
+start = time.perf_counter()
+while True:
+    try:
+        out = pipe(x)
+        break
+    except RuntimeError as exc:
+        assert "has not returned" in str(exc) and time.perf_counter() - start < 10, exc
+        time.sleep(0.1)
+torch.testing.assert_close(out, model(x))
+print("works again after %.1f s" % (time.perf_counter() - start), flush=True)
+pipe.close()
+"""
+
+
+# Regression: a second Ctrl-C can escape abort() at its retry loop's back edge (a signal is
+# delivered there, outside the try), with some of the step's waits unreleased. The jobs on them
+# never returned, and every later call was refused: the Pipe had to be rebuilt.
+def test_an_abort_cut_short_by_a_second_interrupt_is_completed_by_the_next_call():
+    out = _run_script(_WATCHDOG + _ABORT_CUT_SHORT)
+    assert "interrupted" in out and "works again" in out, out
+
+
+_HALF_QUEUED_THEN_STUCK = """
+import torch
+from torch import nn
+import torchpipe.runtime as runtime
+from torchpipe import Pipe
+runtime.ABANDON_AFTER_S = 0.5
+release, started = threading.Event(), threading.Event()
+
+class Stuck(nn.Module):
+    def forward(self, x):
+        started.set()
+        release.wait()
+        return x
+
+class FailsSecondPut:  # worker 1's queue: its first task goes in and gets stuck, then a put fails
+    def __init__(self, real):
+        self.real, self.puts = real, 0
+    def put(self, item):
+        self.puts += 1
+        if self.puts == 2:
+            assert started.wait(10)
+            raise MemoryError("queue full")
+        self.real.put(item)
+    def get(self):
+        return self.real.get()
+
+pipe = Pipe(nn.Sequential(nn.Identity(), Stuck()), [1, 1], chunks=2)
+real = pipe._workers[1].in_queue
+pipe._workers[1].in_queue = FailsSecondPut(real)
+start = time.perf_counter()
+try:
+    pipe(torch.ones(2, 1))
+except MemoryError:
+    print("failed after %.1f s" % (time.perf_counter() - start), flush=True)
+pipe._workers[1].in_queue = real
+try:
+    pipe(torch.ones(2, 1))
+except RuntimeError as exc:
+    assert "has not returned" in str(exc), exc
+    print("refused while stuck", flush=True)
+release.set()
+time.sleep(0.2)
+print("after", pipe(-torch.ones(2, 1)).sum().item(), flush=True)
+pipe.close()
+"""
+
+
+# Regression: after a job failed to queue another worker's tasks, the caller waited for that
+# worker's queued tasks without a bound; one stuck in user code hung the call.
+def test_a_half_queued_step_with_a_stuck_stage_is_left_behind_after_the_grace():
+    out = _run_script(_WATCHDOG + _HALF_QUEUED_THEN_STUCK)
+    waited = float(re.search(r"failed after ([0-9.]+) s", out).group(1))
+    assert 0.4 <= waited < 10, out
+    assert "refused while stuck" in out and "after -2.0" in out, out
+
+
 def test_a_nested_pipe_that_draws_inside_a_checkpointed_forward_is_refused():
     """Its partitions draw in thread order, so the outer recompute would redraw differently
     and give wrong gradients silently: refused with a clear error instead."""

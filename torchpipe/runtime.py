@@ -13,7 +13,9 @@ Failure handling: the first exception of any job, on any worker, aborts the step
 on a dependency wakes up on abort, the remaining jobs of the step are skipped, the runtime
 waits until each worker has passed the step's last job (so no stale work leaks into the next
 step), and the caller gets the original exception with its traceback. A ``KeyboardInterrupt``
-in the caller's thread while it waits aborts the step the same way.
+in the caller's thread while it waits aborts the step the same way. Every wait of the caller's
+is bounded: a step whose jobs do not leave it in time (one stuck in user code) stays
+installed, and the next call ends it, or refuses while that job runs on.
 """
 from __future__ import annotations
 
@@ -38,10 +40,19 @@ ABANDON_AFTER_S = 10.0
 """How long the caller waits, after an interrupt aborted its step, for every job to leave it.
 
 A job stuck in user code cannot see the abort. Past this, the caller stops waiting and
-raises the interrupt (as a second interrupt does at once); the next step refuses to start
-until that job returns. A signal handler that raises once (pytest-timeout's) so still ends
-the call instead of hanging it. (Not bounded: the drain after a job failed to queue another
-worker's tasks, a queue put that raised on a worker thread, which waits for that worker.)
+raises the interrupt (as a second interrupt does at once), leaving the step installed for
+the next call to end. A signal handler that raises once (pytest-timeout's) so still ends
+the call instead of hanging it. The same bound holds for the wait after a step was half
+queued (an interrupt, or a queue put that raised on a worker thread).
+"""
+
+LEFT_BEHIND_WAIT_S = 1.0
+"""How long a call waits for the workers of a step an interrupted call left behind.
+
+The call first aborts that step again (an interrupt can cut an abort short, before every
+wait of the step was woken), then waits for each worker to pass what it was given. A job
+still inside user code past this makes the call raise RuntimeError instead of hanging; a
+later call tries again.
 """
 
 
@@ -295,7 +306,9 @@ class _Step:
         # count out and may be repeated.
         self.remaining_workers = len(program.first_workers)
         self.finished = Latch()
-        self.abandoned = False  # the caller stopped waiting after an interrupt: jobs may still run
+        # Set by the workers, one each, once they passed every task the step gave them; queued
+        # when the step must end without every worker counting out (``Runtime._try_end``).
+        self.drain: List[Latch] = []
         self.owner = state.owner  # this step's token in the chains of the work it waits on
         if not self.remaining_workers:
             self.finished.set()
@@ -422,32 +435,32 @@ class Runtime:
         self.last_step: Optional[StepRecord] = None
         self._worker_threads = {w.thread.ident for w in self.workers}
 
-    def _drain_workers(self) -> None:
-        """Wait until every worker has run all it was given, after a step half queued.
+    def _try_end(self, step: _Step, wait_s: float, error: Optional[BaseException]) -> bool:
+        """End ``step`` if its workers pass what it gave them within ``wait_s``; else leave it.
 
-        Which tasks of the step made it into the queues is unknown, so the workers that never
-        got their last one will not count themselves out. A marker behind them on every queue
-        tells when nothing of the step is left to run. Interrupts are held until then: the
-        step's tasks read ``self._step`` and must not meet the next step.
+        Aborts the step first, with ``error`` unless it has one (again, if it was aborted: an
+        interrupt can cut an abort short), so every job still waiting on a result wakes and
+        skips, and so do the waits outside the runtime (which need an exception to raise).
+        Unless every worker counted itself out, which tasks of the step are still queued is
+        unknown: a marker behind them on every queue tells when none is left. Only then is the step uninstalled, so its tasks, which
+        read ``self._step``, never meet the next step. Interrupts are not held: whatever they
+        cut short, the step stays installed, and the next call ends it.
         """
-        drained = [Latch() for _ in self.workers]
-        pending: Optional[BaseException] = None
-        for worker, event in zip(self.workers, drained):
-            while True:
-                try:
-                    worker.in_queue.put(Task(event.set, None, "drain"))
-                    break
-                except BaseException as exc:  # noqa: B902 - held, raised once drained
-                    pending = pending or exc
-        for event in drained:
-            while True:
-                try:
-                    event.wait()
-                    break
-                except BaseException as exc:  # noqa: B902
-                    pending = pending or exc
-        if pending is not None:
-            raise pending
+        step.abort(error if error is not None else StepAborted("the call that ran this step was interrupted"))
+        if not step.finished.is_set() or step.half_launched:
+            for worker in self.workers[len(step.drain):]:
+                marker = Latch()
+                # Queued before recorded: an interrupt in between leaves an orphan marker, and
+                # the next pass queues another, which is harmless.
+                worker.in_queue.put(Task(marker.set, None, "drain"))
+                step.drain.append(marker)
+            deadline = time.perf_counter() + wait_s
+            for marker in step.drain:
+                if not marker.wait(max(0.0, deadline - time.perf_counter())):
+                    return False
+        if self._step is step:
+            self._step = None
+        return True
 
     def refuse_worker_caller(
         self, message: str = "a pipeline stage called its own pipeline: re-entrant calls would deadlock"
@@ -551,17 +564,13 @@ class Runtime:
         self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]]
     ) -> Dict[Hashable, Any]:
         previous = self._step
-        if previous is not None:  # a step an interrupt left behind: end it, let the workers drain
-            if previous.abandoned and not previous.finished.is_set():
-                raise RuntimeError(
-                    "a job of an earlier step, left behind when an interrupt stopped the wait for it, has not returned: "
-                    "a stage that is still running, or never returns (it waits for something that waits for this "
-                    "pipeline), holds its worker. Nothing can run here until it returns, and then this pipeline "
-                    "works again; if it never will, close() this pipeline and build a new one"
-                )
-            previous.abort(None)
-            self._drain_workers()
-            self._step = None
+        if previous is not None and not self._try_end(previous, LEFT_BEHIND_WAIT_S, None):
+            raise RuntimeError(
+                "a job of an earlier step, left behind when an interrupt stopped the wait for it, has not returned: "
+                "a stage that is still running, or never returns (it waits for something that waits for this "
+                "pipeline), holds its worker. Nothing can run here until it returns, and then this pipeline "
+                "works again; if it never will, close() this pipeline and build a new one"
+            )
         worker_tasks = self._tasks_for(program)
         queues = [worker.in_queue for worker in self.workers]
 
@@ -577,36 +586,35 @@ class Runtime:
             for w in program.first_workers:
                 launch(w)
         except BaseException as exc:  # noqa: B902 - an interrupt while queueing: some workers lack tasks
-            step.abort(exc)
             try:
-                self._drain_workers()
-            finally:
-                self._step = None
+                self._try_end(step, ABANDON_AFTER_S, exc)
+            except BaseException:  # noqa: B902 - a second interrupt: the step stays, the next call ends it
+                pass
             raise
+        # Any exception raised in the wait (Ctrl-C, a test timeout) aborts the step; the caller
+        # then waits up to ABANDON_AFTER_S for the jobs to leave it. A second one, or the end of
+        # that grace (a job that never returns), stops the wait: the step stays installed (its
+        # jobs may still run) and the next call ends it, or refuses while a job runs on.
         interrupt: Optional[BaseException] = None
         while True:
             try:
-                if step.finished.wait(None if interrupt is None else ABANDON_AFTER_S):
-                    break
+                if interrupt is None:
+                    if step.finished.wait():
+                        break
+                else:
+                    step.abort(interrupt)
+                    if step.finished.wait(ABANDON_AFTER_S):
+                        break
+                    raise interrupt
             except BaseException as exc:  # noqa: B902 - KeyboardInterrupt while waiting: abort, drain
                 if interrupt is None:
                     interrupt = exc
-                    try:
-                        step.abort(exc)
-                    except BaseException:  # noqa: B902 - an interrupt inside the abort: it is aborted anyway
-                        pass
                     continue
-            # A second interrupt, or the abort did not end the step within ABANDON_AFTER_S: a
-            # job does not return (it waits for something that will never come). Stop waiting
-            # and leave the step behind; the next run refuses until the job returns.
-            step.abandoned = True
-            assert interrupt is not None
-            raise interrupt
+                raise interrupt
         wall_end = time.perf_counter()
-        try:
-            if step.half_launched:  # a worker got part of its tasks: they must run before the next step
-                self._drain_workers()
-        finally:
+        # A worker that got part of its tasks (a queue put raised on a worker thread) must pass
+        # them before the next step; past the grace, the next call ends the step instead.
+        if not step.half_launched or self._try_end(step, ABANDON_AFTER_S, None):
             self._step = None
         self.last_step = StepRecord(
             labels=list(program.labels),
