@@ -123,6 +123,42 @@ def test_undefined_ratios_are_noted_not_recorded():
     assert Goal("g", None, ">=", 3.5).status == "n/a"
 
 
+def test_the_median_interval_has_the_binomial_coverage_of_its_order_statistics():
+    from torchpipe.bench.stats import median_interval, paired_median_interval
+
+    values = [float(v) for v in (9, 1, 5, 3, 11, 7, 2, 10, 4, 8, 6)]  # 1..11, shuffled
+    interval = median_interval(values)
+    # 11 repeats: the 2nd smallest and 2nd largest hold the median with 1 - 2 * 12/2048.
+    assert (interval.median, interval.low, interval.high) == (6.0, 2.0, 10.0)
+    assert interval.coverage == 1 - 2 * 12 / 2048
+    # The 3rd ones would cover 1 - 2 * 67/2048 = 0.935 < 0.95: not narrowed that far, but at 0.9 they are.
+    assert (median_interval(values, 0.9).low, median_interval(values, 0.9).high) == (3.0, 9.0)
+    few = median_interval([3.0, 1.0, 2.0])  # too few for 95%: [min, max], and says how little it covers
+    assert (few.low, few.high, few.coverage) == (1.0, 3.0, 0.75)
+    assert median_interval([1.0, float("nan")]) is None and median_interval([]) is None
+    with pytest.raises(ValueError, match="confidence"):
+        median_interval(values, 1.0)
+    # Paired: repeat i of each series is combined before the median.
+    paired = paired_median_interval(lambda a, b: a / b, [2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
+    assert (paired.median, paired.low, paired.high) == (2.0, 2.0, 2.0)
+    assert paired_median_interval(lambda a, b: a / b, [1.0], [0.0]) is None
+    assert paired_median_interval(lambda a, b: a / b, [1.0, 2.0], [1.0]) is None
+
+
+def test_a_goal_with_an_interval_passes_or_misses_only_when_all_of_it_does():
+    from torchpipe.bench.stats import MedianInterval
+
+    def goal(low, high, op=">="):
+        return Goal("g", (low + high) / 2, op, 3.5, MedianInterval((low + high) / 2, low, high, 0.95))
+
+    assert goal(3.6, 4.0).status == "PASS" and goal(3.0, 3.4).status == "MISS"
+    assert goal(3.0, 4.0).status == "UNSURE" and goal(3.0, 4.0).met is True  # the point alone would pass
+    assert goal(3.0, 3.4, "<=").status == "PASS" and goal(3.0, 4.0, "<=").status == "UNSURE"
+    described = goal(3.0, 4.0).describe()
+    assert described.startswith("[UNSURE] g: 3.5") and "95.0% interval 3..4" in described
+    assert goal(3.0, 4.0).to_json()["interval"] == {"median": 3.5, "low": 3.0, "high": 4.0, "coverage": 0.95}
+
+
 def test_rec_suite_runs_on_a_tiny_config():
     from torchpipe.bench.rec import RecConfig, run_config
     from torchpipe.bench.registry import Options

@@ -21,6 +21,7 @@ from torch import nn
 from .peers import PEER_NAMES, SHIMS_APPLIED, THREADS, Peer, build_peers, close_pipeline, load_peers, release
 from .registry import Options
 from .report import Column, Goal, SuiteResult, Table
+from .stats import paired_median_interval
 from .timing import Measurement, compare
 
 STAGES = 4
@@ -133,10 +134,20 @@ def report_chunks(result: SuiteResult, steps: Table, summary: Table, chunks: int
                                              overhead.get("torchgpipe"), tp)
     summary_row["fs_over_tp"] = result.ratio(f"{key_prefix}chunks={chunks}/fairscale overhead / torchpipe overhead",
                                              overhead.get("fairscale"), tp)
+    per_stage_mb = STAGES * chunks
+    loop_samples = measured["loop"].samples
+    us_interval = ratio_interval = None
+    if tp is not None:
+        us_interval = paired_median_interval(lambda pipe, loop: (pipe - loop) / per_stage_mb * 1e6,
+                                             measured["torchpipe"].samples, loop_samples)
+        if overhead.get("torchgpipe") is not None:
+            ratio_interval = paired_median_interval(lambda tg, pipe, loop: (tg - loop) / (pipe - loop),
+                                                    measured["torchgpipe"].samples, measured["torchpipe"].samples,
+                                                    loop_samples)
     goal_us = Goal(f"{goal_prefix}chunks={chunks}: torchpipe overhead per (stage, mb), us",
-                   None if tp is None else tp * 1e6, "<=", GOAL_US)
+                   None if tp is None else tp * 1e6, "<=", GOAL_US, us_interval)
     goal_ratio = Goal(f"{goal_prefix}chunks={chunks}: torchgpipe overhead / torchpipe overhead",
-                      summary_row["tg_over_tp"], ">=", GOAL_VS_TORCHGPIPE)
+                      summary_row["tg_over_tp"], ">=", GOAL_VS_TORCHGPIPE, ratio_interval)
     summary_row["goal_us"], summary_row["goal_ratio"] = goal_us.status, goal_ratio.status
     result.goals += [goal_us, goal_ratio]
     summary.add(**summary_row)

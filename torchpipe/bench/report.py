@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, TextIO
 
+from .stats import MedianInterval
+
 __all__ = ["Column", "Table", "Goal", "SuiteResult", "format_table", "format_suite", "print_suite", "results_document", "write_json", "environment"]
 
 SCHEMA = "torchpipe.bench/1"
@@ -63,25 +65,56 @@ class Table:
 
 @dataclass(frozen=True)
 class Goal:
-    """A target from an issue: ``value`` ``op`` ``target`` (op is '<=' or '>=')."""
+    """A target from an issue: ``value`` ``op`` ``target`` (op is '<=' or '>=').
+
+    ``interval``, where the suite has repeats to build it from, brackets the true median of
+    the figure (``stats.median_interval``, from paired repeats). The status then says PASS
+    or MISS only when the whole interval lies on one side of the target, and UNSURE when it
+    straddles it: a noisy machine does not get to decide a goal by the luck of one run.
+    """
 
     name: str
     value: Optional[float]
     op: str
     target: float
+    interval: Optional[MedianInterval] = None
+
+    def _meets(self, value: float) -> bool:
+        return value <= self.target if self.op == "<=" else value >= self.target
 
     @property
     def met(self) -> Optional[bool]:
+        """Whether the point figure meets the target (None: no figure)."""
         if self.value is None or not math.isfinite(self.value):
             return None
-        return self.value <= self.target if self.op == "<=" else self.value >= self.target
+        return self._meets(self.value)
 
     @property
     def status(self) -> str:
-        return {True: "PASS", False: "MISS", None: "n/a"}[self.met]
+        if self.met is None:
+            return "n/a"
+        if self.interval is None:
+            return "PASS" if self.met else "MISS"
+        low, high = self._meets(self.interval.low), self._meets(self.interval.high)
+        if low and high:
+            return "PASS"
+        return "MISS" if not (low or high) else "UNSURE"
+
+    def describe(self) -> str:
+        """One line: status, figure, interval (if any) and target."""
+        value = "-" if self.value is None else f"{self.value:.3g}"
+        if self.interval is not None:
+            i = self.interval
+            value += f" (paired repeats: median {i.median:.3g}, {i.coverage:.1%} interval {i.low:.3g}..{i.high:.3g})"
+        return f"[{self.status}] {self.name}: {value} {self.op} {self.target:g}"
 
     def to_json(self) -> Dict[str, Any]:
-        return {"name": self.name, "value": self.value, "op": self.op, "target": self.target, "met": self.met}
+        doc: Dict[str, Any] = {"name": self.name, "value": self.value, "op": self.op, "target": self.target,
+                               "met": self.met, "status": self.status}
+        if self.interval is not None:
+            doc["interval"] = {"median": self.interval.median, "low": self.interval.low, "high": self.interval.high,
+                               "coverage": self.interval.coverage}
+        return doc
 
 
 @dataclass
@@ -150,9 +183,7 @@ def format_suite(result: SuiteResult) -> str:
     if result.goals:
         parts.append("")
         parts.append("Goals (reported, never asserted):")
-        for g in result.goals:
-            value = "-" if g.value is None else f"{g.value:.3g}"
-            parts.append(f"  [{g.status}] {g.name}: {value} {g.op} {g.target:g}")
+        parts.extend(f"  {g.describe()}" for g in result.goals)
     if result.notes:
         parts.append("")
         parts.append("Notes:")
