@@ -46,3 +46,32 @@ def test_on_abort_wakes_a_job_blocked_outside_the_runtime():
         assert len(calls) == 1
     finally:
         stop_workers(workers)
+
+
+# Regression: an interrupt landing after a step finished, before the caller uninstalled it, left
+# it for the next call, which aborted it and so called on_abort for a step that never failed
+# (the rec pipeline's hook then failed the next clock's host-table lookups).
+def test_a_finished_step_left_installed_is_ended_without_calling_on_abort():
+    from torchpipe.runtime import ThreadState, _Step
+
+    out = queue.SimpleQueue()
+    workers = spawn_workers([None], out)
+    try:
+        runtime = Runtime(workers)
+        calls = []
+        program = Program(1)
+        program.add(0, "ok", lambda ctx, inputs: 1, keep=True)
+        program.freeze()
+        finished = _Step(program, None, ThreadState(["cpu"]), on_abort=calls.append)
+        finished.finished.set()  # every worker counted itself out
+        runtime._step = finished
+        assert runtime.run(program, None, on_abort=calls.append) == {"ok": 1}
+        assert calls == [] and not finished.aborted
+
+        # One that did not finish is aborted, and its hook gets an exception to raise.
+        unfinished = _Step(program, None, ThreadState(["cpu"]), on_abort=calls.append)
+        runtime._step = unfinished
+        assert runtime.run(program, None, on_abort=calls.append) == {"ok": 1}
+        assert unfinished.aborted and len(calls) == 1 and isinstance(calls[0], BaseException)
+    finally:
+        stop_workers(workers)

@@ -438,16 +438,18 @@ class Runtime:
     def _try_end(self, step: _Step, wait_s: float, error: Optional[BaseException]) -> bool:
         """End ``step`` if its workers pass what it gave them within ``wait_s``; else leave it.
 
-        Aborts the step first, with ``error`` unless it has one (again, if it was aborted: an
-        interrupt can cut an abort short), so every job still waiting on a result wakes and
-        skips, and so do the waits outside the runtime (which need an exception to raise).
-        Unless every worker counted itself out, which tasks of the step are still queued is
-        unknown: a marker behind them on every queue tells when none is left. Only then is the step uninstalled, so its tasks, which
+        A step whose every worker counted itself out is simply uninstalled: aborting it would
+        call the on_abort hook, which tells the code around the runtime that a step failed.
+        Any other is aborted first, with ``error`` unless it has one (again, if it was: an
+        interrupt can cut an abort short), so that every job still waiting on a result, or
+        on a wait outside the runtime (the hook needs an exception to raise there), wakes and
+        skips. Which of its tasks are still queued is unknown: a marker behind them on every
+        queue tells when none is left. Only then is the step uninstalled, so its tasks, which
         read ``self._step``, never meet the next step. Interrupts are not held: whatever they
         cut short, the step stays installed, and the next call ends it.
         """
-        step.abort(error if error is not None else StepAborted("the call that ran this step was interrupted"))
         if not step.finished.is_set() or step.half_launched:
+            step.abort(error if error is not None else StepAborted("the call that ran this step did not wait for it"))
             for worker in self.workers[len(step.drain):]:
                 marker = Latch()
                 # Queued before recorded: an interrupt in between leaves an orphan marker, and
@@ -566,7 +568,8 @@ class Runtime:
         previous = self._step
         if previous is not None and not self._try_end(previous, LEFT_BEHIND_WAIT_S, None):
             raise RuntimeError(
-                "a job of an earlier step, left behind when an interrupt stopped the wait for it, has not returned: "
+                "a job of an earlier step, left behind when an interrupt or a failure stopped the wait for it, has "
+                "not returned: "
                 "a stage that is still running, or never returns (it waits for something that waits for this "
                 "pipeline), holds its worker. Nothing can run here until it returns, and then this pipeline "
                 "works again; if it never will, close() this pipeline and build a new one"
@@ -609,6 +612,10 @@ class Runtime:
             except BaseException as exc:  # noqa: B902 - KeyboardInterrupt while waiting: abort, drain
                 if interrupt is None:
                     interrupt = exc
+                    try:  # here too: a signal can land on the back edge below, outside the try
+                        step.abort(exc)
+                    except BaseException:  # noqa: B902 - cut short: the top of the loop aborts again
+                        pass
                     continue
                 raise interrupt
         wall_end = time.perf_counter()
