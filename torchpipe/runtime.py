@@ -534,6 +534,24 @@ class Runtime:
 
         return compute
 
+    def end_left_behind(self, wait_s: float = LEFT_BEHIND_WAIT_S) -> bool:
+        """End the step a failed or interrupted call left installed, now; True if none is left.
+
+        The next call would end it anyway. Code around the runtime that cleans up after a
+        failed call (the rec pipeline clears its host tables' abort) calls this first, so that
+        the step's late abort, and the on_abort hook it may still call, come before that
+        cleanup rather than poisoning the next call's step. Waits at most ``wait_s`` for the
+        runtime's lock and for the step's jobs; a call in progress on another thread, or a job
+        stuck in user code, makes it return False.
+        """
+        if not self._lock.acquire(timeout=wait_s):
+            return False
+        try:
+            step = self._step
+            return step is None or self._try_end(step, wait_s, None)
+        finally:
+            self._lock.release()
+
     def run(
         self,
         program: Program,

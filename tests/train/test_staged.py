@@ -270,3 +270,57 @@ def test_a_ctrl_c_around_a_clocks_hand_over_says_what_is_lost_and_counts_the_clo
         else:
             assert len(failures) == 1 and failures[0].dropped == [3, 2] and pipe.in_flight() == []
             assert drain(pipe, it) == list(range(4, 10))
+
+
+def test_a_clock_whose_abort_two_interrupts_cut_short_is_ended_before_the_failure_hook(monkeypatch) -> None:
+    """Review: a second Ctrl-C can leave a clock's step installed with its abort cut short, its
+    on_abort hook not yet called. The next call's runtime ended it, calling the hook then, after
+    the failure hook had cleaned up: the rec pipeline's tables stayed aborted, and that next
+    clock failed too. Now the step is ended before the failure hook runs."""
+    import torchpipe.runtime as runtime
+
+    real_abort, cuts = runtime._Step.abort, []
+
+    def abort_cut_short(step, error):  # twice: the handler's abort and the loop's retry
+        if len(cuts) < 2:
+            cuts.append(error)
+            with step.guard:
+                step.aborted = True
+            raise KeyboardInterrupt("second Ctrl-C")
+        return real_abort(step, error)
+
+    class CallerInterrupted(runtime.Latch):  # the first Ctrl-C, while the caller waits for the clock
+        armed = False
+
+        def wait(self, timeout=None):
+            if timeout is None and CallerInterrupted.armed:
+                CallerInterrupted.armed = False
+                raise KeyboardInterrupt("first Ctrl-C")
+            return super().wait(timeout)
+
+    aborted: List[BaseException] = []  # stands for the host tables' abort, which on_failure clears
+
+    def lookup(batch):
+        if aborted:
+            raise RuntimeError(f"host tables aborted by {aborted[0]!r}")
+        return batch
+
+    def slow(batch):
+        if CallerInterrupted.armed or cuts:
+            time.sleep(0.2)
+        return batch
+
+    pipe = StagedPipeline([PipelineStage("lookup", lookup, "host"), PipelineStage("dense", slow, "device"),
+                           PipelineStage("update", lambda b: b, "host")],
+                          on_abort=aborted.append, on_failure=lambda failure: aborted.clear())
+    with pipe:
+        it = iter(range(20))
+        assert pipe.progress(it) == 0
+        monkeypatch.setattr(runtime._Step, "abort", abort_cut_short)
+        monkeypatch.setattr(runtime, "Latch", CallerInterrupted)
+        CallerInterrupted.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            pipe.progress(it)
+        assert len(cuts) == 2 and not aborted  # the hook ran (or not yet), then the failure hook cleared
+        assert pipe.progress(it) == 4  # batches 1-3 were in flight and dropped
+        assert pipe._runtime._step is None

@@ -402,6 +402,12 @@ class StagedPipeline:
         self._values = [None] * self.depth
         self._ready = [None] * self.depth
         failure = PipelineFailure(exc, clock, completed, dropped)
+        # A second Ctrl-C can leave the clock's step installed with its abort cut short: end it
+        # before the failure hook cleans up, so its late on_abort call lands before that, too.
+        try:
+            self._runtime.end_left_behind()
+        except BaseException:  # noqa: B902 - yet another interrupt: the clock's own error is raised anyway
+            pass
         if self._on_failure is not None:
             self._on_failure(failure)
         stage = self._failure.stage or "caller (interrupted)"
