@@ -105,7 +105,7 @@ class Goal:
         value = "-" if self.value is None else f"{self.value:.3g}"
         if self.interval is not None:
             i = self.interval
-            value += f" (paired repeats: median {i.median:.3g}, {i.coverage:.1%} interval {i.low:.3g}..{i.high:.3g})"
+            value += f" (repeats: median {i.median:.3g}, {i.coverage:.1%} interval {i.low:.3g}..{i.high:.3g})"
         return f"[{self.status}] {self.name}: {value} {self.op} {self.target:g}"
 
     def to_json(self) -> Dict[str, Any]:
