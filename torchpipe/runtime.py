@@ -586,11 +586,10 @@ class Runtime:
         previous = self._step
         if previous is not None and not self._try_end(previous, LEFT_BEHIND_WAIT_S, None):
             raise RuntimeError(
-                "a job of an earlier step, left behind when an interrupt or a failure stopped the wait for it, has "
-                "not returned: "
-                "a stage that is still running, or never returns (it waits for something that waits for this "
-                "pipeline), holds its worker. Nothing can run here until it returns, and then this pipeline "
-                "works again; if it never will, close() this pipeline and build a new one"
+                "a job of an earlier step, left behind when an interrupt or a failure stopped the wait for it, "
+                "has not returned: a stage that is still running, or never returns (it waits for something that "
+                "waits for this pipeline), holds its worker. Nothing can run here until it returns, and then this "
+                "pipeline works again; if it never will, close() this pipeline and build a new one"
             )
         worker_tasks = self._tasks_for(program)
         queues = [worker.in_queue for worker in self.workers]
