@@ -15,8 +15,9 @@ order named on the command line:
   through its own binding, which releases the GIL first.
 
 Measured on the 2-vCPU box (the first runs from a draft of this script without the
-``gc.collect()``): ``group_first`` hung in 3 of 4 runs of 150 rounds (in rounds 72 and 35,
-and within the first minute of the kept run); ``ddp_first`` finished all 5 runs (750 rounds).
+``gc.collect()``): ``group_first`` hung in 4 of 5 runs of 150 rounds (at rounds 72 and 35 in
+two of them; the other two did not record the round); ``ddp_first`` finished all 5 runs (750
+rounds).
 Kept output: ``docs/results/cpu-2026-11-23-s21/probe_ddp_teardown-*.txt``.
 
     .venv/bin/python docs/probe_ddp_teardown.py group_first   # ROUNDS=150 by default
