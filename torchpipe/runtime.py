@@ -636,9 +636,12 @@ class Runtime:
                     continue
                 raise interrupt
         wall_end = time.perf_counter()
-        # A worker that got part of its tasks (a queue put raised on a worker thread) must pass
-        # them before the next step; past the grace, the next call ends the step instead.
-        if not step.half_launched or self._try_end(step, ABANDON_AFTER_S, None):
+        if step.half_launched:
+            # A worker got part of its tasks (a queue put raised on a worker thread): they must
+            # pass before the next step. Uninstalled once drained; past the grace, the next call
+            # ends the step instead.
+            self._try_end(step, ABANDON_AFTER_S, None)
+        else:
             self._step = None
         self.last_step = StepRecord(
             labels=list(program.labels),
