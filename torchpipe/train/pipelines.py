@@ -52,13 +52,23 @@ class RecBatch:
         self.labels.record_stream(stream)
 
 
+def is_training(model: Any) -> bool:
+    """Whether a step of ``model`` trains: an ``nn.Module`` in ``train()`` mode, or any other callable."""
+    return bool(getattr(model, "training", True))
+
+
 def train_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], batch: Any,
                before_step: Optional[Callable[[], None]] = None) -> Any:
     """One synchronous step, exactly as every pipeline here runs it (and as TorchRec does).
 
+    A model in ``eval()`` mode runs its forward only, as TorchRec's pipelines do: no
+    ``zero_grad``, backward or optimizer step, so evaluation batches change nothing.
     ``before_step`` runs between backward and the optimizer step (the dense gradient
     all-reduce of a sharded pipeline).
     """
+    if not is_training(model):
+        _, output = model(batch)
+        return output
     if optimizer is not None:
         optimizer.zero_grad()
     losses, output = model(batch)
@@ -180,14 +190,32 @@ class _ReadyPipeline:
         self.steps_done += 1
         return output
 
+    def _refuse_training_without_grad(self, what: str) -> None:
+        """RuntimeError, before anything changes, for a training step that could not backpropagate.
+
+        The train stage runs under the caller's grad mode: under ``no_grad`` or
+        ``inference_mode`` its backward would fail inside the pipeline and drop every batch in
+        flight. A model in ``eval()`` mode runs forward only (TorchRec's rule) and may.
+        """
+        if is_training(self.model) and not torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{what} under torch.no_grad() or torch.inference_mode() with the model in train mode: its "
+                "backward would fail. Call model.eval() first for forward-only steps (evaluation), or call "
+                f"{what} with gradients enabled to train")
+
     # -- delegation ------------------------------------------------------------------
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """One finished step's model output; StopIteration once every batch was trained.
+
+        A model in ``eval()`` mode takes forward-only steps (as in TorchRec's pipelines):
+        nothing is updated, and ``torch.no_grad()`` around the call saves the graph. In train
+        mode, a call under ``no_grad`` raises before anything changes.
 
         On an accelerator the output is safe to use on the caller's current stream: the
         pipeline's streams wait for the caller's work first, and the caller's stream waits
         for theirs before this returns.
         """
+        self._refuse_training_without_grad("progress()")
         streams_wait_for_caller(self.streams())
         try:
             return self.pipeline.progress(dataloader_iter)
@@ -196,6 +224,8 @@ class _ReadyPipeline:
 
     def flush(self) -> List[Any]:
         """Train every in-flight batch; their outputs, in order."""
+        if self.pipeline.in_flight():
+            self._refuse_training_without_grad("flush()")
         streams_wait_for_caller(self.streams())
         try:
             return self.pipeline.flush()
@@ -632,7 +662,8 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             self._backend.wait_event(self._backend.current_stream(self.device), swapped)
         armed = _Armed(item.device_batch.sparse_features, item.plan, threading.get_ident(), item)
         self._armed = armed
-        before = self.collection.snapshot_rows(item.plan)
+        # A forward-only step (eval mode) updates no row: nothing to put back.
+        before = self.collection.snapshot_rows(item.plan) if is_training(self.model) else None
 
         def before_step() -> None:  # before the dense optimizer: a refused step must change nothing
             if not armed.used:
@@ -645,7 +676,8 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         except BaseException:
             # Rows may already carry this step's fused update: put them back (nothing lost,
             # nothing half-applied).
-            self.collection.restore_rows(item.plan, before)
+            if before is not None:
+                self.collection.restore_rows(item.plan, before)
             raise
         finally:
             self._armed = None

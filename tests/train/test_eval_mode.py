@@ -1,0 +1,131 @@
+"""A model in eval() mode takes forward-only steps, as in TorchRec's pipelines.
+
+TorchRec's `TrainPipelineSparseDist.progress` guards zero_grad, backward and the optimizer
+step with ``if self._model.training``: evaluation batches go through the same pipeline and
+change nothing. A model in train mode under ``no_grad`` cannot take a step: refused before
+anything changes, instead of failing inside the pipeline and dropping the batches in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import pytest
+import torch
+from train_helpers import assert_same_state, build, drain, make_batches, make_tables, reference_run
+
+from torchpipe.rec import Adam
+from torchpipe.train import EmbCacheTrainPipeline, TrainPipelineBase, TrainPipelineSparseDist, train_step
+
+KINDS = ["emb_cache", "base", "sparse_dist"]
+
+
+def _pipeline(kind: str, model, opt):
+    if kind == "emb_cache":
+        return EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1)
+    if kind == "base":
+        return TrainPipelineBase(model, opt, device_threads=1)
+    return TrainPipelineSparseDist(model, opt, device_threads=1)
+
+
+def _model(kind: str, tables):
+    """The cached model for the cache pipeline; the full-table one (plain module) for the others."""
+    return build(tables, 64, Adam(lr=0.5), cached=kind == "emb_cache")
+
+
+def _state(model) -> Dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("no_grad", [False, True])
+def test_eval_mode_steps_run_forward_only_and_change_nothing(kind: str, no_grad: bool) -> None:
+    tables = make_tables()
+    batches = make_batches(tables, 6)
+    model, opt = _model(kind, tables)
+    model.eval()
+    before = _state(model)
+    expected = [model(b)[1] for b in batches]  # the plain forward, nothing trained
+    assert not any(p.grad is not None for p in model.parameters())
+    with _pipeline(kind, model, opt) as pipe:
+        if no_grad:
+            with torch.no_grad():
+                outputs = drain(pipe, iter(batches))
+        else:
+            outputs = drain(pipe, iter(batches))
+        if kind == "emb_cache":
+            pipe.flush()
+    assert len(outputs) == len(batches)
+    for got, want in zip(outputs, expected):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    after = model.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    assert all(p.grad is None for p in model.parameters()), "an eval step ran backward"
+    assert opt.state == {} or all(not s for s in opt.state.values()), "an eval step stepped the optimizer"
+
+
+def test_switching_to_eval_and_back_trains_exactly_the_train_mode_batches() -> None:
+    """Steps 0-2 train, 3-4 evaluate (in the same pipeline, batches in flight), 5-7 train:
+    equal to a loop that trains on 0-2 and 5-7 only."""
+    tables = make_tables()
+    batches = make_batches(tables, 8)
+    model, opt = _model("emb_cache", tables)
+    reference, ref_opt = build(tables, None, Adam(lr=0.5), cached=False)
+    ref_outputs = []
+    for i, batch in enumerate(batches):
+        reference.train(i not in (3, 4))
+        ref_outputs.append(train_step(reference, ref_opt, batch))
+    outputs = []
+    it = iter(batches)
+    with _pipeline("emb_cache", model, opt) as pipe:
+        # progress() call i fills the pipeline as far as needed and returns batch i, whose
+        # train stage runs in that call: the mode then is what counts, as in TorchRec.
+        for call in range(len(batches)):
+            model.train(call not in (3, 4))
+            outputs.append(pipe.progress(it))
+            assert pipe.pipeline.in_flight()[:1] != [call]  # batch `call` is done, later ones in flight
+        pipe.flush()
+    assert len(outputs) == len(batches)
+    for got, want in zip(outputs, ref_outputs):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert_same_state(model, reference)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_train_mode_under_no_grad_is_refused_before_anything_changes(kind: str, mode: str) -> None:
+    tables = make_tables()
+    batches = make_batches(tables, 6)
+    model, opt = _model(kind, tables)
+    reference, ref_opt, ref_outputs = reference_run(tables, batches, Adam(lr=0.5)) if kind == "emb_cache" \
+        else (None, None, None)
+    disable = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    it = iter(batches)
+    with _pipeline(kind, model, opt) as pipe:
+        outputs = [pipe.progress(it)]  # one batch finished, the rest of the window in flight
+        in_flight = pipe.pipeline.in_flight()
+        with disable():
+            with pytest.raises(RuntimeError, match=r"progress\(\) under torch.no_grad\(\).*model.eval\(\)"):
+                pipe.progress(it)
+            with pytest.raises(RuntimeError, match=r"flush\(\) under torch.no_grad\(\)"):
+                pipe.flush()
+        assert pipe.pipeline.in_flight() == in_flight  # nothing admitted, nothing dropped
+        outputs += drain(pipe, it)
+        if kind == "emb_cache":
+            pipe.flush()
+    assert len(outputs) == len(batches)
+    if reference is not None:
+        for got, want in zip(outputs, ref_outputs):
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert_same_state(model, reference)
+
+
+def test_flush_of_a_drained_pipeline_under_no_grad_is_allowed() -> None:
+    """Nothing in flight: a flush only writes rows back (a checkpoint routine under no_grad)."""
+    tables = make_tables()
+    batches = make_batches(tables, 3)
+    model, opt = _model("emb_cache", tables)
+    with _pipeline("emb_cache", model, opt) as pipe:
+        drain(pipe, iter(batches))
+        with torch.no_grad():
+            assert pipe.flush() == []
