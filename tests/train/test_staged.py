@@ -89,6 +89,58 @@ def test_short_streams_and_stop_iteration_only_after_all(n: int) -> None:
         assert drain(pipe, iter(range(100, 103))) == [(b, [0, 1, 2, 3]) for b in range(100, 103)]
 
 
+class Rearmed:
+    """An iterator that raises StopIteration once, then yields more (a re-armed stream)."""
+
+    def __init__(self, first: List[int], after: List[int]) -> None:
+        self.first, self.after, self.stopped, self.calls_after_stop = list(first), list(after), False, 0
+
+    def __iter__(self) -> "Rearmed":
+        return self
+
+    def __next__(self) -> int:
+        if self.stopped:
+            self.calls_after_stop += 1
+            if self.after:
+                return self.after.pop(0)
+            raise StopIteration
+        if self.first:
+            return self.first.pop(0)
+        self.stopped = True
+        raise StopIteration
+
+
+def test_an_iterator_that_ended_is_not_asked_again() -> None:
+    """TorchRec's rule: an exhausted dataloader is not called again (a stream that blocks after
+    its end would stall every drain clock; one that yields more would slip batches into it)."""
+    rec = Recorder()
+    with make(rec) as pipe:
+        it = Rearmed([0, 1, 2], [100, 101])
+        assert [o[0] for o in drain(pipe, it)] == [0, 1, 2]
+        with pytest.raises(StopIteration):
+            pipe.progress(it)
+        assert pipe.flush() == []
+        with pytest.raises(StopIteration):  # flush's own empty iterator did not replace it
+            pipe.progress(it)
+        assert it.calls_after_stop == 0
+        assert [o[0] for o in drain(pipe, iter([7, 8]))] == [7, 8]  # another iterator is read
+        assert [o[0] for o in drain(pipe, it)] == [100, 101]  # and this one again, once it is not the last
+
+
+def test_host_threads_beyond_the_host_stages_are_not_started() -> None:
+    """A generous host_threads (a core count, or far more) starts only the threads a stage uses."""
+    rec = Recorder()
+    for host_threads in (2, 64, 10 ** 12):
+        with make(rec, host_threads=host_threads) as pipe:  # two host stages
+            assert [n.rsplit("-", 1)[-1] for n in pipe.worker_names] == ["compute", "copy", "host0", "host1"]
+            assert [o[0] for o in drain(pipe, iter(range(3)))] == [0, 1, 2]
+    with StagedPipeline([PipelineStage("a", abs, "host"), PipelineStage("b", abs, 4)], host_threads=3) as pipe:
+        assert len(pipe.worker_names) == 5  # host0 for "a", worker 4 = host2 pinned; host1 idles between
+        assert drain(pipe, iter([-1])) == [1]
+    with pytest.raises(ValueError, match=r"worker 5 out of range; .*2\.\.4 host threads \(host_threads=3\)"):
+        StagedPipeline([PipelineStage("a", abs, 5)], host_threads=3)
+
+
 def test_flush_drains_in_order_and_admits_nothing() -> None:
     rec = Recorder()
     with make(rec) as pipe:

@@ -43,6 +43,10 @@ WorkerSpec = Union[str, int]
 _NAMED = ("device", "copy", "host")
 
 
+_NO_BATCHES: Iterator[Any] = iter(())
+"""The iterator ``flush()`` drains with: never asked for a batch."""
+
+
 @dataclass(frozen=True)
 class PipelineStage:
     """One stage: ``runnable(previous stage's output) -> output``, run on ``worker``.
@@ -177,7 +181,8 @@ class StagedPipeline:
     """Runs ``stages`` over a dataloader iterator; ``progress()`` returns one finished batch per call.
 
     ``device``: where the device workers run (``'cpu'`` gives plain threads, no streams).
-    ``host_threads``: device-less threads for host stages. ``overlap=False`` runs the jobs
+    ``host_threads``: at most this many device-less threads for host stages (one per host
+    stage is the most they can use; threads beyond that are not started). ``overlap=False`` runs the jobs
     of a clock one after another (same work, same order, no concurrency): the serial
     baseline. ``admit(batch)`` runs on the caller's thread before a batch enters; if it
     raises, the batch is not admitted and nothing changes. ``on_abort(exc)`` runs once as
@@ -216,8 +221,11 @@ class StagedPipeline:
             if value is not None and not callable(value):
                 raise TypeError(f"{hook} must be callable or None, got {value!r}")
         self.device = usable_device(device)
+        self.stage_workers = self._assign(stages, int(host_threads))
+        # A host thread no stage runs on would only idle: those are not started (a generous
+        # host_threads, a core count say, costs nothing).
+        host_threads = max((w - 1 for w in self.stage_workers if w >= 2), default=0)
         self.worker_names = [f"{name}-compute", f"{name}-copy"] + [f"{name}-host{i}" for i in range(host_threads)]
-        self.stage_workers = self._assign(stages, host_threads)
         self.stages = stages
         self.overlap = overlap
         self._admit, self._on_abort, self._on_failure, self._after_clock = admit, on_abort, on_failure, after_clock
@@ -247,6 +255,9 @@ class StagedPipeline:
         self._closed = False
         self._failure = _FirstFailure()
         self._call_owner: Optional[int] = None  # the token of the progress() call in flight
+        # The last iterator that raised StopIteration: not asked again (TorchRec's rule), so
+        # a stream that blocks or yields more after its end does not stall or join a drain.
+        self._exhausted: Any = None
         self.stage_seconds = [0.0] * len(stages)
         self.clock_seconds = 0.0
         self.clocks_run = 0
@@ -269,9 +280,10 @@ class StagedPipeline:
                 assigned.append(2 + next_host % host_threads)
                 next_host += 1
             else:
-                if w >= len(self.worker_names):
-                    raise ValueError(f"stage {stage.name!r}: worker {w} out of range; workers are "
-                                     f"{list(enumerate(self.worker_names))}")
+                if w >= 2 + host_threads:
+                    hosts = f"2..{1 + host_threads} host threads" if host_threads else "no host threads"
+                    raise ValueError(f"stage {stage.name!r}: worker {w} out of range; workers are 0 (compute), "
+                                     f"1 (copy) and {hosts} (host_threads={host_threads})")
                 assigned.append(int(w))
         return assigned
 
@@ -441,7 +453,9 @@ class StagedPipeline:
         """Admit batches until one finishes; return its last stage's output.
 
         Fills the pipeline on the first call. Raises StopIteration only when the iterator
-        is exhausted *and* every in-flight batch was returned.
+        is exhausted *and* every in-flight batch was returned. An iterator that raised
+        StopIteration is not asked for a batch again (another iterator is); ``close()``
+        lets go of it.
         """
         self._refuse_own_work("progress()")
         refuse_untransferable_state("progress()")
@@ -456,9 +470,12 @@ class StagedPipeline:
             self._before_call()
 
         def pull() -> bool:
+            if dataloader_iter is self._exhausted or dataloader_iter is _NO_BATCHES:
+                return False  # (flush's own iterator is not remembered: the caller's stays so)
             try:
                 batch = next(dataloader_iter)
             except StopIteration:
+                self._exhausted = dataloader_iter
                 return False
             if self._admit is not None:
                 self._admit(batch)
@@ -504,10 +521,9 @@ class StagedPipeline:
         """Run every in-flight batch to the end (admitting none); their outputs, in order."""
         self._refuse_own_work("flush()")
         outputs: List[Any] = []
-        empty: Iterator[Any] = iter(())
         while True:
             try:
-                outputs.append(self.progress(empty))
+                outputs.append(self.progress(_NO_BATCHES))
             except StopIteration:
                 return outputs
             except BaseException as exc:  # noqa: B902 - the batches finished so far are not lost
@@ -540,6 +556,7 @@ class StagedPipeline:
         locked = self._lock.acquire(timeout=STOP_TIMEOUT_S)
         try:
             self._closed = True
+            self._exhausted = None
         finally:
             if locked:
                 self._lock.release()
