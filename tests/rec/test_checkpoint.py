@@ -90,3 +90,116 @@ def test_a_checkpoint_between_forward_and_backward_keeps_the_lookup_valid() -> N
         assert torch.equal(model.full_weight(name), reference.full_weight(name))
         assert torch.equal(model.optimizer_state(name), reference.optimizer_state(name))
     assert model.in_flight() == 0
+
+
+def test_weights_from_a_torchrec_ebcs_parameters_give_values_not_a_graph() -> None:
+    """Review: ``weights={name: ebc.embedding_bags[name].weight}`` pulled the host rows into
+    autograd (a CopySlices node, and a node more with every write-back)."""
+    tables = make_tables()
+    ebc = EmbeddingBagCollection(tables=tables)
+    weights = {t.name: ebc.embedding_bags[t.name].weight for t in tables}
+    assert all(w.requires_grad for w in weights.values())
+    model = CachedEmbeddingBagCollection(tables, 16, optimizer=RowWiseAdagrad(lr=0.5), weights=weights)
+    for name, host in model.hosts.items():
+        assert not host.rows.requires_grad and host.rows.grad_fn is None
+        assert torch.equal(host.weight, weights[name].detach())
+    for kjt in zipf_batches(tables, 10, seed=3):
+        model(kjt).values().sum().backward()
+    state = model.state_dict()
+    assert not any(v.requires_grad for v in state.values())
+    assert all(host.rows.grad_fn is None for host in model.hosts.values())
+    grad_state = model.optimizer_state("t0").clone().requires_grad_()
+    model.load_optimizer_state("t0", grad_state)
+    assert model.hosts["t0"].rows.grad_fn is None and not model.optimizer_state("t0").requires_grad
+
+
+def test_strict_load_reports_every_unexpected_key_as_torch_does() -> None:
+    """Review: a key under the collection's prefix without a dot ("typo_weight") was accepted."""
+    model, _ = trained_model()
+    state = model.state_dict()
+    for extra in ("typo_weight", "embedding_bags.t9.weight", "other.weight"):
+        wrong = dict(state, **{extra: torch.zeros(1)})
+        try:
+            model.load_state_dict(wrong)
+        except RuntimeError as error:
+            assert f'Unexpected key(s) in state_dict: "{extra}"' in str(error)
+        else:
+            raise AssertionError(f"{extra!r} was accepted")
+        assert model.load_state_dict(wrong, strict=False).unexpected_keys == [extra]
+    parent = torch.nn.Module()
+    parent.ebc = model
+    nested = {f"ebc.{k}": v for k, v in state.items()}
+    try:
+        parent.load_state_dict(dict(nested, **{"ebc.extra": torch.zeros(1)}))
+    except RuntimeError as error:
+        assert 'Unexpected key(s) in state_dict: "ebc.extra"' in str(error)
+    else:
+        raise AssertionError("'ebc.extra' was accepted")
+    parent.load_state_dict(nested)  # and the right keys still load
+
+
+def test_a_config_whose_init_fn_was_set_to_none_gets_torchrecs_default_range() -> None:
+    """Review: rows came from torch.empty (whatever memory held). TorchRec's config fills a
+    missing init_fn in ``__post_init__`` with uniform(-sqrt(1/n), sqrt(1/n))."""
+    tables = make_tables(num_rows=(400, 24))
+    for config in tables:
+        config.init_fn = None
+    torch.manual_seed(0)
+    first = CachedEmbeddingBagCollection(tables, 16).full_weight("t0")
+    torch.manual_seed(0)
+    second = CachedEmbeddingBagCollection(tables, 16).full_weight("t0")
+    assert torch.equal(first, second)
+    bound = tables[0].get_weight_init_max()
+    assert bound == (1 / 400) ** 0.5 and tables[0].get_weight_init_min() == -bound
+    assert float(first.abs().max()) <= bound and float(first.abs().max()) > bound / 2
+
+
+def test_a_checkpoint_with_the_optimizer_states_resumes_exactly() -> None:
+    """Reviews: state_dict() holds the tables only (TorchRec's EBC keys), so a resumed Adam or
+    RowWiseAdagrad restarted from fresh state; optimizer_state_dict() is the other half."""
+    from torchpipe.rec import Adam
+
+    tables = make_tables()
+    batches = zipf_batches(tables, 24, seed=11)
+
+    def fresh(cache_rows: int) -> CachedEmbeddingBagCollection:
+        return CachedEmbeddingBagCollection(make_tables(), cache_rows, optimizer=Adam(lr=0.25),
+                                            weights=integer_weights(tables))
+
+    through = fresh(16)
+    for kjt in batches:
+        through(kjt).values().sum().backward()
+    first = fresh(16)
+    for kjt in batches[:12]:
+        first(kjt).values().sum().backward()
+    tables_state, optimizer_states = first.state_dict(), first.optimizer_state_dict()
+    assert sorted(optimizer_states) == ["t0", "t1"]
+    resumed = fresh(20)  # another cache size: the checkpoint is the tables, not the cache
+    resumed.load_state_dict(tables_state)
+    resumed.load_optimizer_state_dict(optimizer_states)
+    for kjt in batches[12:]:
+        resumed(kjt).values().sum().backward()
+    for name in ("t0", "t1"):
+        assert torch.equal(resumed.full_weight(name), through.full_weight(name))
+        assert torch.equal(resumed.optimizer_state(name), through.optimizer_state(name))
+    without = fresh(16)  # the tables alone do not resume Adam
+    without.load_state_dict(tables_state)
+    for kjt in batches[12:]:
+        without(kjt).values().sum().backward()
+    assert not torch.equal(without.full_weight("t0"), through.full_weight("t0"))
+
+
+def test_loading_optimizer_states_checks_every_table_first() -> None:
+    import pytest
+
+    model, _ = trained_model()
+    states = model.optimizer_state_dict()
+    before = {name: host.rows.clone() for name, host in model.hosts.items()}
+    bad_shape = dict(states, t1=torch.zeros(3, 3))
+    for wrong, error, words in ((dict(states, t9=states["t0"]), KeyError, r"unknown \['t9'\]"),
+                                ({"t0": states["t0"]}, KeyError, r"missing \['t1'\]"),
+                                (bad_shape, ValueError, r"table 't1' must have shape \(24, 1\)"),
+                                ([states["t0"]], TypeError, "must be a dict")):
+        with pytest.raises(error, match=words):
+            model.load_optimizer_state_dict(wrong)
+        assert all(torch.equal(before[n], model.hosts[n].rows) for n in before)  # t0 untouched too

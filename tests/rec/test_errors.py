@@ -107,6 +107,20 @@ def test_backward_after_release_is_refused() -> None:
         out.values().sum().backward()
 
 
+def test_a_second_backward_through_one_lookup_says_so() -> None:
+    """Review: backward(retain_graph=True) then backward() was blamed on a later lookup, a
+    pipeline or a flush. A fused update cannot accumulate: the second one is refused."""
+    tables = make_tables(num_rows=(10, 10))
+    model = CachedEmbeddingBagCollection(tables, 4, weights=integer_weights(tables))
+    loss = model(make_kjt(tables, bags([1, 2]))).values().sum()
+    loss.backward(retain_graph=True)
+    rows = {name: host.rows.clone() for name, host in model.hosts.items()}
+    slots = {name: slot.clone() for name, slot in model.slots.items()}
+    with pytest.raises(RuntimeError, match="a second backward through the lookup of batch 0: its backward already"):
+        loss.backward()
+    assert all(torch.equal(rows[n], model.hosts[n].rows) and torch.equal(slots[n], model.slots[n]) for n in rows)
+
+
 def test_sync_forward_without_backward_does_not_leak_protection() -> None:
     tables = make_tables(num_rows=(10, 10))
     model = CachedEmbeddingBagCollection(tables, 4)

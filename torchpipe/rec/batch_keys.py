@@ -115,15 +115,19 @@ def initial_weight(config: EmbeddingBagConfig, layout: TableLayout,
 
     One rule for the cached collection and the full-table reference, so both start equal.
     Rows are float32 (`TABLE_DTYPE`) whatever the default dtype: a given weight of another
-    type is cast, as ``load_state_dict`` would.
+    type is cast, as ``load_state_dict`` would, and detached (a TorchRec EBC's parameter
+    gives its values, not its graph). A config whose ``init_fn`` was set to None after it
+    was built gets the uniform range TorchRec's config gives by default.
     """
     weight = weights.get(layout.name) if weights is not None else None
     if weight is not None:
-        return weight.to(TABLE_DTYPE)
+        return weight.detach().to(TABLE_DTYPE)
     weight = torch.empty(layout.num_rows, layout.dim, dtype=TABLE_DTYPE)
-    if config.init_fn is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if config.init_fn is not None:
             config.init_fn(weight)
+        else:
+            torch.nn.init.uniform_(weight, a=config.get_weight_init_min(), b=config.get_weight_init_max())
     return weight
 
 

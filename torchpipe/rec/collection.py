@@ -95,7 +95,8 @@ class CachedEmbeddingBagCollection(nn.Module):
     ``cache_rows``: slots per table (an int for all, or ``{table: rows}``). The optimizer
     is fused (`torchpipe.rec.optim`): rows are updated in backward, there are no dense
     grads. `state_dict` holds the full tables under EBC keys, so checkpoints move to and
-    from a plain `torchrec.EmbeddingBagCollection`. Training equals the full-table
+    from a plain `torchrec.EmbeddingBagCollection`; the optimizer's state is saved apart
+    (`optimizer_state_dict`), as a fused optimizer's is in TorchRec. Training equals the full-table
     `FullTableEmbeddingBagCollection` bitwise, step for step.
     """
 
@@ -324,8 +325,16 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _lookup(self, plan: BatchPlan, release_after_backward: bool, witness: _Witness | None = None) -> KeyedTensor:
         names = list(plan.tables)
+        updated = False
 
         def before_update(witness: _Witness | None = witness) -> None:  # the graph holds the witness
+            nonlocal updated
+            if updated:  # backward(retain_graph=True), then backward again: rows step once per lookup
+                raise RuntimeError(
+                    f"a second backward through the lookup of batch {plan.seq}: its backward already applied "
+                    "the fused optimizer to its rows, and a row is updated once per lookup (there is no "
+                    ".grad to accumulate into). Sum the losses and call backward once")
+            updated = True
             if plan.released:
                 raise StaleBatchError(
                     f"backward of batch {plan.seq} after its slots were released: a later direct lookup "
@@ -443,6 +452,15 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.flush()
         return host.weight.clone()
 
+    def _check_optimizer_state(self, table: str, state: Any) -> None:
+        expected = tuple(self._host(table).state.shape)
+        if not isinstance(state, torch.Tensor):
+            raise TypeError(f"optimizer state for table {table!r} must be a torch.Tensor of shape {expected} "
+                            f"(rows, state width), got {type(state).__name__}")
+        if tuple(state.shape) != expected:
+            raise ValueError(f"optimizer state for table {table!r} must have shape {expected} "
+                             f"(rows, state width), got {tuple(state.shape)}")
+
     def optimizer_state(self, table: str) -> torch.Tensor:
         """A copy of the whole table's optimizer state ``[num_rows, state_width]``, flushed."""
         host = self._host(table)
@@ -451,15 +469,36 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def load_optimizer_state(self, table: str, state: torch.Tensor) -> None:
         """Overwrite a table's optimizer state (host and cached rows)."""
-        expected = tuple(self._host(table).state.shape)
-        if not isinstance(state, torch.Tensor):
-            raise TypeError(f"optimizer state for table {table!r} must be a torch.Tensor of shape {expected} "
-                            f"(rows, state width), got {type(state).__name__}")
-        if tuple(state.shape) != expected:
-            raise ValueError(f"optimizer state for table {table!r} must have shape {expected} "
-                             f"(rows, state width), got {tuple(state.shape)}")
+        self._check_optimizer_state(table, state)
         self.flush()
-        self.hosts[table].state.copy_(state)
+        self.hosts[table].state.copy_(state.detach())
+        self._refresh_slots()
+
+    def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every table's optimizer state, ``{table: [num_rows, state_width]}``, flushed.
+
+        `state_dict` holds the tables only, under TorchRec's EBC keys (so checkpoints move to
+        and from a plain EBC, whose fused optimizer keeps its state elsewhere too): save this
+        beside it, or a resumed RowWiseAdagrad/Adam starts from fresh state.
+        """
+        self.flush()
+        return {name: host.state.clone() for name, host in self.hosts.items()}
+
+    def load_optimizer_state_dict(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Restore `optimizer_state_dict`'s output: every table is checked before any is written."""
+        if not isinstance(states, Mapping):
+            raise TypeError(f"optimizer states must be a dict {{table name: tensor}}, got {type(states).__name__}")
+        names = list(self.hosts)
+        missing = [name for name in names if name not in states]
+        unknown = [name for name in states if name not in self.hosts]
+        if missing or unknown:
+            raise KeyError(f"optimizer states for tables {sorted(states)}, expected exactly {names} "
+                           f"(missing {missing}, unknown {unknown})")
+        for name in names:
+            self._check_optimizer_state(name, states[name])
+        self.flush()
+        for name in names:
+            self.hosts[name].state.copy_(states[name].detach())
         self._refresh_slots()
 
     def cache_stats(self) -> dict[str, CacheStats]:
@@ -502,12 +541,14 @@ class CachedEmbeddingBagCollection(nn.Module):
                                   f"the table has shape {expected}.")
                 continue
             loads[name] = value
-        if strict:
+        if strict:  # torch's rule: a key under this prefix that no table, child or own tensor takes
+            own = set(self._parameters) | set(self._buffers)
             for key in state_dict:
-                if key.startswith(prefix) and key not in mine and "." in key[len(prefix):]:
-                    head = key[len(prefix):].split(".", 1)[0]
-                    if head not in self._modules:
-                        unexpected_keys.append(key)
+                if not key.startswith(prefix) or key in mine:
+                    continue
+                head, dot, _ = key[len(prefix):].partition(".")
+                if (head not in self._modules) if dot else (head not in own):
+                    unexpected_keys.append(key)
         if loads:
             self.flush()
             for name, value in loads.items():

@@ -72,10 +72,12 @@ class HostEmbeddingTable:
             pin_memory = accelerator_present()
         self.dtype = dtype
         self.rows = torch.zeros(num_rows, dim + state_width, dtype=dtype, pin_memory=pin_memory)
+        # Values only: a weight that requires grad (a TorchRec EBC's parameter) must not pull
+        # the host rows into autograd, where every later write would grow its graph.
         if weight is not None:
-            self.rows[:, :dim] = weight
+            self.rows[:, :dim] = weight.detach()
         if state is not None:
-            self.rows[:, dim:] = state
+            self.rows[:, dim:] = state.detach()
         self._cond = threading.Condition()
         # For each key, the sequence number of its pending write, or -1.
         self._pending_seq = torch.full((num_rows,), -1, dtype=torch.int64)
@@ -166,7 +168,7 @@ class HostEmbeddingTable:
     def update(self, keys: torch.Tensor, rows: torch.Tensor, ticket: WriteTicket | None = None) -> None:
         """Write ``rows`` for ``keys``; with ``ticket``, land that ticket's pending writes and wake readers."""
         keys = self._check_keys(keys)
-        rows = rows.to(device="cpu", dtype=self.dtype)
+        rows = rows.detach().to(device="cpu", dtype=self.dtype)
         if rows.shape != (keys.numel(), self.rows.shape[1]):
             raise ValueError(f"rows have shape {tuple(rows.shape)}, expected {(keys.numel(), self.rows.shape[1])}")
         with self._cond:  # never blocks, so it runs even when aborted: no row is lost
