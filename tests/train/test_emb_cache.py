@@ -8,7 +8,7 @@ from train_helpers import (assert_same_state, build, drain, make_batches, make_t
                            window_minimum)
 
 from torchpipe.rec import SGD, Adam, CacheTooSmallError, RowWiseAdagrad
-from torchpipe.train import EmbCacheTrainPipeline
+from torchpipe.train import EmbCacheTrainPipeline, train_step
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,3 +104,30 @@ def test_close_from_the_data_iterator_waits_for_the_call_and_keeps_the_trained_s
     model.ebc.flush()
     reference, _, _ = reference_run(tables, batches, SGD(lr=1.0), steps=pipe.steps_done)
     assert_same_state(model, reference)
+
+
+def test_a_model_copied_beside_an_open_pipeline_leaves_the_pipeline_behind() -> None:
+    """deepcopy(model) of a cached model: refused while batches are in flight; once drained, the
+    copy trains on its own (the pipeline's plan-injecting hook is not copied) and equals the
+    original trained the same way."""
+    import copy
+
+    tables = make_tables()
+    batches = make_batches(tables, 10)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
+        it = iter(batches[:6])
+        pipe.progress(it)
+        with pytest.raises(RuntimeError, match="cannot be copied or pickled while it is in use.*flush\\(\\) the pipeline"):
+            copy.deepcopy(model)
+        drain(pipe, it)
+        pipe.flush()
+        twin = copy.deepcopy(model)
+        assert len(model.ebc._forward_pre_hooks) == 1 and len(twin.ebc._forward_pre_hooks) == 0
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=opt.param_groups[0]["lr"])
+        twin_outputs = [train_step(twin, twin_opt, b) for b in batches[6:]]  # beside the open pipeline
+        outputs = drain(pipe, iter(batches[6:]))
+        pipe.flush()
+    for got, want in zip(outputs, twin_outputs):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert_same_state(model, twin)

@@ -15,12 +15,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..checks import check_positive_int
 from .errors import CacheTooSmallError
 from .eviction import LruIndex, check_policy, select_victims
+from .portable import restore_locks, state_without_locks
 from .swap_plan import SwapPlan
 
 __all__ = ["EmbeddingCache", "CacheStats"]
@@ -49,6 +51,14 @@ class CacheStats:
 
 class EmbeddingCache:
     """``cache_rows`` device slots over a table of ``num_rows`` keys, policy ``'lru'`` or ``'lfu'``."""
+
+    _LOCKS = {"_lock": threading.Lock, "_stamp_lock": threading.Lock}
+
+    def __getstate__(self) -> dict[str, Any]:  # copy and pickle: see `portable`
+        return state_without_locks(self, self._LOCKS)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        restore_locks(self, state, self._LOCKS)
 
     def __init__(self, num_rows: int, cache_rows: int, policy: str = "lru", name: str = "table") -> None:
         check_positive_int("num_rows", num_rows)

@@ -32,9 +32,19 @@ from .eviction import check_policy
 from .fused_lookup import fused_pooled_lookup
 from .host_table import HostEmbeddingTable
 from .optim import RowOptimizer, check_row_optimizer
+from .portable import restore_locks, state_without_locks
 from .swap_plan import SwapPlan
 
-__all__ = ["CachedEmbeddingBagCollection", "BatchPlan"]
+__all__ = ["CachedEmbeddingBagCollection", "BatchPlan", "mark_pipeline_hook"]
+
+_PIPELINE_HOOK = "_torchpipe_pipeline_hook"
+
+
+def mark_pipeline_hook(hook: Any) -> Any:
+    """Mark a hook a pipeline put on a collection: a copy of the collection goes without it
+    (the copy is not in that pipeline)."""
+    setattr(hook, _PIPELINE_HOOK, True)
+    return hook
 
 
 @dataclass(eq=False)
@@ -99,6 +109,8 @@ class CachedEmbeddingBagCollection(nn.Module):
     (`optimizer_state_dict`), as a fused optimizer's is in TorchRec. Training equals the full-table
     `FullTableEmbeddingBagCollection` bitwise, step for step.
     """
+
+    _LOCKS = {"_plan_lock": threading.Lock, "_finish_lock": threading.RLock}
 
     def __init__(self, tables: list[EmbeddingBagConfig], cache_rows: int | dict[str, int],
                  device: torch.device | str | None = None, optimizer: RowOptimizer | None = None,
@@ -500,6 +512,33 @@ class CachedEmbeddingBagCollection(nn.Module):
         for name in names:
             self.hosts[name].state.copy_(states[name].detach())
         self._refresh_slots()
+
+    # -- copy and pickle (copy.deepcopy(model), torch.save(model)) -------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The whole collection (tables, optimizer state, cache and its statistics), once idle.
+
+        Refused while batches are in flight, or while a direct lookup waits for its backward:
+        their slots, write tickets and graph belong to this object. A pipeline's hooks stay
+        behind (the copy is not in that pipeline); hooks of your own go with the copy.
+        """
+        self._release_sync_plans(keep_live=True)
+        self.finish_swaps()
+        waiting = len(self._sync_plans)
+        if waiting or self._unswapped or self.in_flight() or self.pending_writes():
+            raise RuntimeError(
+                f"a CachedEmbeddingBagCollection cannot be copied or pickled while it is in use: "
+                f"{self.in_flight()} protected slots, {self.pending_writes()} pending write-backs, {waiting} "
+                "direct lookups waiting for their backward. flush() the pipeline first, and run (or drop) "
+                "the lookups' backward; or save state_dict() and optimizer_state_dict()")
+        state = state_without_locks(self, self._LOCKS)
+        for hooks in ("_forward_pre_hooks", "_forward_hooks"):
+            state[hooks] = type(state[hooks])(
+                (key, hook) for key, hook in state[hooks].items() if not getattr(hook, _PIPELINE_HOOK, False))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        restore_locks(self, {}, self._LOCKS)
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Hit/miss counters and swap volume per table."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..checks import check_nonnegative_int, check_positive_int
 from .errors import CacheAbortedError
+from .portable import restore_locks, state_without_locks
 
 __all__ = ["HostEmbeddingTable", "WriteTicket", "accelerator_present"]
 
@@ -52,6 +54,19 @@ class HostEmbeddingTable:
     Pinned when an accelerator is present (``pin_memory=None``), so host-device copies can
     be asynchronous. `lookup`, `update` and the ticket calls are safe from several threads.
     """
+
+    _LOCKS = {"_cond": threading.Condition}
+
+    def __getstate__(self) -> dict[str, Any]:  # copy and pickle: see `portable`
+        state = state_without_locks(self, self._LOCKS)
+        state["_pinned"] = self.rows.is_pinned()  # a copied tensor is not pinned: pinned again below
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        pinned = state.pop("_pinned", False)
+        restore_locks(self, state, self._LOCKS)
+        if pinned and not self.rows.is_pinned() and accelerator_present():
+            self.rows = self.rows.pin_memory()
 
     def __init__(self, num_rows: int, dim: int, state_width: int, dtype: torch.dtype = torch.float32,
                  pin_memory: bool | None = None, weight: torch.Tensor | None = None,

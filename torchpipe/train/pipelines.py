@@ -25,6 +25,7 @@ from ..devices import get_backend, usable_device
 from ..grad_sync import flatten, unflatten_into
 from ..rec import BatchPlan, CachedEmbeddingBagCollection, RecInputError
 from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
+from ..rec.collection import mark_pipeline_hook
 from .schedule import Clock
 from .dist import TableWiseSharding
 from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, keep_flushed_outputs
@@ -534,12 +535,12 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         # The collection outlives the pipeline: its hooks must not keep the pipeline (and its
         # threads) alive, so they reach it through a weak reference and go with it.
         this = weakref.ref(self)
-        self._hooks = [self.collection.register_forward_pre_hook(
-            lambda module, args, kwargs: _call_if_alive(this, "_inject_plan", module, args, kwargs),
+        self._hooks = [self.collection.register_forward_pre_hook(mark_pipeline_hook(
+            lambda module, args, kwargs: _call_if_alive(this, "_inject_plan", module, args, kwargs)),
             with_kwargs=True)]
         if sharding is not None:
-            self._hooks.append(self.collection.register_forward_hook(
-                lambda module, args, output: _call_if_alive(this, "_output_dist", module, args, output)))
+            self._hooks.append(self.collection.register_forward_hook(mark_pipeline_hook(
+                lambda module, args, output: _call_if_alive(this, "_output_dist", module, args, output))))
         # Closed or collected with batches in flight: the workers stop first, then this runs.
         self._finalizer = weakref.finalize(self, _drop_pipeline, list(self._hooks), self._in_flight,
                                            self._backend, self.device)

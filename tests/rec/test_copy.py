@@ -1,0 +1,71 @@
+"""copy.deepcopy and torch.save of a CachedEmbeddingBagCollection (review: both raised
+"cannot pickle '_thread.RLock' object"; TorchRec's EBC copies fine)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from rec_helpers import integer_weights, make_tables, zipf_batches
+
+from torchpipe.rec import Adam, CachedEmbeddingBagCollection
+
+
+def trained(steps: int = 12) -> tuple[CachedEmbeddingBagCollection, list]:
+    tables = make_tables()
+    batches = zipf_batches(tables, 2 * steps, seed=4)
+    model = CachedEmbeddingBagCollection(tables, 16, optimizer=Adam(lr=0.25), policy="lfu",
+                                         weights=integer_weights(tables))
+    for kjt in batches[:steps]:
+        model(kjt).values().sum().backward()
+    return model, batches[steps:]
+
+
+def assert_equal_collections(a: CachedEmbeddingBagCollection, b: CachedEmbeddingBagCollection) -> None:
+    for name in a.hosts:
+        assert torch.equal(a.full_weight(name), b.full_weight(name)), name
+        assert torch.equal(a.optimizer_state(name), b.optimizer_state(name)), name
+        assert a.cache_stats()[name] == b.cache_stats()[name], name
+        assert torch.equal(a.caches[name].key_of_slot, b.caches[name].key_of_slot), name
+
+
+def pickled(model: CachedEmbeddingBagCollection) -> CachedEmbeddingBagCollection:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", [copy.deepcopy, pickled], ids=["deepcopy", "torch.save"])
+def test_a_copy_is_the_same_collection_and_trains_on_its_own(how) -> None:
+    model, rest = trained()
+    own_hook_calls = []
+    if how is copy.deepcopy:  # torch.save cannot take a lambda, as for any module
+        model.register_forward_pre_hook(lambda module, args: own_hook_calls.append(1))
+    twin = how(model)
+    assert twin is not model and twin.hosts["t0"].rows.data_ptr() != model.hosts["t0"].rows.data_ptr()
+    assert_equal_collections(model, twin)  # the cache's contents and statistics too
+    before = {name: model.full_weight(name) for name in model.hosts}
+    for kjt in rest[:6]:
+        twin(kjt).values().sum().backward()  # the copy trains; the original does not move
+    assert all(torch.equal(before[name], model.full_weight(name)) for name in model.hosts)
+    for kjt in rest[:6]:
+        model(kjt).values().sum().backward()
+    assert_equal_collections(model, twin)  # and the same steps give the same state, bitwise
+    if how is copy.deepcopy:  # a hook of your own goes with the copy: 6 lookups each
+        assert len(own_hook_calls) == 12
+
+
+def test_copying_while_a_lookup_waits_for_its_backward_is_refused_and_changes_nothing() -> None:
+    model, rest = trained()
+    out = model(rest[0])
+    with pytest.raises(RuntimeError, match="cannot be copied or pickled while it is in use: .* 1 direct lookups"):
+        copy.deepcopy(model)
+    out.values().sum().backward()  # the lookup is still valid
+    twin = copy.deepcopy(model)
+    assert_equal_collections(model, twin)
+    with torch.no_grad():
+        model(rest[1])  # a lookup without a graph holds nothing
+    pickled(model)
