@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from train_helpers import (assert_same_state, build, drain, make_batches, make_tables, reference_run,
-                           window_minimum)
+import torch.distributed as dist
+from torchrec import KeyedJaggedTensor, PoolingType
+from train_helpers import (RecBatch, TinyDLRM, assert_same_state, build, drain, emb_width, integer_weights,
+                           make_batches, make_tables, reference_run, window_minimum)
 
-from torchpipe.rec import SGD, Adam, CacheTooSmallError, RowWiseAdagrad
+from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, CacheTooSmallError, FullTableEmbeddingBagCollection,
+                           RowWiseAdagrad)
 from torchpipe.train import EmbCacheTrainPipeline, train_step
+from torchpipe.train.dist import TableWiseSharding
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,8 +116,6 @@ def test_a_model_copied_beside_an_open_pipeline_leaves_the_pipeline_behind() -> 
     """deepcopy(model) of a cached model: refused while batches are in flight; once drained, the
     copy trains on its own (the pipeline's plan-injecting hook is not copied) and equals the
     original trained the same way."""
-    import copy
-
     tables = make_tables()
     batches = make_batches(tables, 10)
     model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
@@ -131,3 +135,46 @@ def test_a_model_copied_beside_an_open_pipeline_leaves_the_pipeline_behind() -> 
     for got, want in zip(outputs, twin_outputs):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert_same_state(model, twin)
+
+
+def test_a_weighted_collection_trains_through_the_pipeline_as_the_loop_does() -> None:
+    """Per-sample weights ride along the host KJT the pipeline plans from (is_weighted=True)."""
+    tables = make_tables(pooling=(PoolingType.SUM,))
+    plain = make_batches(tables, 30)
+    g = torch.Generator().manual_seed(5)
+    batches = [RecBatch(b.dense_features, KeyedJaggedTensor.from_lengths_sync(
+        b.sparse_features.keys(), b.sparse_features.values(), b.sparse_features.lengths(),
+        weights=torch.randint(-2, 3, (b.sparse_features.values().numel(),), generator=g).float()), b.labels)
+        for b in plain]
+
+    def model_of(ebc):
+        model = TinyDLRM(ebc, emb_width(tables))
+        return model, torch.optim.SGD(model.parameters(), lr=2.0 ** -6)
+
+    reference, ref_opt = model_of(FullTableEmbeddingBagCollection(
+        tables, optimizer=Adam(lr=0.5), weights=integer_weights(tables), is_weighted=True))
+    expected = [train_step(reference, ref_opt, b) for b in batches]
+    model, opt = model_of(CachedEmbeddingBagCollection(
+        tables, window_minimum(tables, batches), optimizer=Adam(lr=0.5), weights=integer_weights(tables),
+        is_weighted=True))
+    with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
+        outputs = drain(pipe, iter(batches))
+        pipe.flush()
+    for got, want in zip(outputs, expected):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_same_state(model, reference)
+
+
+def test_a_weighted_collection_is_refused_by_table_wise_sharding_before_anything_changes() -> None:
+    tables = make_tables(pooling=(PoolingType.SUM,))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharding = TableWiseSharding(tables)
+        ebc = CachedEmbeddingBagCollection(sharding.local_tables, 64, is_weighted=True)
+        model = TinyDLRM(ebc, emb_width(tables))
+        with pytest.raises(ValueError, match="exchanges keys, not per-sample weights: .* is_weighted=True"):
+            EmbCacheTrainPipeline(model, None, sharding=sharding)
+        assert len(ebc._forward_pre_hooks) == 0  # not hooked, not claimed: a pipeline without sharding works
+        EmbCacheTrainPipeline(model, None, host_threads=1, device_threads=1).close()
+    finally:
+        dist.destroy_process_group()

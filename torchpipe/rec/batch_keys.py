@@ -31,6 +31,7 @@ class TableLayout:
     dim: int
     feature_names: tuple[str, ...]
     pooling: str  # 'sum' or 'mean'
+    weighted: bool = False  # pools with the KJT's per-sample weights (TorchRec's is_weighted)
 
 
 @dataclass(eq=False)
@@ -46,6 +47,7 @@ class TableBatch:
     inverse: torch.Tensor
     offsets: torch.Tensor
     batch_size: int
+    weights: Optional[torch.Tensor] = None  # per key position, as ``inverse``; None: unweighted
 
 
 @dataclass(eq=False)
@@ -56,7 +58,7 @@ class BatchKeys:
     batch_size: int
 
 
-def table_layouts(tables: list[EmbeddingBagConfig]) -> list[TableLayout]:
+def table_layouts(tables: list[EmbeddingBagConfig], weighted: bool = False) -> list[TableLayout]:
     """Layouts from TorchRec configs; checks names and pooling types we support."""
     layouts: list[TableLayout] = []
     seen_tables: set[str] = set()
@@ -79,8 +81,11 @@ def table_layouts(tables: list[EmbeddingBagConfig]) -> list[TableLayout]:
             pooling = "mean"
         else:
             raise ValueError(f"table {config.name!r}: pooling {config.pooling} not supported (SUM, MEAN)")
+        if weighted and pooling != "sum":
+            raise ValueError(f"table {config.name!r}: per-sample weights (is_weighted=True) pool with SUM only, "
+                             f"as torch's EmbeddingBag does; got {config.pooling}")
         layouts.append(TableLayout(config.name, int(config.num_embeddings), int(config.embedding_dim),
-                                   features, pooling))
+                                   features, pooling, weighted))
     return layouts
 
 
@@ -149,8 +154,7 @@ def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
         raise RecInputError(f"features {missing} are missing from the batch")
     if kjt.values().dtype not in (torch.int32, torch.int64):
         raise RecInputError(f"feature values must be int32 or int64 keys, got {kjt.values().dtype}")
-    if kjt.weights_or_none() is not None:
-        raise RecInputError("weighted KeyedJaggedTensors are not supported")
+    _check_weights(kjt, any(layout.weighted for layout in layouts))
     _check_jagged_structure(kjt, given)
     for feature, keys in zip(given, torch.split(kjt.values(), kjt.length_per_key())):
         layout = table_of[feature]
@@ -161,6 +165,24 @@ def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
                 raise RecInputError(
                     f"feature {feature!r} (table {layout.name!r}) has keys out of range "
                     f"[0, {layout.num_rows}): e.g. {bad[:5].tolist()}")
+
+
+def _check_weights(kjt: KeyedJaggedTensor, weighted: bool) -> None:
+    """Per-sample weights: refused by an unweighted collection (TorchRec's EBC would drop them
+    silently); a weighted one needs one floating-point weight per key (TorchRec's asserts)."""
+    weights = kjt.weights_or_none()
+    if weights is None:
+        if weighted:
+            raise RecInputError("the collection was built with is_weighted=True, but the batch has no per-sample "
+                                "weights (a KeyedJaggedTensor built without weights=)")
+        return
+    if not weighted:
+        raise RecInputError("the batch carries per-sample weights (a weighted KeyedJaggedTensor), but the "
+                            "collection was built with is_weighted=False; build it with is_weighted=True to pool "
+                            "with them (TorchRec's EBC would ignore them)")
+    if not weights.is_floating_point() or weights.dim() != 1 or weights.numel() != kjt.values().numel():
+        raise RecInputError(f"per-sample weights must be a 1-D floating-point tensor with one weight per key "
+                            f"({kjt.values().numel()}), got {weights.dtype} of shape {tuple(weights.shape)}")
 
 
 def _check_jagged_structure(kjt: KeyedJaggedTensor, given: list[str]) -> None:
@@ -198,15 +220,19 @@ def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKe
     for layout in layouts:
         values: list[torch.Tensor] = []
         lengths: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
         for feature in layout.feature_names:
             jagged = features[feature]
             # Keys are planned on the host: a device KJT is read back here, once.
             values.append(jagged.values().to("cpu", torch.int64))
             lengths.append(jagged.lengths().to("cpu", torch.int64))
+            if layout.weighted:
+                weights.append(jagged.weights())  # where they are, with their graph: pooled on the device
         all_keys = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         all_lengths = torch.cat(lengths)
         offsets = torch.zeros(all_lengths.numel() + 1, dtype=torch.int64)
         torch.cumsum(all_lengths, 0, out=offsets[1:])
         unique_keys, inverse = torch.unique(all_keys, sorted=True, return_inverse=True)
-        tables[layout.name] = TableBatch(layout, unique_keys, inverse, offsets, batch_size)
+        tables[layout.name] = TableBatch(layout, unique_keys, inverse, offsets, batch_size,
+                                         torch.cat(weights) if weights else None)
     return BatchKeys(tables, batch_size)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
-from ..checks import as_int, check_positive_int
+from ..checks import as_int, check_bool, check_positive_int
 from ..devices import usable_device
 from .batch_keys import BatchKeys, TableLayout, check_weights, initial_weight, prepare_batch, table_layouts
 from .cache import CacheStats, EmbeddingCache
@@ -106,8 +106,9 @@ class CachedEmbeddingBagCollection(nn.Module):
     is fused (`torchpipe.rec.optim`): rows are updated in backward, there are no dense
     grads. `state_dict` holds the full tables under EBC keys, so checkpoints move to and
     from a plain `torchrec.EmbeddingBagCollection`; the optimizer's state is saved apart
-    (`optimizer_state_dict`), as a fused optimizer's is in TorchRec. Training equals the full-table
-    `FullTableEmbeddingBagCollection` bitwise, step for step.
+    (`optimizer_state_dict`), as a fused optimizer's is in TorchRec. ``is_weighted=True``
+    pools SUM tables with the KJT's per-sample weights, as TorchRec's EBC does. Training
+    equals the full-table `FullTableEmbeddingBagCollection` bitwise, step for step.
     """
 
     _LOCKS = {"_plan_lock": threading.Lock, "_finish_lock": threading.RLock}
@@ -115,11 +116,12 @@ class CachedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: list[EmbeddingBagConfig], cache_rows: int | dict[str, int],
                  device: torch.device | str | None = None, optimizer: RowOptimizer | None = None,
                  policy: str = "lru", pin_memory: bool | None = None,
-                 weights: dict[str, torch.Tensor] | None = None) -> None:
+                 weights: dict[str, torch.Tensor] | None = None, is_weighted: bool = False) -> None:
         # Every argument is checked before the first table is built.
         device = usable_device(device) if device is not None else torch.device("cpu")
         optimizer = check_row_optimizer(optimizer)
-        layouts = table_layouts(tables)
+        check_bool("is_weighted", is_weighted)
+        layouts = table_layouts(tables, weighted=is_weighted)
         rows_of = cache_rows_per_table(cache_rows, layouts)
         check_policy(policy)
         if pin_memory is not None and not isinstance(pin_memory, bool):
@@ -128,6 +130,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         super().__init__()
         self.device = device
         self.optimizer = optimizer
+        self._weighted = is_weighted
         self.layouts: list[TableLayout] = layouts
         self._configs = tables
         self.hosts: dict[str, HostEmbeddingTable] = {}
@@ -556,6 +559,10 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
+
+    def is_weighted(self) -> bool:
+        """Whether lookups pool with the KJT's per-sample weights (TorchRec's ``is_weighted``)."""
+        return self._weighted
 
     # -- checkpoints (full tables under EBC keys) --------------------------------------
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:

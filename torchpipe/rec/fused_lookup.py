@@ -19,8 +19,12 @@ from .optim import RowOptimizer
 __all__ = ["fused_pooled_lookup", "apply_row_update"]
 
 
-def pool_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
+def pool_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, mode: str,
+              weights: torch.Tensor | None = None) -> torch.Tensor:
     """Sum or mean of ``rows[inverse]`` per bag (``offsets`` with the last offset); empty bags give 0.
+
+    ``weights`` (one per key position, sum pooling): each row is scaled by its weight first,
+    as ``per_sample_weights`` in torch's ``embedding_bag``; its backward scales the rows' grads.
 
     Gather + ``index_add`` rather than ``F.embedding_bag``: on CPU the latter JIT-compiles
     FBGEMM kernels per input shape (milliseconds per new shape), and this form is plain,
@@ -30,7 +34,10 @@ def pool_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, 
     bag_of_position = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths,
                                               output_size=int(inverse.numel()))
     pooled = torch.zeros(lengths.numel(), rows.shape[1], dtype=rows.dtype, device=rows.device)
-    pooled = pooled.index_add(0, bag_of_position, rows.index_select(0, inverse))
+    gathered = rows.index_select(0, inverse)
+    if weights is not None:
+        gathered = gathered * weights.to(rows.dtype).unsqueeze(1)
+    pooled = pooled.index_add(0, bag_of_position, gathered)
     if mode == "mean":
         pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(rows.dtype)
     return pooled
@@ -89,7 +96,8 @@ def fused_pooled_lookup(anchor: torch.Tensor, storages: Sequence[torch.Tensor], 
     pooled: list[torch.Tensor] = []
     for batch, table_rows in zip(batches, rows):
         layout = batch.layout
-        bags = pool_bags(table_rows, batch.inverse.to(device), batch.offsets.to(device), layout.pooling)
+        weights = batch.weights.to(device) if batch.weights is not None else None
+        bags = pool_bags(table_rows, batch.inverse.to(device), batch.offsets.to(device), layout.pooling, weights)
         num_features = len(layout.feature_names)
         per_sample = bags.view(num_features, batch.batch_size, layout.dim).transpose(0, 1)
         pooled.append(per_sample.reshape(batch.batch_size, num_features * layout.dim))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
+from ..checks import check_bool
 from ..devices import usable_device
 from .batch_keys import check_weights, initial_weight, prepare_batch, table_layouts
 from .fused_lookup import fused_pooled_lookup
@@ -22,10 +23,12 @@ class FullTableEmbeddingBagCollection(nn.Module):
     """A fused-optimizer EBC holding full tables ``[num_rows, dim + state_width]`` on ``device``."""
 
     def __init__(self, tables: list[EmbeddingBagConfig], device: torch.device | str | None = None,
-                 optimizer: RowOptimizer | None = None, weights: dict[str, torch.Tensor] | None = None) -> None:
+                 optimizer: RowOptimizer | None = None, weights: dict[str, torch.Tensor] | None = None,
+                 is_weighted: bool = False) -> None:
         device = usable_device(device) if device is not None else torch.device("cpu")
         optimizer = check_row_optimizer(optimizer)
-        layouts = table_layouts(tables)
+        check_bool("is_weighted", is_weighted)
+        layouts = table_layouts(tables, weighted=is_weighted)
         check_weights(weights, layouts)
         super().__init__()
         self.device = device

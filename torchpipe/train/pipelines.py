@@ -514,6 +514,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         if self.collection.device != self.device:
             raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
                              f"{self.device}")
+        if sharding is not None and self.collection.is_weighted():
+            raise ValueError("TableWiseSharding exchanges keys, not per-sample weights: a collection built with "
+                             "is_weighted=True trains in one process only")
         claim_collection(self.collection)
         self._sharding = sharding
         self._global_layouts: Optional[List[Any]] = None
