@@ -196,7 +196,11 @@ def test_loading_optimizer_states_checks_every_table_first() -> None:
     states = model.optimizer_state_dict()
     before = {name: host.rows.clone() for name, host in model.hosts.items()}
     bad_shape = dict(states, t1=torch.zeros(3, 3))
+    meta = dict(states, t0=states["t0"] + 1, t1=torch.empty(states["t1"].shape, device="meta"))
+    sparse = dict(states, t0=states["t0"] + 1, t1=states["t1"].to_sparse())
     for wrong, error, words in ((dict(states, t9=states["t0"]), KeyError, r"unknown \['t9'\]"),
+                                (meta, TypeError, "table 't1' must be a dense tensor with values, got .* on meta"),
+                                (sparse, TypeError, "table 't1' must be a dense tensor with values, got a torch.sparse_coo"),
                                 ({"t0": states["t0"]}, KeyError, r"missing \['t1'\]"),
                                 (bad_shape, ValueError, r"table 't1' must have shape \(24, 1\)"),
                                 ([states["t0"]], TypeError, "must be a dict")):

@@ -69,3 +69,62 @@ def test_copying_while_a_lookup_waits_for_its_backward_is_refused_and_changes_no
     with torch.no_grad():
         model(rest[1])  # a lookup without a graph holds nothing
     pickled(model)
+
+
+def test_a_compiled_collection_copies_and_saves_like_any_compiled_module() -> None:
+    """Review: the copy kept the original's compiled call, so stepping the copy trained the
+    original; torch.save failed on it. nn.Module drops ``_compiled_call_impl``; so do we."""
+    model, rest = trained()
+    model.compile()
+    twin = copy.deepcopy(model)
+    before = {name: model.full_weight(name) for name in model.hosts}
+    twin(rest[0]).values().sum().backward()  # eager: nothing compiled on this CPU box
+    assert all(torch.equal(before[name], model.full_weight(name)) for name in model.hosts)
+    assert any(not torch.equal(before[name], twin.full_weight(name)) for name in twin.hosts)
+    assert pickled(model) is not model
+
+
+def test_a_copy_of_an_aborted_collection_starts_usable() -> None:
+    """Review: the copy carried the abort (its lookups raised CacheAbortedError), and an abort
+    caused by a CacheTooSmallError could not be copied at all."""
+    from torchpipe.rec import CacheTooSmallError
+
+    model, rest = trained()
+    model.abort(CacheTooSmallError("t0", 16, 40, 0, 40, 16))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin(rest[0])
+    assert all(host._abort_exc is not None for host in model.hosts.values())  # the original is left as it was
+
+
+def test_copying_finds_a_pipeline_dropped_in_a_reference_cycle() -> None:
+    """Review: a pipeline dropped inside a reference cycle hands its batches back only when the
+    cycle collector runs; a copy refused until then, naming a pipeline nobody holds."""
+    import gc
+
+    from torchpipe.train import EmbCacheTrainPipeline, RecBatch
+
+    model, rest = trained()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = model
+
+        def forward(self, batch):
+            loss = self.ebc(batch.sparse_features).values().sum()
+            return loss, loss.detach()
+
+    batches = [RecBatch(torch.zeros(4, 1), kjt, torch.zeros(4)) for kjt in rest]
+    gc.disable()
+    try:
+        pipe = EmbCacheTrainPipeline(Model(), None, host_threads=1, device_threads=1)
+        it = iter(batches)
+        pipe.progress(it)
+        pipe.cycle = pipe  # dropped below, but alive until the cycle collector runs
+        del pipe
+        assert model.in_flight() > 0
+        twin = copy.deepcopy(model)
+    finally:
+        gc.enable()
+    assert model.in_flight() == 0 and twin.in_flight() == 0

@@ -121,6 +121,21 @@ def test_a_second_backward_through_one_lookup_says_so() -> None:
     assert all(torch.equal(rows[n], model.hosts[n].rows) and torch.equal(slots[n], model.slots[n]) for n in rows)
 
 
+def test_a_stale_backward_tried_again_is_still_stale() -> None:
+    """Review: a backward refused as stale applies nothing, so trying it again must not say that
+    its rows were already updated."""
+    tables = make_tables(num_rows=(10, 10))
+    model = CachedEmbeddingBagCollection(tables, 4)
+    kjt = make_kjt(tables, bags([1]))
+    plan = model.plan(model.prepare(kjt))
+    model.swap(plan)
+    loss = model(kjt, plan).values().sum()
+    model.release(plan)
+    for _ in range(2):
+        with pytest.raises(StaleBatchError, match="after its slots were released"):
+            loss.backward(retain_graph=True)
+
+
 def test_sync_forward_without_backward_does_not_leak_protection() -> None:
     tables = make_tables(num_rows=(10, 10))
     model = CachedEmbeddingBagCollection(tables, 4)

@@ -12,7 +12,7 @@ from typing import Dict
 
 import pytest
 import torch
-from train_helpers import assert_same_state, build, drain, make_batches, make_tables, reference_run
+from train_helpers import assert_same_state, build, drain, make_batches, make_tables, reference_run, window_minimum
 
 from torchpipe.rec import Adam
 from torchpipe.train import EmbCacheTrainPipeline, TrainPipelineBase, TrainPipelineSparseDist, train_step
@@ -91,15 +91,26 @@ def test_switching_to_eval_and_back_trains_exactly_the_train_mode_batches() -> N
     assert_same_state(model, reference)
 
 
+def _enable_grad_in_inference_mode():
+    """Grad mode on, yet nothing recorded: the workers could not backpropagate either."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode())
+    stack.enter_context(torch.enable_grad())
+    return stack
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "enable_grad_in_inference_mode"])
 def test_train_mode_under_no_grad_is_refused_before_anything_changes(kind: str, mode: str) -> None:
     tables = make_tables()
     batches = make_batches(tables, 6)
     model, opt = _model(kind, tables)
     reference, ref_opt, ref_outputs = reference_run(tables, batches, Adam(lr=0.5)) if kind == "emb_cache" \
         else (None, None, None)
-    disable = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    disable = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "enable_grad_in_inference_mode": _enable_grad_in_inference_mode}[mode]
     it = iter(batches)
     with _pipeline(kind, model, opt) as pipe:
         outputs = [pipe.progress(it)]  # one batch finished, the rest of the window in flight
@@ -129,3 +140,31 @@ def test_flush_of_a_drained_pipeline_under_no_grad_is_allowed() -> None:
         drain(pipe, iter(batches))
         with torch.no_grad():
             assert pipe.flush() == []
+
+
+def test_an_evaluation_under_inference_mode_leaves_the_cache_fit_for_training() -> None:
+    """Review: admission (on the caller's thread) made the cache's scratch array under
+    inference_mode, and every later training batch with more keys than cache rows failed
+    ("Inplace update to inference tensor outside InferenceMode")."""
+    tables = make_tables()
+    evaluation = make_batches(tables, 4, batch_size=8, max_bag=6, seed=1)
+    training = make_batches(tables, 6, batch_size=8, max_bag=6)
+    cache_rows = window_minimum(tables, evaluation + training)
+
+    def counts_distinct(batches) -> bool:  # admission counts distinct keys (the scratch array) for these
+        return any(sum(b.sparse_features[f].values().numel() for f in t.feature_names) > cache_rows
+                   for b in batches for t in tables)
+
+    assert counts_distinct(evaluation) and counts_distinct(training)
+    model, opt = build(tables, cache_rows, Adam(lr=0.5))
+    reference, ref_opt, ref_outputs = reference_run(tables, training, Adam(lr=0.5))
+    with _pipeline("emb_cache", model, opt) as pipe:
+        model.eval()
+        with torch.inference_mode():
+            assert len(drain(pipe, iter(evaluation))) == 4
+        model.train()
+        outputs = drain(pipe, iter(training))
+        pipe.flush()
+    for got, want in zip(outputs, ref_outputs):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert_same_state(model, reference)

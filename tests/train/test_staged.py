@@ -123,8 +123,11 @@ def test_an_iterator_that_ended_is_not_asked_again() -> None:
         with pytest.raises(StopIteration):  # flush's own empty iterator did not replace it
             pipe.progress(it)
         assert it.calls_after_stop == 0
-        assert [o[0] for o in drain(pipe, iter([7, 8]))] == [7, 8]  # another iterator is read
-        assert [o[0] for o in drain(pipe, it)] == [100, 101]  # and this one again, once it is not the last
+        other = iter(range(7, 20))
+        assert pipe.progress(other)[0] == 7  # another iterator is read, and makes the pipeline forget `it`
+        # TorchRec's rule: `it` is asked again once another iterator was passed (here it yields more)
+        assert [o[0] for o in drain(pipe, it)] == [8, 9, 10, 100, 101]  # other's batches in flight first
+        assert it.calls_after_stop == 3
 
 
 def test_host_threads_beyond_the_host_stages_are_not_started() -> None:

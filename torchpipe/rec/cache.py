@@ -279,8 +279,9 @@ class EmbeddingCache:
         if keys.numel() >= 2 ** 31:  # the indices would not fit the scratch's int32
             return int(torch.unique(keys).numel())
         with self._stamp_lock:
-            if self._stamp is None:
-                self._stamp = torch.empty(self.num_rows, dtype=torch.int32)
+            if self._stamp is None:  # kept: a normal tensor even when first made under inference_mode
+                with torch.inference_mode(False):
+                    self._stamp = torch.empty(self.num_rows, dtype=torch.int32)
             order = torch.arange(keys.numel(), dtype=torch.int32)
             self._stamp[keys] = order
             return int((self._stamp[keys] == order).sum())

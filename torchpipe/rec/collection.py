@@ -13,6 +13,7 @@ backward) -> ``release`` (after backward). ``forward(features)`` runs them all.
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections.abc import Mapping
@@ -349,12 +350,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                     f"a second backward through the lookup of batch {plan.seq}: its backward already applied "
                     "the fused optimizer to its rows, and a row is updated once per lookup (there is no "
                     ".grad to accumulate into). Sum the losses and call backward once")
-            updated = True
             if plan.released:
                 raise StaleBatchError(
                     f"backward of batch {plan.seq} after its slots were released: a later direct lookup "
                     "needed them (the cache had no room for both batches' keys), a pipeline planned, or "
                     "flush() ran while this lookup's graph waited for its backward")
+            updated = True
 
         def after_update() -> None:
             if release_after_backward:
@@ -467,14 +468,21 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.flush()
         return host.weight.clone()
 
-    def _check_optimizer_state(self, table: str, state: Any) -> None:
-        expected = tuple(self._host(table).state.shape)
+    def _prepared_optimizer_state(self, table: str, state: Any) -> torch.Tensor:
+        """``state`` checked and made a host tensor of the table's dtype, ready to copy: what
+        can fail (a meta or sparse tensor, say) fails here, before any table is written."""
+        host = self._host(table)
+        expected = tuple(host.state.shape)
         if not isinstance(state, torch.Tensor):
             raise TypeError(f"optimizer state for table {table!r} must be a torch.Tensor of shape {expected} "
                             f"(rows, state width), got {type(state).__name__}")
         if tuple(state.shape) != expected:
             raise ValueError(f"optimizer state for table {table!r} must have shape {expected} "
                              f"(rows, state width), got {tuple(state.shape)}")
+        if state.layout != torch.strided or state.device.type == "meta":
+            raise TypeError(f"optimizer state for table {table!r} must be a dense tensor with values, got a "
+                            f"{state.layout} tensor on {state.device}")
+        return state.detach().to(device="cpu", dtype=host.dtype).contiguous()
 
     def optimizer_state(self, table: str) -> torch.Tensor:
         """A copy of the whole table's optimizer state ``[num_rows, state_width]``, flushed."""
@@ -484,9 +492,9 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def load_optimizer_state(self, table: str, state: torch.Tensor) -> None:
         """Overwrite a table's optimizer state (host and cached rows)."""
-        self._check_optimizer_state(table, state)
+        state = self._prepared_optimizer_state(table, state)
         self.flush()
-        self.hosts[table].state.copy_(state.detach())
+        self.hosts[table].state.copy_(state)
         self._refresh_slots()
 
     def optimizer_state_dict(self) -> dict[str, torch.Tensor]:
@@ -509,11 +517,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         if missing or unknown:
             raise KeyError(f"optimizer states for tables {sorted(states)}, expected exactly {names} "
                            f"(missing {missing}, unknown {unknown})")
-        for name in names:
-            self._check_optimizer_state(name, states[name])
+        prepared = {name: self._prepared_optimizer_state(name, states[name]) for name in names}
         self.flush()
         for name in names:
-            self.hosts[name].state.copy_(states[name].detach())
+            self.hosts[name].state.copy_(prepared[name])
         self._refresh_slots()
 
     # -- copy and pickle (copy.deepcopy(model), torch.save(model)) -------------------------
@@ -524,16 +531,22 @@ class CachedEmbeddingBagCollection(nn.Module):
         their slots, write tickets and graph belong to this object. A pipeline's hooks stay
         behind (the copy is not in that pipeline); hooks of your own go with the copy.
         """
-        self._release_sync_plans(keep_live=True)
-        self.finish_swaps()
-        waiting = len(self._sync_plans)
-        if waiting or self._unswapped or self.in_flight() or self.pending_writes():
+        def busy() -> bool:
+            self._release_sync_plans(keep_live=True)
+            self.finish_swaps()
+            return bool(self._sync_plans or self._unswapped or self.in_flight() or self.pending_writes())
+
+        if busy():
+            gc.collect()  # a pipeline dropped in a reference cycle hands its batches back when collected
+        if busy():
+            waiting = len(self._sync_plans)
             raise RuntimeError(
                 f"a CachedEmbeddingBagCollection cannot be copied or pickled while it is in use: "
                 f"{self.in_flight()} protected slots, {self.pending_writes()} pending write-backs, {waiting} "
                 "direct lookups waiting for their backward. flush() the pipeline first, and run (or drop) "
                 "the lookups' backward; or save state_dict() and optimizer_state_dict()")
         state = state_without_locks(self, self._LOCKS)
+        state.pop("_compiled_call_impl", None)  # as nn.Module drops it: a copy compiles its own
         for hooks in ("_forward_pre_hooks", "_forward_hooks"):
             state[hooks] = type(state[hooks])(
                 (key, hook) for key, hook in state[hooks].items() if not getattr(hook, _PIPELINE_HOOK, False))

@@ -59,6 +59,7 @@ class HostEmbeddingTable:
 
     def __getstate__(self) -> dict[str, Any]:  # copy and pickle: see `portable`
         state = state_without_locks(self, self._LOCKS)
+        state["_abort_exc"] = None  # a copy starts usable: an abort belongs to the step that failed here
         state["_pinned"] = self.rows.is_pinned()  # a copied tensor is not pinned: pinned again below
         return state
 

@@ -26,6 +26,7 @@ from ..grad_sync import flatten, unflatten_into
 from ..rec import BatchPlan, CachedEmbeddingBagCollection, RecInputError
 from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
 from ..rec.collection import mark_pipeline_hook
+from ..thread_state import records_graphs
 from .schedule import Clock
 from .dist import TableWiseSharding
 from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, keep_flushed_outputs
@@ -198,7 +199,7 @@ class _ReadyPipeline:
         ``inference_mode`` its backward would fail inside the pipeline and drop every batch in
         flight. A model in ``eval()`` mode runs forward only (TorchRec's rule) and may.
         """
-        if is_training(self.model) and not torch.is_grad_enabled():
+        if is_training(self.model) and not records_graphs():  # enable_grad() in inference_mode records nothing
             raise RuntimeError(
                 f"{what} under torch.no_grad() or torch.inference_mode() with the model in train mode: its "
                 "backward would fail. Call model.eval() first for forward-only steps (evaluation), or call "

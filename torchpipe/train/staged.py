@@ -486,6 +486,8 @@ class StagedPipeline:
                 self._ready[0] = ready
             return True
 
+        if dataloader_iter is not self._exhausted and dataloader_iter is not _NO_BATCHES:
+            self._exhausted = None  # another iterator: forgotten, as TorchRec's _next_batch does
         self._call_owner = call_chain.new_owner()  # one token for every clock of this call
         try:
             for clock in self._schedule.progress_clocks(pull):
