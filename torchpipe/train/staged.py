@@ -454,8 +454,8 @@ class StagedPipeline:
 
         Fills the pipeline on the first call. Raises StopIteration only when the iterator
         is exhausted *and* every in-flight batch was returned. An iterator that raised
-        StopIteration is not asked for a batch again (another iterator is); ``close()``
-        lets go of it.
+        StopIteration is not asked for a batch again until another iterator is passed
+        (TorchRec's rule); ``close()`` lets go of it.
         """
         self._refuse_own_work("progress()")
         refuse_untransferable_state("progress()")
