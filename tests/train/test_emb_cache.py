@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor, PoolingType
-from train_helpers import (RecBatch, TinyDLRM, assert_same_state, build, drain, emb_width, integer_weights,
-                           make_batches, make_tables, reference_run, window_minimum)
+from train_helpers import (RecBatch, TinyDLRM, assert_same_outputs, assert_same_state, build, drain, emb_width,
+                           integer_weights, make_batches, make_tables, reference_run, window_minimum)
 
 from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, CacheTooSmallError, FullTableEmbeddingBagCollection,
                            RowWiseAdagrad)
@@ -132,8 +132,7 @@ def test_a_model_copied_beside_an_open_pipeline_leaves_the_pipeline_behind() -> 
         twin_outputs = [train_step(twin, twin_opt, b) for b in batches[6:]]  # beside the open pipeline
         outputs = drain(pipe, iter(batches[6:]))
         pipe.flush()
-    for got, want in zip(outputs, twin_outputs):
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert_same_outputs(outputs, twin_outputs)
     assert_same_state(model, twin)
 
 
@@ -160,8 +159,7 @@ def test_a_weighted_collection_trains_through_the_pipeline_as_the_loop_does() ->
     with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
         outputs = drain(pipe, iter(batches))
         pipe.flush()
-    for got, want in zip(outputs, expected):
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_same_outputs(outputs, expected)
     assert_same_state(model, reference)
 
 

@@ -12,7 +12,8 @@ from typing import Dict
 
 import pytest
 import torch
-from train_helpers import assert_same_state, build, drain, make_batches, make_tables, reference_run, window_minimum
+from train_helpers import (assert_same_outputs, assert_same_state, build, drain, make_batches, make_tables,
+                           reference_run, window_minimum)
 
 from torchpipe.rec import Adam
 from torchpipe.train import EmbCacheTrainPipeline, TrainPipelineBase, TrainPipelineSparseDist, train_step
@@ -55,9 +56,7 @@ def test_eval_mode_steps_run_forward_only_and_change_nothing(kind: str, no_grad:
             outputs = drain(pipe, iter(batches))
         if kind == "emb_cache":
             pipe.flush()
-    assert len(outputs) == len(batches)
-    for got, want in zip(outputs, expected):
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert_same_outputs(outputs, expected)
     after = model.state_dict()
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
     assert all(p.grad is None for p in model.parameters()), "an eval step ran backward"
@@ -85,9 +84,7 @@ def test_switching_to_eval_and_back_trains_exactly_the_train_mode_batches() -> N
             outputs.append(pipe.progress(it))
             assert pipe.pipeline.in_flight()[:1] != [call]  # batch `call` is done, later ones in flight
         pipe.flush()
-    assert len(outputs) == len(batches)
-    for got, want in zip(outputs, ref_outputs):
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert_same_outputs(outputs, ref_outputs)
     assert_same_state(model, reference)
 
 
@@ -126,8 +123,7 @@ def test_train_mode_under_no_grad_is_refused_before_anything_changes(kind: str, 
             pipe.flush()
     assert len(outputs) == len(batches)
     if reference is not None:
-        for got, want in zip(outputs, ref_outputs):
-            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert_same_outputs(outputs, ref_outputs)
         assert_same_state(model, reference)
 
 
@@ -165,6 +161,5 @@ def test_an_evaluation_under_inference_mode_leaves_the_cache_fit_for_training() 
         model.train()
         outputs = drain(pipe, iter(training))
         pipe.flush()
-    for got, want in zip(outputs, ref_outputs):
-        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert_same_outputs(outputs, ref_outputs)
     assert_same_state(model, reference)

@@ -95,6 +95,13 @@ def assert_same_state(model, reference) -> None:
         assert torch.equal(p, q), n
 
 
+def assert_same_outputs(outputs: list, expected: list) -> None:
+    """Every step's (loss, logit) equal, bitwise, and as many steps."""
+    assert len(outputs) == len(expected)
+    for step, (got, want) in enumerate(zip(outputs, expected)):
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"step {step} differs"
+
+
 def drain(pipe, it) -> list:
     out = []
     while True:
