@@ -107,3 +107,14 @@ def test_weighted_input_errors_are_refused_before_anything_changes() -> None:
         CachedEmbeddingBagCollection(tables, 16, is_weighted="yes")
     with pytest.raises(TypeError, match="is_weighted must be a bool, got 1"):
         FullTableEmbeddingBagCollection(tables, is_weighted=1)
+
+
+def test_both_collections_say_whether_they_are_weighted_also_when_loaded_from_an_older_pickle() -> None:
+    tables = make_tables(pooling=SUM)
+    assert FullTableEmbeddingBagCollection(tables, is_weighted=True).is_weighted()
+    assert not FullTableEmbeddingBagCollection(tables).is_weighted()
+    saved = CachedEmbeddingBagCollection(tables, 8).__getstate__()
+    del saved["_weighted"]  # as pickled before is_weighted existed
+    older = CachedEmbeddingBagCollection.__new__(CachedEmbeddingBagCollection)
+    older.__setstate__(saved)
+    assert older.is_weighted() is False

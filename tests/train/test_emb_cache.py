@@ -12,7 +12,7 @@ from train_helpers import (RecBatch, TinyDLRM, assert_same_outputs, assert_same_
                            integer_weights, make_batches, make_tables, reference_run, window_minimum)
 
 from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, CacheTooSmallError, FullTableEmbeddingBagCollection,
-                           RowWiseAdagrad)
+                           RecInputError, RowWiseAdagrad)
 from torchpipe.train import EmbCacheTrainPipeline, train_step
 from torchpipe.train.dist import TableWiseSharding
 
@@ -174,5 +174,25 @@ def test_a_weighted_collection_is_refused_by_table_wise_sharding_before_anything
             EmbCacheTrainPipeline(model, None, sharding=sharding)
         assert len(ebc._forward_pre_hooks) == 0  # not hooked, not claimed: a pipeline without sharding works
         EmbCacheTrainPipeline(model, None, host_threads=1, device_threads=1).close()
+        plain_batches = make_batches(tables, 3)
+        weighted_kjt = KeyedJaggedTensor.from_lengths_sync(
+            plain_batches[1].sparse_features.keys(), plain_batches[1].sparse_features.values(),
+            plain_batches[1].sparse_features.lengths(),
+            weights=torch.ones(plain_batches[1].sparse_features.values().numel()))
+        # The direct sharded lookup: refused, not exchanged without the weights (review)
+        with pytest.raises(ValueError, match="exchanges keys, not per-sample weights: .* is_weighted=True"):
+            sharding.lookup(ebc, plain_batches[0].sparse_features)
+        plain = CachedEmbeddingBagCollection(sharding.local_tables, 64)
+        with pytest.raises(RecInputError, match="TableWiseSharding exchanges keys, not per-sample weights"):
+            sharding.lookup(plain, weighted_kjt)
+        # and at a sharded pipeline's admission, leaving the batches in flight alone
+        with EmbCacheTrainPipeline(TinyDLRM(plain, emb_width(tables)), None, sharding=sharding, host_threads=1,
+                                   device_threads=1) as pipe:
+            bad = RecBatch(plain_batches[1].dense_features, weighted_kjt, plain_batches[1].labels)
+            it = iter([plain_batches[0], bad, plain_batches[2]])
+            with pytest.raises(RecInputError, match="TableWiseSharding exchanges keys, not per-sample weights"):
+                pipe.progress(it)  # filling: the first batch was admitted, the second is refused
+            assert len(pipe.pipeline.in_flight()) == 1
+            assert len(drain(pipe, it)) == 2 and pipe.steps_done == 2
     finally:
         dist.destroy_process_group()

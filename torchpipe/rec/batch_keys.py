@@ -137,7 +137,7 @@ def initial_weight(config: EmbeddingBagConfig, layout: TableLayout,
 
 
 def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
-    """Check a batch's KJT against the tables: names, key dtype, no weights, keys in range.
+    """Check a batch's KJT against the tables: names, key dtype, per-sample weights, keys in range.
 
     Raises `RecInputError` naming what is wrong; reads the batch only, so a caller can run
     it before anything (cache, tables, pipeline) changes.

@@ -554,6 +554,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_weighted", False)  # saved before is_weighted existed
         restore_locks(self, {}, self._LOCKS)
 
     def cache_stats(self) -> dict[str, CacheStats]:

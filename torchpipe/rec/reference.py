@@ -33,6 +33,7 @@ class FullTableEmbeddingBagCollection(nn.Module):
         super().__init__()
         self.device = device
         self.optimizer = optimizer
+        self._weighted = is_weighted
         self.layouts = layouts
         self.rows: dict[str, torch.Tensor] = {}
         for config, layout in zip(tables, self.layouts):
@@ -48,6 +49,10 @@ class FullTableEmbeddingBagCollection(nn.Module):
         return fused_pooled_lookup(self._anchor, [self.rows[n] for n in names],
                                    [keys.tables[n].unique_keys.to(self.device) for n in names],
                                    [keys.tables[n] for n in names], self.optimizer)
+
+    def is_weighted(self) -> bool:
+        """Whether lookups pool with the KJT's per-sample weights (TorchRec's ``is_weighted``)."""
+        return self._weighted
 
     def full_weight(self, table: str) -> torch.Tensor:
         """A copy of the table's embeddings."""

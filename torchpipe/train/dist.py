@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
+from ..rec.errors import RecInputError
+
 __all__ = ["TableWiseSharding", "DistSplits", "all_to_all"]
 
 
@@ -61,6 +63,14 @@ def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
+def refuse_weights(kjt: object) -> None:
+    """`RecInputError` for a weighted KJT: the key exchange would drop its weights silently."""
+    weights_or_none = getattr(kjt, "weights_or_none", None)
+    if callable(weights_or_none) and weights_or_none() is not None:
+        raise RecInputError("TableWiseSharding exchanges keys, not per-sample weights: a weighted "
+                            "KeyedJaggedTensor trains in one process only")
+
+
 class TableWiseSharding:
     """Which rank owns which table, and the key/embedding all-to-alls between ranks."""
 
@@ -89,7 +99,12 @@ class TableWiseSharding:
         return [t for t in self.tables if self.owner[t.name] == self.rank]
 
     def input_dist(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, DistSplits]:
-        """This rank's features for the global batch, and the splits for the output dist."""
+        """This rank's features for the global batch, and the splits for the output dist.
+
+        Keys only: a weighted KJT is refused (before any collective) rather than sent without
+        its weights.
+        """
+        refuse_weights(kjt)
         features = kjt.to_dict()
         missing = [f for f in self.all_features if f not in features]
         if missing:
@@ -153,5 +168,9 @@ class TableWiseSharding:
 
     def lookup(self, collection: torch.nn.Module, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Synchronous sharded lookup: input dist, the owner's collection, output dist."""
+        is_weighted = getattr(collection, "is_weighted", None)
+        if callable(is_weighted) and is_weighted():
+            raise ValueError("TableWiseSharding exchanges keys, not per-sample weights: a collection built with "
+                             "is_weighted=True trains in one process only")
         global_kjt, splits = self.input_dist(kjt)
         return self.output_dist(collection(global_kjt), splits)

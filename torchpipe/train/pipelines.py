@@ -28,7 +28,7 @@ from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
 from ..rec.collection import mark_pipeline_hook
 from ..thread_state import records_graphs
 from .schedule import Clock
-from .dist import TableWiseSharding
+from .dist import TableWiseSharding, refuse_weights
 from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, keep_flushed_outputs
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
@@ -595,6 +595,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             return
         if self._global_layouts is None:
             self._global_layouts = table_layouts(self._sharding.tables)
+        refuse_weights(batch.sparse_features)
         check_kjt(batch.sparse_features, self._global_layouts)
 
     def _refused_ranks(self, refused_here: bool) -> List[int]:
