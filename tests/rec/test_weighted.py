@@ -63,8 +63,8 @@ def test_pooled_outputs_weight_grads_and_an_sgd_step_equal_torchrecs() -> None:
 def test_cache_training_equals_the_full_table_reference_bitwise(optimizer) -> None:
     tables = make_tables(pooling=SUM)
     data = batches(tables, 40, seed=8)
-    cached = CachedEmbeddingBagCollection(tables, max_unique_per_table(tables, data), optimizer=optimizer, weights=integer_weights(tables),
-                                          is_weighted=True)
+    cached = CachedEmbeddingBagCollection(tables, max_unique_per_table(tables, data), optimizer=optimizer,
+                                          weights=integer_weights(tables), is_weighted=True)
     full = FullTableEmbeddingBagCollection(tables, optimizer=optimizer, weights=integer_weights(tables),
                                            is_weighted=True)
     unweighted = FullTableEmbeddingBagCollection(tables, optimizer=optimizer, weights=integer_weights(tables))
@@ -91,7 +91,8 @@ def test_weighted_input_errors_are_refused_before_anything_changes() -> None:
     model = CachedEmbeddingBagCollection(tables, 16, weights=integer_weights(tables), is_weighted=True)
     with pytest.raises(RecInputError, match="built with is_weighted=True, but the batch has no per-sample weights"):
         model(kjt)  # TorchRec's weighted EBC asserts too
-    before = [model.hosts[n].rows.clone() for n in model.hosts] + [model.caches[n].key_of_slot.clone() for n in model.caches]
+    before = ([model.hosts[n].rows.clone() for n in model.hosts]
+              + [model.caches[n].key_of_slot.clone() for n in model.caches])
     n = kjt.values().numel()
     for bad, words in ((torch.ones(n, dtype=torch.int64), "torch.int64 of shape"),
                        (torch.ones(n - 1), rf"one weight per key \({n}\), got torch.float32 of shape \({n - 1},\)"),

@@ -122,7 +122,7 @@ def test_a_model_copied_beside_an_open_pipeline_leaves_the_pipeline_behind() -> 
     with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
         it = iter(batches[:6])
         pipe.progress(it)
-        with pytest.raises(RuntimeError, match="cannot be copied or pickled while it is in use.*flush\\(\\) the pipeline"):
+        with pytest.raises(RuntimeError, match=r"cannot be copied or pickled while it is in use.*flush\(\) the pipeline"):
             copy.deepcopy(model)
         drain(pipe, it)
         pipe.flush()

@@ -35,7 +35,13 @@ def _model(kind: str, tables):
 
 
 def _state(model) -> Dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    """Dense parameters, and every table's rows and optimizer state (a full-table collection's
+    state_dict holds neither)."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for layout in model.ebc.layouts:
+        state[f"{layout.name} rows"] = model.ebc.full_weight(layout.name)
+        state[f"{layout.name} optimizer state"] = model.ebc.optimizer_state(layout.name)
+    return state
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -43,7 +49,8 @@ def _state(model) -> Dict[str, torch.Tensor]:
 def test_eval_mode_steps_run_forward_only_and_change_nothing(kind: str, no_grad: bool) -> None:
     tables = make_tables()
     batches = make_batches(tables, 6)
-    model, opt = _model(kind, tables)
+    model, _ = _model(kind, tables)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # a step would leave momentum buffers
     model.eval()
     before = _state(model)
     expected = [model(b)[1] for b in batches]  # the plain forward, nothing trained
@@ -57,10 +64,10 @@ def test_eval_mode_steps_run_forward_only_and_change_nothing(kind: str, no_grad:
         if kind == "emb_cache":
             pipe.flush()
     assert_same_outputs(outputs, expected)
-    after = model.state_dict()
-    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    after = _state(model)
+    assert len(after) == len(before) > 6 and [k for k in before if not torch.equal(before[k], after[k])] == []
     assert all(p.grad is None for p in model.parameters()), "an eval step ran backward"
-    assert opt.state == {} or all(not s for s in opt.state.values()), "an eval step stepped the optimizer"
+    assert len(opt.state) == 0, "an eval step stepped the optimizer"
 
 
 def test_switching_to_eval_and_back_trains_exactly_the_train_mode_batches() -> None:
@@ -82,7 +89,8 @@ def test_switching_to_eval_and_back_trains_exactly_the_train_mode_batches() -> N
         for call in range(len(batches)):
             model.train(call not in (3, 4))
             outputs.append(pipe.progress(it))
-            assert pipe.pipeline.in_flight()[:1] != [call]  # batch `call` is done, later ones in flight
+            in_flight = pipe.pipeline.in_flight()
+            assert all(b > call for b in in_flight) and (in_flight or call == len(batches) - 1)
         pipe.flush()
     assert_same_outputs(outputs, ref_outputs)
     assert_same_state(model, reference)
@@ -104,8 +112,7 @@ def test_train_mode_under_no_grad_is_refused_before_anything_changes(kind: str, 
     tables = make_tables()
     batches = make_batches(tables, 6)
     model, opt = _model(kind, tables)
-    reference, ref_opt, ref_outputs = reference_run(tables, batches, Adam(lr=0.5)) if kind == "emb_cache" \
-        else (None, None, None)
+    reference, _, ref_outputs = reference_run(tables, batches, Adam(lr=0.5))
     disable = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
                "enable_grad_in_inference_mode": _enable_grad_in_inference_mode}[mode]
     it = iter(batches)
@@ -121,10 +128,8 @@ def test_train_mode_under_no_grad_is_refused_before_anything_changes(kind: str, 
         outputs += drain(pipe, it)
         if kind == "emb_cache":
             pipe.flush()
-    assert len(outputs) == len(batches)
-    if reference is not None:
-        assert_same_outputs(outputs, ref_outputs)
-        assert_same_state(model, reference)
+    assert_same_outputs(outputs, ref_outputs)
+    assert_same_state(model, reference)
 
 
 def test_flush_of_a_drained_pipeline_under_no_grad_is_allowed() -> None:
@@ -163,3 +168,17 @@ def test_an_evaluation_under_inference_mode_leaves_the_cache_fit_for_training() 
         pipe.flush()
     assert_same_outputs(outputs, ref_outputs)
     assert_same_state(model, reference)
+
+
+def test_an_eval_step_that_skips_the_cached_collection_is_refused_as_in_train_mode() -> None:
+    """Review: the check sat in before_step, which a forward-only step never reaches, so an eval
+    forward that bypassed the collection returned results without the planned embeddings."""
+    tables = make_tables()
+    batches = make_batches(tables, 4)
+    model, opt = _model("emb_cache", tables)
+    model.eval()
+    model.forward = lambda batch: (torch.zeros(()), torch.zeros(()))  # never calls model.ebc
+    with _pipeline("emb_cache", model, opt) as pipe:
+        with pytest.raises(RuntimeError, match="the model did not call the cached collection"):
+            pipe.progress(iter(batches))
+        assert pipe.pipeline.in_flight() == [] and model.ebc.in_flight() == 0  # dropped and released

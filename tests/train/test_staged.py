@@ -140,8 +140,11 @@ def test_host_threads_beyond_the_host_stages_are_not_started() -> None:
     with StagedPipeline([PipelineStage("a", abs, "host"), PipelineStage("b", abs, 4)], host_threads=3) as pipe:
         assert len(pipe.worker_names) == 5  # host0 for "a", worker 4 = host2 pinned; host1 idles between
         assert drain(pipe, iter([-1])) == [1]
-    with pytest.raises(ValueError, match=r"worker 5 out of range; .*2\.\.4 host threads \(host_threads=3\)"):
-        StagedPipeline([PipelineStage("a", abs, 5)], host_threads=3)
+    for host_threads, workers in ((3, r"1 \(copy\) and 2\.\.4 \(host\) with host_threads=3"),
+                                  (1, r"1 \(copy\) and 2 \(host\) with host_threads=1"),
+                                  (0, r"1 \(copy\) with host_threads=0")):
+        with pytest.raises(ValueError, match=rf"worker 5 out of range; workers are 0 \(compute\), {workers}$"):
+            StagedPipeline([PipelineStage("a", abs, 5)], host_threads=host_threads)
 
 
 def test_flush_drains_in_order_and_admits_nothing() -> None:

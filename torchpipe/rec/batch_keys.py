@@ -59,7 +59,11 @@ class BatchKeys:
 
 
 def table_layouts(tables: list[EmbeddingBagConfig], weighted: bool = False) -> list[TableLayout]:
-    """Layouts from TorchRec configs; checks names and pooling types we support."""
+    """Layouts from TorchRec configs; checks names and pooling types we support.
+
+    ``weighted``: every table pools with per-sample weights, which needs SUM pooling (a MEAN
+    table is a ValueError, as torch's ``EmbeddingBag`` refuses ``per_sample_weights`` there).
+    """
     layouts: list[TableLayout] = []
     seen_tables: set[str] = set()
     seen_features: set[str] = set()
@@ -169,7 +173,7 @@ def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
 
 def _check_weights(kjt: KeyedJaggedTensor, weighted: bool) -> None:
     """Per-sample weights: refused by an unweighted collection (TorchRec's EBC would drop them
-    silently); a weighted one needs one floating-point weight per key (TorchRec's asserts)."""
+    silently); a weighted one needs them (TorchRec's asserts), one floating-point weight per key."""
     weights = kjt.weights_or_none()
     if weights is None:
         if weighted:

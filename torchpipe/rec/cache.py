@@ -22,7 +22,7 @@ import torch
 from ..checks import check_positive_int
 from .errors import CacheTooSmallError
 from .eviction import LruIndex, check_policy, select_victims
-from .portable import restore_locks, state_without_locks
+from .portable import in_use_error, restore_locks, state_without_locks
 from .swap_plan import SwapPlan
 
 __all__ = ["EmbeddingCache", "CacheStats"]
@@ -55,6 +55,9 @@ class EmbeddingCache:
     _LOCKS = {"_lock": threading.Lock, "_stamp_lock": threading.Lock}
 
     def __getstate__(self) -> dict[str, Any]:  # copy and pickle: see `portable`
+        if self._protected:
+            raise in_use_error("EmbeddingCache", f"{self._protected} slots protected by planned batches",
+                               "Release their plans first")
         return state_without_locks(self, self._LOCKS)
 
     def __setstate__(self, state: dict[str, Any]) -> None:

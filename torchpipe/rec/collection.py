@@ -33,7 +33,7 @@ from .eviction import check_policy
 from .fused_lookup import fused_pooled_lookup
 from .host_table import HostEmbeddingTable
 from .optim import RowOptimizer, check_row_optimizer
-from .portable import restore_locks, state_without_locks
+from .portable import fresh_locks, in_use_error, state_without_locks
 from .swap_plan import SwapPlan
 
 __all__ = ["CachedEmbeddingBagCollection", "BatchPlan", "mark_pipeline_hook"]
@@ -107,7 +107,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     is fused (`torchpipe.rec.optim`): rows are updated in backward, there are no dense
     grads. `state_dict` holds the full tables under EBC keys, so checkpoints move to and
     from a plain `torchrec.EmbeddingBagCollection`; the optimizer's state is saved apart
-    (`optimizer_state_dict`), as a fused optimizer's is in TorchRec. ``is_weighted=True``
+    (`optimizer_state_dict`), as a fused optimizer's is in TorchRec's sharded EBC. ``is_weighted=True``
     pools SUM tables with the KJT's per-sample weights, as TorchRec's EBC does. Training
     equals the full-table `FullTableEmbeddingBagCollection` bitwise, step for step.
     """
@@ -501,8 +501,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Every table's optimizer state, ``{table: [num_rows, state_width]}``, flushed.
 
         `state_dict` holds the tables only, under TorchRec's EBC keys (so checkpoints move to
-        and from a plain EBC, whose fused optimizer keeps its state elsewhere too): save this
-        beside it, or a resumed RowWiseAdagrad/Adam starts from fresh state.
+        and from a plain EBC; TorchRec's sharded EBC keeps its fused optimizer's state outside
+        `state_dict` too): save this beside it, or a resumed RowWiseAdagrad/Adam starts from
+        fresh state.
         """
         self.flush()
         return {name: host.state.clone() for name, host in self.hosts.items()}
@@ -539,23 +540,25 @@ class CachedEmbeddingBagCollection(nn.Module):
         if busy():
             gc.collect()  # a pipeline dropped in a reference cycle hands its batches back when collected
         if busy():
-            waiting = len(self._sync_plans)
-            raise RuntimeError(
-                f"a CachedEmbeddingBagCollection cannot be copied or pickled while it is in use: "
-                f"{self.in_flight()} protected slots, {self.pending_writes()} pending write-backs, {waiting} "
-                "direct lookups waiting for their backward. flush() the pipeline first, and run (or drop) "
-                "the lookups' backward; or save state_dict() and optimizer_state_dict()")
+            raise in_use_error(
+                "CachedEmbeddingBagCollection",
+                f"{self.in_flight()} protected slots, {self.pending_writes()} pending write-backs, "
+                f"{len(self._sync_plans)} direct lookups waiting for their backward",
+                "flush() the pipeline first, and run (or drop) the lookups' backward; or save state_dict() and "
+                "optimizer_state_dict()")
         state = state_without_locks(self, self._LOCKS)
         state.pop("_compiled_call_impl", None)  # as nn.Module drops it: a copy compiles its own
         for hooks in ("_forward_pre_hooks", "_forward_hooks"):
-            state[hooks] = type(state[hooks])(
-                (key, hook) for key, hook in state[hooks].items() if not getattr(hook, _PIPELINE_HOOK, False))
+            left_behind = [key for key, hook in state[hooks].items() if getattr(hook, _PIPELINE_HOOK, False)]
+            state[hooks] = type(state[hooks])((k, h) for k, h in state[hooks].items() if k not in left_behind)
+            flags = f"{hooks}_with_kwargs"
+            state[flags] = {k: v for k, v in state[flags].items() if k not in left_behind}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_weighted", False)  # saved before is_weighted existed
-        restore_locks(self, {}, self._LOCKS)
+        fresh_locks(self, self._LOCKS)
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """Hit/miss counters and swap volume per table."""

@@ -20,7 +20,7 @@ import torch
 
 from ..checks import check_nonnegative_int, check_positive_int
 from .errors import CacheAbortedError
-from .portable import restore_locks, state_without_locks
+from .portable import in_use_error, restore_locks, state_without_locks
 
 __all__ = ["HostEmbeddingTable", "WriteTicket", "accelerator_present"]
 
@@ -58,6 +58,9 @@ class HostEmbeddingTable:
     _LOCKS = {"_cond": threading.Condition}
 
     def __getstate__(self) -> dict[str, Any]:  # copy and pickle: see `portable`
+        if self._pending_tickets:
+            raise in_use_error("HostEmbeddingTable", f"{self._pending_tickets} write tickets pending",
+                               "Land or cancel them first")
         state = state_without_locks(self, self._LOCKS)
         state["_abort_exc"] = None  # a copy starts usable: an abort belongs to the step that failed here
         state["_pinned"] = self.rows.is_pinned()  # a copied tensor is not pinned: pinned again below

@@ -71,6 +71,14 @@ def refuse_weights(kjt: object) -> None:
                             "KeyedJaggedTensor trains in one process only")
 
 
+def refuse_weighted_collection(collection: object) -> None:
+    """`ValueError` for a collection built with ``is_weighted=True``: its weights would not be exchanged."""
+    is_weighted = getattr(collection, "is_weighted", None)
+    if callable(is_weighted) and is_weighted():
+        raise ValueError("TableWiseSharding exchanges keys, not per-sample weights: a collection built with "
+                         "is_weighted=True trains in one process only")
+
+
 class TableWiseSharding:
     """Which rank owns which table, and the key/embedding all-to-alls between ranks."""
 
@@ -168,9 +176,6 @@ class TableWiseSharding:
 
     def lookup(self, collection: torch.nn.Module, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Synchronous sharded lookup: input dist, the owner's collection, output dist."""
-        is_weighted = getattr(collection, "is_weighted", None)
-        if callable(is_weighted) and is_weighted():
-            raise ValueError("TableWiseSharding exchanges keys, not per-sample weights: a collection built with "
-                             "is_weighted=True trains in one process only")
+        refuse_weighted_collection(collection)
         global_kjt, splits = self.input_dist(kjt)
         return self.output_dist(collection(global_kjt), splits)

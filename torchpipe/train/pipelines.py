@@ -28,7 +28,7 @@ from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
 from ..rec.collection import mark_pipeline_hook
 from ..thread_state import records_graphs
 from .schedule import Clock
-from .dist import TableWiseSharding, refuse_weights
+from .dist import TableWiseSharding, refuse_weighted_collection, refuse_weights
 from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, keep_flushed_outputs
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
@@ -225,7 +225,10 @@ class _ReadyPipeline:
             caller_waits_for_streams(self.streams())
 
     def flush(self) -> List[Any]:
-        """Train every in-flight batch; their outputs, in order."""
+        """Run every in-flight batch's step (forward only in eval mode); their outputs, in order.
+
+        Under ``no_grad`` with the model in train mode, refused as ``progress()`` is.
+        """
         if self.pipeline.in_flight():
             self._refuse_training_without_grad("flush()")
         streams_wait_for_caller(self.streams())
@@ -515,9 +518,8 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         if self.collection.device != self.device:
             raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
                              f"{self.device}")
-        if sharding is not None and self.collection.is_weighted():
-            raise ValueError("TableWiseSharding exchanges keys, not per-sample weights: a collection built with "
-                             "is_weighted=True trains in one process only")
+        if sharding is not None:
+            refuse_weighted_collection(self.collection)
         claim_collection(self.collection)
         self._sharding = sharding
         self._global_layouts: Optional[List[Any]] = None
@@ -679,6 +681,8 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
         try:
             output = train_step(self.model, self.optimizer, item.device_batch, before_step)
+            if not armed.used:  # a forward-only step skips before_step; it changed nothing
+                raise RuntimeError("the model did not call the cached collection with batch.sparse_features")
         except BaseException:
             # Rows may already carry this step's fused update: put them back (nothing lost,
             # nothing half-applied).

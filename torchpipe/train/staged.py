@@ -181,8 +181,8 @@ class StagedPipeline:
     """Runs ``stages`` over a dataloader iterator; ``progress()`` returns one finished batch per call.
 
     ``device``: where the device workers run (``'cpu'`` gives plain threads, no streams).
-    ``host_threads``: at most this many device-less threads for host stages (one per host
-    stage is the most they can use; threads beyond that are not started). ``overlap=False`` runs the jobs
+    ``host_threads``: at most this many device-less threads for host stages; threads above
+    the highest one a stage runs on are not started (a generous value costs nothing). ``overlap=False`` runs the jobs
     of a clock one after another (same work, same order, no concurrency): the serial
     baseline. ``admit(batch)`` runs on the caller's thread before a batch enters; if it
     raises, the batch is not admitted and nothing changes. ``on_abort(exc)`` runs once as
@@ -222,10 +222,10 @@ class StagedPipeline:
                 raise TypeError(f"{hook} must be callable or None, got {value!r}")
         self.device = usable_device(device)
         self.stage_workers = self._assign(stages, int(host_threads))
-        # A host thread no stage runs on would only idle: those are not started (a generous
-        # host_threads, a core count say, costs nothing).
-        host_threads = max((w - 1 for w in self.stage_workers if w >= 2), default=0)
-        self.worker_names = [f"{name}-compute", f"{name}-copy"] + [f"{name}-host{i}" for i in range(host_threads)]
+        # Host threads above the highest one a stage runs on would only idle: not started (a
+        # generous host_threads, a core count say, costs nothing).
+        started_hosts = max((w - 1 for w in self.stage_workers if w >= 2), default=0)
+        self.worker_names = [f"{name}-compute", f"{name}-copy"] + [f"{name}-host{i}" for i in range(started_hosts)]
         self.stages = stages
         self.overlap = overlap
         self._admit, self._on_abort, self._on_failure, self._after_clock = admit, on_abort, on_failure, after_clock
@@ -233,7 +233,7 @@ class StagedPipeline:
 
         cores = available_cores()
         if device_threads is None:
-            device_threads = max(1, cores - (1 if host_threads else 0)) if self.device.type == "cpu" else 1
+            device_threads = max(1, cores - (1 if started_hosts else 0)) if self.device.type == "cpu" else 1
         workers: List[Worker] = []
         try:
             for i, wname in enumerate(self.worker_names):
@@ -257,7 +257,7 @@ class StagedPipeline:
         self._call_owner: Optional[int] = None  # the token of the progress() call in flight
         # The last iterator that raised StopIteration: not asked again (TorchRec's rule), so
         # a stream that blocks or yields more after its end does not stall or join a drain.
-        self._exhausted: Any = None
+        self._exhausted: Optional[Iterator[Any]] = None
         self.stage_seconds = [0.0] * len(stages)
         self.clock_seconds = 0.0
         self.clocks_run = 0
@@ -281,9 +281,9 @@ class StagedPipeline:
                 next_host += 1
             else:
                 if w >= 2 + host_threads:
-                    hosts = f"2..{1 + host_threads} host threads" if host_threads else "no host threads"
+                    hosts = {0: "", 1: " and 2 (host)"}.get(host_threads, f" and 2..{1 + host_threads} (host)")
                     raise ValueError(f"stage {stage.name!r}: worker {w} out of range; workers are 0 (compute), "
-                                     f"1 (copy) and {hosts} (host_threads={host_threads})")
+                                     f"1 (copy){hosts} with host_threads={host_threads}")
                 assigned.append(int(w))
         return assigned
 
@@ -471,7 +471,7 @@ class StagedPipeline:
 
         def pull() -> bool:
             if dataloader_iter is self._exhausted or dataloader_iter is _NO_BATCHES:
-                return False  # (flush's own iterator is not remembered: the caller's stays so)
+                return False
             try:
                 batch = next(dataloader_iter)
             except StopIteration:
@@ -486,8 +486,9 @@ class StagedPipeline:
                 self._ready[0] = ready
             return True
 
-        if dataloader_iter is not self._exhausted and dataloader_iter is not _NO_BATCHES:
-            self._exhausted = None  # another iterator: forgotten, as TorchRec's _next_batch does
+        if dataloader_iter is not _NO_BATCHES:  # flush's own iterator leaves the caller's remembered
+            if dataloader_iter is not self._exhausted:
+                self._exhausted = None  # another iterator: forgotten, as TorchRec's _next_batch does
         self._call_owner = call_chain.new_owner()  # one token for every clock of this call
         try:
             for clock in self._schedule.progress_clocks(pull):
