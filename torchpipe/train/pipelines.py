@@ -210,8 +210,8 @@ class _ReadyPipeline:
         """One finished step's model output; StopIteration once every batch was trained.
 
         A model in ``eval()`` mode takes forward-only steps (as in TorchRec's pipelines):
-        nothing is updated, and ``torch.no_grad()`` around the call saves the graph. In train
-        mode, a call under ``no_grad`` raises before anything changes.
+        nothing is updated, and ``torch.no_grad()`` around the call skips building the autograd
+        graph. In train mode, a call under ``no_grad`` raises before anything changes.
 
         On an accelerator the output is safe to use on the caller's current stream: the
         pipeline's streams wait for the caller's work first, and the caller's stream waits

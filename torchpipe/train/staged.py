@@ -182,9 +182,9 @@ class StagedPipeline:
 
     ``device``: where the device workers run (``'cpu'`` gives plain threads, no streams).
     ``host_threads``: at most this many device-less threads for host stages; threads above
-    the highest one a stage runs on are not started (a generous value costs nothing). ``overlap=False`` runs the jobs
-    of a clock one after another (same work, same order, no concurrency): the serial
-    baseline. ``admit(batch)`` runs on the caller's thread before a batch enters; if it
+    the highest one a stage runs on are not started (a generous value costs nothing).
+    ``overlap=False`` runs the jobs of a clock one after another (same work, same order, no
+    concurrency): the serial baseline. ``admit(batch)`` runs on the caller's thread before a batch enters; if it
     raises, the batch is not admitted and nothing changes. ``on_abort(exc)`` runs once as
     soon as a clock aborts, because a stage raised or the caller was interrupted (wake waits
     the other jobs may be blocked in); ``on_failure(PipelineFailure)`` and ``after_clock(clock, outputs)`` run on
@@ -255,8 +255,9 @@ class StagedPipeline:
         self._closed = False
         self._failure = _FirstFailure()
         self._call_owner: Optional[int] = None  # the token of the progress() call in flight
-        # The last iterator that raised StopIteration: not asked again (TorchRec's rule), so
-        # a stream that blocks or yields more after its end does not stall or join a drain.
+        # The last iterator that raised StopIteration: not asked again until another one is
+        # passed (TorchRec's rule), so a stream that blocks or yields more after its end does
+        # not stall or join a drain.
         self._exhausted: Optional[Iterator[Any]] = None
         self.stage_seconds = [0.0] * len(stages)
         self.clock_seconds = 0.0
