@@ -107,9 +107,10 @@ class CachedEmbeddingBagCollection(nn.Module):
     is fused (`torchpipe.rec.optim`): rows are updated in backward, there are no dense
     grads. `state_dict` holds the full tables under EBC keys, so checkpoints move to and
     from a plain `torchrec.EmbeddingBagCollection`; the optimizer's state is saved apart
-    (`optimizer_state_dict`), as a fused optimizer's is in TorchRec's sharded EBC. ``is_weighted=True``
-    pools SUM tables with the KJT's per-sample weights, as TorchRec's EBC does. Training
-    equals the full-table `FullTableEmbeddingBagCollection` bitwise, step for step.
+    (`optimizer_state_dict`), as a fused optimizer's is in TorchRec's sharded EBC.
+    ``is_weighted=True`` pools SUM tables with the KJT's per-sample weights, as TorchRec's
+    EBC does. Training equals the full-table `FullTableEmbeddingBagCollection` bitwise, step
+    for step.
     """
 
     _LOCKS = {"_plan_lock": threading.Lock, "_finish_lock": threading.RLock}
@@ -552,7 +553,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             left_behind = [key for key, hook in state[hooks].items() if getattr(hook, _PIPELINE_HOOK, False)]
             state[hooks] = type(state[hooks])((k, h) for k, h in state[hooks].items() if k not in left_behind)
             flags = f"{hooks}_with_kwargs"
-            state[flags] = {k: v for k, v in state[flags].items() if k not in left_behind}
+            state[flags] = type(state[flags])((k, v) for k, v in state[flags].items() if k not in left_behind)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
