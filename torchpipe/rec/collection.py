@@ -132,7 +132,6 @@ class CachedEmbeddingBagCollection(nn.Module):
         super().__init__()
         self.device = device
         self.optimizer = optimizer
-        self._weighted = is_weighted
         self.layouts: list[TableLayout] = layouts
         self._configs = tables
         self.hosts: dict[str, HostEmbeddingTable] = {}
@@ -558,7 +557,6 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_weighted", False)  # saved before is_weighted existed
         fresh_locks(self, self._LOCKS)
 
     def cache_stats(self) -> dict[str, CacheStats]:
@@ -580,7 +578,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def is_weighted(self) -> bool:
         """Whether lookups pool with the KJT's per-sample weights (TorchRec's ``is_weighted``)."""
-        return self._weighted
+        return any(layout.weighted for layout in self.layouts)
 
     # -- checkpoints (full tables under EBC keys) --------------------------------------
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:

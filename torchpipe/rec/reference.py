@@ -33,7 +33,6 @@ class FullTableEmbeddingBagCollection(nn.Module):
         super().__init__()
         self.device = device
         self.optimizer = optimizer
-        self._weighted = is_weighted
         self.layouts = layouts
         self.rows: dict[str, torch.Tensor] = {}
         for config, layout in zip(tables, self.layouts):
@@ -52,7 +51,7 @@ class FullTableEmbeddingBagCollection(nn.Module):
 
     def is_weighted(self) -> bool:
         """Whether lookups pool with the KJT's per-sample weights (TorchRec's ``is_weighted``)."""
-        return self._weighted
+        return any(layout.weighted for layout in self.layouts)
 
     def full_weight(self, table: str) -> torch.Tensor:
         """A copy of the table's embeddings."""
