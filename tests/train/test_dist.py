@@ -208,3 +208,54 @@ def test_a_failure_on_one_rank_fails_every_rank_within_the_process_group_timeout
     other = open(f"{errors_file}.1").read().splitlines()
     assert first and first[0] == "ValueError: injected on rank 0", first
     assert other and all(line.startswith("RuntimeError") for line in other), other
+
+
+def shared_feature_worker(rank: int, init_file: str, tests_dir: str) -> None:
+    """A feature read by tables on both ranks (``user``), and by two tables of rank 1 (``item``)."""
+    sys.path.insert(0, tests_dir)
+    sys.path.insert(0, os.path.join(os.path.dirname(tests_dir), "rec"))
+    torch.set_num_threads(1)
+    from rec_helpers import integer_weights
+    from test_shared_features import EXPECTED_KEYS, shared_batches, shared_tables
+    from torchrec import KeyedJaggedTensor
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
+    from torchpipe.train import TableWiseSharding
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        tables = shared_tables()
+        sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD))),
+                                     owners={"t0": 0, "t1": 1, "t2": 1})
+        mine = sharding.local_tables
+        weights = integer_weights(tables)
+        ebc = CachedEmbeddingBagCollection(mine, 24, optimizer=SGD(lr=1.0), weights=weights)
+        full = FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights)
+        per_rank = [shared_batches(tables, 12, batch_size=3 + r, seed=20 + r) for r in range(WORLD)]
+        lo = sum(3 + r for r in range(rank))
+        hi = lo + 3 + rank
+        for step in range(12):
+            parts = [per_rank[r][step] for r in range(WORLD)]
+            keys = parts[0].keys()
+            global_kjt = KeyedJaggedTensor.from_lengths_sync(
+                keys, torch.cat([p[f].values() for f in keys for p in parts]),
+                torch.cat([p[f].lengths() for f in keys for p in parts]))
+            got = sharding.lookup(ebc, parts[rank])
+            want = full(global_kjt)
+            assert got.keys() == want.keys() == EXPECTED_KEYS, got.keys()
+            assert torch.equal(got.values(), want.values()[lo:hi]), f"rank {rank}: step {step} differs"
+            g = torch.Generator().manual_seed(step)
+            coefficients = torch.randint(-2, 3, want.values().shape, generator=g).float()
+            (got.values() * coefficients[lo:hi]).sum().backward()  # the owners' rows get every rank's grads
+            (want.values() * coefficients).sum().backward()
+        ebc.flush()
+        for t in mine:
+            assert torch.equal(ebc.full_weight(t.name), full.full_weight(t.name)), f"rank {rank}: {t.name} differs"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_feature_read_by_tables_of_several_ranks_equals_single_process(tmp_path) -> None:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    spawn_ranks(shared_feature_worker, str(tmp_path / "init"), tests_dir, nprocs=WORLD)

@@ -17,7 +17,8 @@ from torchrec.types import DataType
 
 from .errors import RecInputError
 
-__all__ = ["TableLayout", "TableBatch", "BatchKeys", "prepare_batch", "table_layouts", "TABLE_DTYPE"]
+__all__ = ["TableLayout", "TableBatch", "BatchKeys", "prepare_batch", "table_layouts", "embedding_names_by_table",
+           "TABLE_DTYPE"]
 
 TABLE_DTYPE = torch.float32  # TorchRec's default DataType.FP32, the only one supported
 
@@ -32,6 +33,14 @@ class TableLayout:
     feature_names: tuple[str, ...]
     pooling: str  # 'sum' or 'mean'
     weighted: bool = False  # pools with the KJT's per-sample weights (TorchRec's is_weighted)
+    embedding_names: tuple[str, ...] = ()
+    """The output key of each feature, in order: the feature's name, or ``feature@table``
+    when several tables read that feature (TorchRec's naming); empty means the feature names."""
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """The pooled output's key for each of ``feature_names``."""
+        return self.embedding_names or self.feature_names
 
 
 @dataclass(eq=False)
@@ -66,16 +75,18 @@ def table_layouts(tables: list[EmbeddingBagConfig], weighted: bool = False) -> l
     """
     layouts: list[TableLayout] = []
     seen_tables: set[str] = set()
-    seen_features: set[str] = set()
     for config in tables:
         if config.name in seen_tables:
             raise ValueError(f"duplicate table name {config.name!r}")
         seen_tables.add(config.name)
         features = tuple(config.feature_names) or (config.name,)
-        for feature in features:
-            if feature in seen_features:
-                raise ValueError(f"feature {feature!r} is used by two tables; not supported")
-            seen_features.add(feature)
+        repeated = sorted({f for f in features if features.count(f) > 1})
+        if repeated:
+            raise ValueError(f"table {config.name!r} lists features {repeated} more than once in its "
+                             f"feature_names {list(features)}; each feature pools once per table")
+    names_by_table = embedding_names_by_table(tables)
+    for config, names in zip(tables, names_by_table):
+        features = tuple(config.feature_names) or (config.name,)
         if config.data_type != DataType.FP32:
             raise ValueError(f"table {config.name!r}: data_type {config.data_type} not supported; the host "
                              "tables and the device cache hold float32 rows (DataType.FP32)")
@@ -89,8 +100,30 @@ def table_layouts(tables: list[EmbeddingBagConfig], weighted: bool = False) -> l
             raise ValueError(f"table {config.name!r}: per-sample weights (is_weighted=True) pool with SUM only, "
                              f"as torch's EmbeddingBag does; got {config.pooling}")
         layouts.append(TableLayout(config.name, int(config.num_embeddings), int(config.embedding_dim),
-                                   features, pooling, weighted))
+                                   features, pooling, weighted, tuple(names)))
     return layouts
+
+
+def embedding_names_by_table(tables: list[EmbeddingBagConfig]) -> list[list[str]]:
+    """Each table's output keys, TorchRec's rule: a feature read by one table keeps its name,
+    one read by several tables becomes ``feature@table`` in each of them.
+
+    Why TorchRec's rule: a model written for its ``EmbeddingBagCollection`` reads the pooled
+    ``KeyedTensor`` by these keys. A ValueError when two outputs would share a key (a feature
+    literally named ``f@t`` beside a shared ``f`` of table ``t``).
+    """
+    readers: dict[str, int] = {}
+    for config in tables:
+        for feature in tuple(config.feature_names) or (config.name,):
+            readers[feature] = readers.get(feature, 0) + 1
+    names = [[f if readers[f] == 1 else f"{f}@{config.name}" for f in tuple(config.feature_names) or (config.name,)]
+             for config in tables]
+    flat = [name for table in names for name in table]
+    clashing = sorted({name for name in flat if flat.count(name) > 1})
+    if clashing:
+        raise ValueError(f"the tables' pooled outputs would share the keys {clashing}: rename a feature "
+                         f"(a feature read by several tables is keyed 'feature@table')")
+    return names
 
 
 def check_weights(weights: Any, layouts: list[TableLayout]) -> None:
@@ -148,12 +181,15 @@ def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
     """
     if not isinstance(kjt, KeyedJaggedTensor):
         raise RecInputError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
-    table_of = {f: layout for layout in layouts for f in layout.feature_names}
+    tables_of: dict[str, list[TableLayout]] = {}  # a feature may feed several tables
+    for layout in layouts:
+        for feature in layout.feature_names:
+            tables_of.setdefault(feature, []).append(layout)
     given = list(kjt.keys())
-    unknown = [f for f in given if f not in table_of]
+    unknown = [f for f in given if f not in tables_of]
     if unknown:
-        raise RecInputError(f"unknown feature names {unknown}; the tables have features {list(table_of)}")
-    missing = [f for f in table_of if f not in given]
+        raise RecInputError(f"unknown feature names {unknown}; the tables have features {list(tables_of)}")
+    missing = [f for f in tables_of if f not in given]
     if missing:
         raise RecInputError(f"features {missing} are missing from the batch")
     if kjt.values().dtype not in (torch.int32, torch.int64):
@@ -161,10 +197,11 @@ def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
     _check_weights(kjt, any(layout.weighted for layout in layouts))
     _check_jagged_structure(kjt, given)
     for feature, keys in zip(given, torch.split(kjt.values(), kjt.length_per_key())):
-        layout = table_of[feature]
-        if keys.numel():
-            low, high = torch.aminmax(keys)
-            if int(low) < 0 or int(high) >= layout.num_rows:
+        if not keys.numel():
+            continue
+        low, high = (int(bound) for bound in torch.aminmax(keys))
+        for layout in tables_of[feature]:
+            if low < 0 or high >= layout.num_rows:
                 bad = keys[(keys < 0) | (keys >= layout.num_rows)]
                 raise RecInputError(
                     f"feature {feature!r} (table {layout.name!r}) has keys out of range "

@@ -101,6 +101,6 @@ def fused_pooled_lookup(anchor: torch.Tensor, storages: Sequence[torch.Tensor], 
         num_features = len(layout.feature_names)
         per_sample = bags.view(num_features, batch.batch_size, layout.dim).transpose(0, 1)
         pooled.append(per_sample.reshape(batch.batch_size, num_features * layout.dim))
-        keys.extend(layout.feature_names)
+        keys.extend(layout.output_names)
         lengths.extend([layout.dim] * num_features)
     return KeyedTensor(keys=keys, length_per_key=lengths, values=torch.cat(pooled, dim=1))

@@ -7,6 +7,9 @@ not row-wise: a bag is pooled entirely on one rank, so pooling (sum *and* mean) 
 fused optimizer see exactly the same ops as single-process training; row-wise would pool
 partial sums on several ranks and change the summation order.
 
+A feature several tables read (TorchRec's shared feature, pooled as ``feature@table``) goes
+to every rank that owns one of them, once per rank.
+
 Per batch, ``input_dist`` buckets the local KJT's features by owner rank and runs three
 ``all_to_all_single``: counts (batch size, lengths, values per destination), then lengths,
 then values. The owner gets its features for the *global* batch (samples in source-rank
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
+from ..rec.batch_keys import embedding_names_by_table
 from ..rec.errors import RecInputError
 
 __all__ = ["TableWiseSharding", "DistSplits", "all_to_all"]
@@ -63,6 +67,11 @@ def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
+def _features(table: EmbeddingBagConfig) -> List[str]:
+    """The features ``table`` reads (its name when it lists none, as TorchRec's configs do)."""
+    return list(table.feature_names) or [table.name]
+
+
 def refuse_weights(kjt: object) -> None:
     """`RecInputError` for a weighted KJT: the key exchange would drop its weights silently."""
     weights_or_none = getattr(kjt, "weights_or_none", None)
@@ -95,11 +104,21 @@ class TableWiseSharding:
         for name, r in self.owner.items():
             if not 0 <= r < self.world:
                 raise ValueError(f"table {name!r}: owner rank {r} out of range for world size {self.world}")
+        names_by_table = embedding_names_by_table(self.tables)  # ``f@t`` for a feature several tables read
+        owned = [[i for i, t in enumerate(self.tables) if self.owner[t.name] == r] for r in range(self.world)]
+        # What rank r pools: its tables' outputs, in config order, keyed as the whole collection
+        # keys them. What it is sent: the features those tables read, each once.
+        self.outputs_of_rank: List[List[str]] = [[name for i in mine for name in names_by_table[i]] for mine in owned]
         self.features_of_rank: List[List[str]] = [
-            [f for t in self.tables if self.owner[t.name] == r for f in (t.feature_names or [t.name])]
-            for r in range(self.world)]
-        self.dims = {f: t.embedding_dim for t in self.tables for f in (t.feature_names or [t.name])}
-        self.all_features = [f for t in self.tables for f in (t.feature_names or [t.name])]
+            list(dict.fromkeys(f for i in mine for f in _features(self.tables[i]))) for mine in owned]
+        # The keys rank r's own collection (built from its ``local_tables``) gives the same outputs:
+        # a feature it shares only with another rank's table is plain ``f`` there, not ``f@t``.
+        self.local_keys_of_rank: List[List[str]] = [
+            [name for names in embedding_names_by_table([self.tables[i] for i in mine]) for name in names]
+            for mine in owned]
+        self.dims = {name: t.embedding_dim for t, names in zip(self.tables, names_by_table) for name in names}
+        self.all_outputs = [name for names in names_by_table for name in names]
+        self.all_features = list(dict.fromkeys(f for t in self.tables for f in _features(t)))
 
     @property
     def local_tables(self) -> List[EmbeddingBagConfig]:
@@ -155,24 +174,28 @@ class TableWiseSharding:
         return global_kjt, splits
 
     def output_dist(self, pooled: KeyedTensor, splits: DistSplits) -> KeyedTensor:
-        """Each source's rows of ``pooled`` (global batch, this rank's features) back to it, as a local KT."""
-        mine = self.features_of_rank[self.rank]
-        width = sum(self.dims[f] for f in mine)
+        """Each source's rows of ``pooled`` (global batch, this rank's outputs) back to it, as a local KT
+        keyed like the unsharded collection's output."""
+        mine = self.outputs_of_rank[self.rank]
+        width = sum(self.dims[name] for name in mine)
         values = pooled.values() if mine else torch.zeros(sum(splits.batch_sizes), 0)
-        if mine and list(pooled.keys()) != mine:
-            raise ValueError(f"pooled keys {pooled.keys()} are not this rank's features {mine}")
-        widths = [sum(self.dims[f] for f in self.features_of_rank[r]) for r in range(self.world)]
+        expected = self.local_keys_of_rank[self.rank]
+        if mine and list(pooled.keys()) != expected:
+            raise ValueError(f"pooled keys {pooled.keys()} are not the keys {expected} of this rank's collection "
+                             "(build it from local_tables)")
+        widths = [sum(self.dims[name] for name in self.outputs_of_rank[r]) for r in range(self.world)]
         flat = values.reshape(-1)
         got = all_to_all(flat, [splits.local_batch_size * w for w in widths],
                          [b * width for b in splits.batch_sizes], self.output_group)
         blocks: Dict[str, torch.Tensor] = {}
         for r, part in enumerate(torch.split(got, [splits.local_batch_size * w for w in widths])):
             part = part.view(splits.local_batch_size, widths[r])
-            for f, col in zip(self.features_of_rank[r], torch.split(part, [self.dims[f] for f in self.features_of_rank[r]], 1)):
-                blocks[f] = col
-        keys = self.all_features
-        return KeyedTensor(keys=keys, length_per_key=[self.dims[f] for f in keys],
-                           values=torch.cat([blocks[f] for f in keys], dim=1))
+            names = self.outputs_of_rank[r]
+            for name, col in zip(names, torch.split(part, [self.dims[name] for name in names], 1)):
+                blocks[name] = col
+        keys = self.all_outputs
+        return KeyedTensor(keys=keys, length_per_key=[self.dims[name] for name in keys],
+                           values=torch.cat([blocks[name] for name in keys], dim=1))
 
     def lookup(self, collection: torch.nn.Module, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Synchronous sharded lookup: input dist, the owner's collection, output dist."""
