@@ -87,6 +87,17 @@ def cold(rounds: int = 60) -> None:
                 out.append(time.perf_counter() - start)
         print(f"after sleeping {idle * 1e3:5.1f} ms: chunk + cat {_median_us(firsts):6.1f} us, "
               f"then again {_median_us(seconds):6.1f} us")
+    spun = []  # a clock that ramps up after idling would be up to speed after a busy loop
+    for _ in range(rounds):
+        time.sleep(0.025)
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.0003:
+            pass
+        start = time.perf_counter()
+        x.chunk(8)
+        torch.cat([x, x])
+        spun.append(time.perf_counter() - start)
+    print(f"after sleeping 25.0 ms, then a 300 us busy loop: chunk + cat {_median_us(spun):6.1f} us")
 
 
 if __name__ == "__main__":
