@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from rec_helpers import integer_weights, make_tables, zipf_batches
 from torchrec import EmbeddingBagCollection
@@ -207,3 +208,56 @@ def test_loading_optimizer_states_checks_every_table_first() -> None:
         with pytest.raises(error, match=words):
             model.load_optimizer_state_dict(wrong)
         assert all(torch.equal(before[n], model.hosts[n].rows) for n in before)  # t0 untouched too
+
+
+def test_reset_parameters_draws_torchrecs_rows_and_fresh_optimizer_state() -> None:
+    """TorchRec parity: ``EmbeddingBagCollection.reset_parameters()`` redraws every table from its
+    init_fn in config order; ours does the same (same seed, same rows), for the cache's rows too,
+    and resets the optimizer state. With a pipeline's batches in flight it is refused first,
+    without drawing from the RNG or changing a row."""
+    from torchpipe.rec import FullTableEmbeddingBagCollection
+    from torchpipe.train import EmbCacheTrainPipeline, RecBatch
+
+    tables = make_tables()
+    data = zipf_batches(tables, 6, seed=4)
+    every_row = {t.name: t.num_embeddings for t in tables}  # room for a pipeline's batches in flight below
+    cached = CachedEmbeddingBagCollection(tables, every_row, optimizer=RowWiseAdagrad(lr=0.5))
+    full = FullTableEmbeddingBagCollection(tables, optimizer=RowWiseAdagrad(lr=0.5))
+    fresh_state = CachedEmbeddingBagCollection(tables, 16, optimizer=RowWiseAdagrad(lr=0.5)).optimizer_state_dict()
+    for model in (cached, full):
+        for kjt in data:
+            model(kjt).values().sum().backward()
+        assert any(not torch.equal(model.optimizer_state(t.name), fresh_state[t.name]) for t in tables)
+        torch.manual_seed(11)
+        model.reset_parameters()
+        theirs = EmbeddingBagCollection(tables=tables)
+        torch.manual_seed(11)
+        theirs.reset_parameters()
+        for t in tables:
+            assert torch.equal(model.full_weight(t.name), theirs.embedding_bags[t.name].weight.detach()), t.name
+            assert torch.equal(model.optimizer_state(t.name), fresh_state[t.name]), t.name
+    torch.manual_seed(12)
+    cached.reset_parameters()
+    once = cached(data[0]).values()  # served from the cache's slots, which were refreshed too
+    assert torch.equal(once, FullTableEmbeddingBagCollection(tables, weights={
+        t.name: cached.full_weight(t.name) for t in tables})(data[0]).values())
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = cached
+
+        def forward(self, batch):
+            loss = self.ebc(batch.sparse_features).values().sum()
+            return loss, loss.detach()
+
+    with EmbCacheTrainPipeline(Model(), None, host_threads=1, device_threads=1) as pipe:
+        pipe.progress(iter([RecBatch(torch.zeros(4, 1), kjt, torch.zeros(4)) for kjt in data]))
+        assert cached.in_flight() > 0
+        rng, rows = torch.get_rng_state(), [host.rows.clone() for host in cached.hosts.values()]
+        with pytest.raises(RuntimeError, match="drain the pipeline first"):
+            cached.reset_parameters()
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert all(torch.equal(host.rows, before) for host, before in zip(cached.hosts.values(), rows))
+        pipe.flush()
+    cached.reset_parameters()

@@ -573,6 +573,22 @@ class CachedEmbeddingBagCollection(nn.Module):
         for host in self.hosts.values():
             host.clear_abort()
 
+    def reset_parameters(self) -> None:
+        """Draw every table's rows again from its config's ``init_fn`` and reset its optimizer state.
+
+        What TorchRec's ``EmbeddingBagCollection.reset_parameters`` does for its weights (the
+        tables in config order, so the same seed draws the same rows), plus the optimizer state,
+        which a start over needs too. Like ``load_state_dict``: refused with batches in flight.
+        """
+        self.flush()  # first: a refusal must not have drawn from the RNG
+        weights = {layout.name: initial_weight(config, layout, None)
+                   for config, layout in zip(self._configs, self.layouts)}
+        states = {layout.name: self.optimizer.init_state(layout.num_rows, layout.dim) for layout in self.layouts}
+        for name, host in self.hosts.items():
+            host.weight.copy_(weights[name])
+            host.state.copy_(states[name])
+        self._refresh_slots()
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
 

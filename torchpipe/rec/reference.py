@@ -34,11 +34,8 @@ class FullTableEmbeddingBagCollection(nn.Module):
         self.device = device
         self.optimizer = optimizer
         self.layouts = layouts
-        self.rows: dict[str, torch.Tensor] = {}
-        for config, layout in zip(tables, self.layouts):
-            weight = initial_weight(config, layout, weights)
-            state = self.optimizer.init_state(layout.num_rows, layout.dim)
-            self.rows[layout.name] = torch.cat([weight, state], dim=1).to(self.device)
+        self._configs = list(tables)
+        self.rows = {name: rows.to(self.device) for name, rows in self._initial_rows(weights).items()}
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -48,6 +45,20 @@ class FullTableEmbeddingBagCollection(nn.Module):
         return fused_pooled_lookup(self._anchor, [self.rows[n] for n in names],
                                    [keys.tables[n].unique_keys.to(self.device) for n in names],
                                    [keys.tables[n] for n in names], self.optimizer)
+
+    def _initial_rows(self, weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Each table's starting ``[embeddings | optimizer state]`` on the host, in config order."""
+        return {layout.name: torch.cat([initial_weight(config, layout, weights),
+                                        self.optimizer.init_state(layout.num_rows, layout.dim)], dim=1)
+                for config, layout in zip(self._configs, self.layouts)}
+
+    def reset_parameters(self) -> None:
+        """Every table's rows drawn again from its config's ``init_fn``, optimizer state reset (in place)."""
+        for name, rows in self._initial_rows(None).items():
+            self.rows[name].copy_(rows)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._configs
 
     def is_weighted(self) -> bool:
         """Whether lookups pool with the KJT's per-sample weights (TorchRec's ``is_weighted``)."""
