@@ -5,7 +5,7 @@ from thread_helpers import torchpipe_threads
 from torch import nn
 
 from torchpipe import Pipe
-from torchpipe.partition import BalanceError
+from torchpipe import BalanceError
 
 
 def model(layers=4):

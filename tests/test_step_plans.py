@@ -87,10 +87,11 @@ def _unchecked(name, lists, stages, microbatches):
 
 
 @pytest.mark.parametrize("plan,options,batch,chunks,error,message", [
-    (build("1f1b", 3, 4), {}, 8, 4, ValueError, "plan '1f1b' has 3 stages, but this Pipe has 2 partitions"),
-    (build("1f1b", 2, 4), {}, 3, 4, ValueError,
+    # A plan that does not fit this Pipe is an InvalidPlanError (a ValueError), as the guide says.
+    (build("1f1b", 3, 4), {}, 8, 4, InvalidPlanError, "plan '1f1b' has 3 stages, but this Pipe has 2 partitions"),
+    (build("1f1b", 2, 4), {}, 3, 4, InvalidPlanError,
      r"plan '1f1b' is for 4 micro-batches, but this batch splits into 3 \(chunks=4"),
-    (build("gpipe", 2, 4, backward=False), {}, 8, 4, ValueError, "plan 'gpipe' has no backward actions"),
+    (build("gpipe", 2, 4, backward=False), {}, 8, 4, InvalidPlanError, "plan 'gpipe' has no backward actions"),
     (build("1f1b", 2, 4), {"virtual_stages": 2}, 8, 4, TypeError, r"options \['virtual_stages'\] configure a named"),
     (_unchecked("holes", [["0F0", "0B0"], ["1F0"]], 2, 1), {}, 2, 1, InvalidPlanError, "missing action 1B0"),
     (_unchecked("early", [["0F0", "0B0"], ["1B0", "1F0"]], 2, 1), {}, 2, 1, InvalidPlanError,

@@ -9,6 +9,7 @@ from .checkpoint import RNGReplayError, is_checkpointing, is_recomputing
 from .devices import BackendUnavailableError
 from .grad_sync import GradientSync
 from .microbatch import Batch
+from .partition import BalanceError
 from .pipe import CHECKPOINT_MODES, MovingDenied, Pipe
 from .workers import HostPool, Task, ThreadBudget
 
@@ -16,6 +17,7 @@ __all__ = [
     "Pipe",
     "GradientSync",
     "MovingDenied",
+    "BalanceError",
     "CHECKPOINT_MODES",
     "is_checkpointing",
     "is_recomputing",

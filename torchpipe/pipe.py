@@ -28,7 +28,7 @@ from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_bat
 from .partition import (BalanceError, SpreadingSequential, as_positive_int, infer_placement, split_module,
                         verify_balance, verify_module)
 from .runtime import Program, Runtime, StepRecord
-from .schedule import SCHEDULES, Plan, build, schedule_options
+from .schedule import SCHEDULES, InvalidPlanError, Plan, build, schedule_options
 from .schedule.names import resolve as resolve_schedule
 from .skip import inspect_skip_layout, verify_skippables
 from .state_keys import check_not_renumbered, retired_pipe_state_dict
@@ -463,10 +463,10 @@ class Pipe(nn.Module):
             plan = build(schedule, len(self.partitions), num_microbatches, **options)
             described = f"schedule {schedule!r} with options {options}"
         if not plan.has_backward:
-            raise ValueError(f"{described} has no backward actions; Pipe.step needs one")
+            raise InvalidPlanError(f"{described} has no backward actions; Pipe.step needs one")
         for stage, worker in enumerate(plan.stage_to_worker):
             if self.devices[stage] != self.devices[worker]:
-                raise ValueError(
+                raise InvalidPlanError(
                     f"{described} runs stage {stage} on the worker of partition {worker}, so both "
                     f"partitions must be on one device (got {self.devices[stage]} and {self.devices[worker]})"
                 )
@@ -479,16 +479,16 @@ class Pipe(nn.Module):
         return plan, program
 
     def _check_plan_fits(self, plan: Plan, num_microbatches: int) -> None:
-        """ValueError unless this Pipe can run ``plan`` on a batch of ``num_microbatches``."""
+        """`InvalidPlanError` (a ValueError) unless this Pipe can run ``plan`` on a batch of ``num_microbatches``."""
         partitions = len(self.partitions)
         if plan.num_stages != partitions:
-            raise ValueError(f"plan {plan.name!r} has {plan.num_stages} stages, but this Pipe has {partitions} "
+            raise InvalidPlanError(f"plan {plan.name!r} has {plan.num_stages} stages, but this Pipe has {partitions} "
                              "partitions: a plan runs one stage per partition")
         if plan.num_workers > partitions:
-            raise ValueError(f"plan {plan.name!r} has {plan.num_workers} workers, but this Pipe has {partitions} "
+            raise InvalidPlanError(f"plan {plan.name!r} has {plan.num_workers} workers, but this Pipe has {partitions} "
                              "partitions, each with one worker thread")
         if plan.num_microbatches != num_microbatches:
-            raise ValueError(
+            raise InvalidPlanError(
                 f"plan {plan.name!r} is for {plan.num_microbatches} micro-batches, but this batch splits into "
                 f"{num_microbatches} (chunks={self.chunks}, Tensor.chunk rules); build the plan for "
                 f"{num_microbatches}, or pass a batch that gives {plan.num_microbatches}"

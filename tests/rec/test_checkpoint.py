@@ -255,8 +255,11 @@ def test_reset_parameters_draws_torchrecs_rows_and_fresh_optimizer_state() -> No
         pipe.progress(iter([RecBatch(torch.zeros(4, 1), kjt, torch.zeros(4)) for kjt in data]))
         assert cached.in_flight() > 0
         rng, rows = torch.get_rng_state(), [host.rows.clone() for host in cached.hosts.values()]
-        with pytest.raises(RuntimeError, match="drain the pipeline first"):
+        with pytest.raises(RuntimeError, match=r"reset_parameters\(\) with batches in flight: .* drain the pipeline "
+                                               r"first \(its flush\(\) or close\(\)\)"):
             cached.reset_parameters()
+        with pytest.raises(RuntimeError, match=r"^state_dict\(\) with batches in flight"):  # the call made
+            cached.state_dict()
         assert torch.equal(torch.get_rng_state(), rng)
         assert all(torch.equal(host.rows, before) for host, before in zip(cached.hosts.values(), rows))
         pipe.flush()

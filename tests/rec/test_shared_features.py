@@ -198,5 +198,6 @@ def test_tables_whose_outputs_would_share_a_key_are_refused_when_built() -> None
         CachedEmbeddingBagCollection(twice, 4)
     clash = [EmbeddingBagConfig(num_embeddings=8, embedding_dim=2, name="t0", feature_names=["f"]),
              EmbeddingBagConfig(num_embeddings=8, embedding_dim=2, name="t1", feature_names=["f", "f@t0"])]
-    with pytest.raises(ValueError, match=r"would share the keys \['f@t0'\]"):
+    with pytest.raises(ValueError, match=r"would share keys: 'f@t0' from feature 'f' of table 't0' and feature "
+                                         r"'f@t0' of table 't1'\. Rename a feature"):
         FullTableEmbeddingBagCollection(clash)

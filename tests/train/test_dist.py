@@ -5,6 +5,7 @@ EmbCacheTrainPipeline with sharding equals single-process full-table training.""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -118,7 +119,7 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
             try:
                 pipe.progress(iter([RecBatch(extra.dense_features, features, extra.labels)]))
             except RecInputError as exc:
-                expected = "out of range" if rank == 1 else "ranks [1] refused their batch at admission"
+                expected = "out of range" if rank == 1 else "ranks [1] refused their batch (see their error)"
                 assert expected in str(exc), str(exc)
             else:
                 raise AssertionError(f"rank {rank}: a batch refused on rank 1 was admitted")
@@ -259,3 +260,64 @@ def shared_feature_worker(rank: int, init_file: str, tests_dir: str) -> None:
 def test_a_feature_read_by_tables_of_several_ranks_equals_single_process(tmp_path) -> None:
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     spawn_ranks(shared_feature_worker, str(tmp_path / "init"), tests_dir, nprocs=WORLD)
+
+
+def sharding_refusal_worker(rank: int, init_file: str, tests_dir: str) -> None:
+    """Review: a direct lookup whose batch had a key bad for another rank's table failed on that
+    rank, after the key exchange, and left this rank in a collective until the group's timeout;
+    a rank owning no table failed inside its lookup; a repeated feature was reported as a clash."""
+    import datetime
+    sys.path.insert(0, tests_dir)
+    sys.path.insert(0, os.path.join(os.path.dirname(tests_dir), "rec"))
+    torch.set_num_threads(1)
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RecInputError
+    from torchpipe.train import TableWiseSharding
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=20))
+    try:
+        tables = [EmbeddingBagConfig(num_embeddings=30, embedding_dim=2, name="t0", feature_names=["u"]),
+                  EmbeddingBagConfig(num_embeddings=12, embedding_dim=2, name="t1", feature_names=["u", "v"])]
+        output_group = dist.new_group(list(range(WORLD)))
+        for owners, message in (({"t0": 0, "t1": 0}, r"ranks \[1\] own no table \(2 tables, world size 2"),
+                                (None, r"table 't0' lists features \['u'\] more than once")):
+            configs = tables if owners else [EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="t0",
+                                                                feature_names=["u", "v", "u"])]
+            try:
+                TableWiseSharding(configs, output_group=output_group, owners=owners)
+            except ValueError as exc:
+                assert re.search(message, str(exc)), str(exc)
+            else:
+                raise AssertionError(f"rank {rank}: {message} was not refused")
+        sharding = TableWiseSharding(tables, output_group=output_group)
+        weights = {t.name: torch.arange(t.num_embeddings * 2, dtype=torch.float32).view(-1, 2) for t in tables}
+        ebc = CachedEmbeddingBagCollection(sharding.local_tables, 8, optimizer=SGD(lr=1.0), weights=weights)
+        bad_u = 20 if rank == 0 else 3  # in range for t0 (rank 0's), not for t1 (rank 1's)
+        batch = KeyedJaggedTensor.from_lengths_sync(["u", "v"], torch.tensor([bad_u, 1]), torch.tensor([1, 1]))
+        try:
+            sharding.lookup(ebc, batch)
+        except RecInputError as exc:
+            text = str(exc) + "".join(getattr(exc, "__notes__", []))
+            expected = ("feature 'u' (table 't1') has keys out of range [0, 12): e.g. [20]" if rank == 0
+                        else "ranks [0] refused their batch (see their error)")
+            assert expected in text, text
+        else:
+            raise AssertionError(f"rank {rank}: the bad batch went through")
+        # The ranks are still in step: a good lookup gives the single-process result.
+        good = KeyedJaggedTensor.from_lengths_sync(["u", "v"], torch.tensor([rank + 1, 2]), torch.tensor([1, 1]))
+        both = KeyedJaggedTensor.from_lengths_sync(["u", "v"], torch.tensor([1, 2, 2, 2]), torch.tensor([1, 1, 1, 1]))
+        with torch.no_grad():
+            got = sharding.lookup(ebc, good)
+            want = FullTableEmbeddingBagCollection(tables, weights=weights)(both)
+        assert got.keys() == want.keys() == ["u@t0", "u@t1", "v"], got.keys()
+        assert torch.equal(got.values(), want.values()[rank:rank + 1])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharding_refuses_bad_batches_and_configs_on_every_rank_together(tmp_path) -> None:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    spawn_ranks(sharding_refusal_worker, str(tmp_path / "init"), tests_dir, nprocs=WORLD)

@@ -7,6 +7,7 @@ and pooling need, so a pipeline can run it on a host worker ahead of the rest.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -79,11 +80,6 @@ def table_layouts(tables: list[EmbeddingBagConfig], weighted: bool = False) -> l
         if config.name in seen_tables:
             raise ValueError(f"duplicate table name {config.name!r}")
         seen_tables.add(config.name)
-        features = tuple(config.feature_names) or (config.name,)
-        repeated = sorted({f for f in features if features.count(f) > 1})
-        if repeated:
-            raise ValueError(f"table {config.name!r} lists features {repeated} more than once in its "
-                             f"feature_names {list(features)}; each feature pools once per table")
     names_by_table = embedding_names_by_table(tables)
     for config, names in zip(tables, names_by_table):
         features = tuple(config.feature_names) or (config.name,)
@@ -109,20 +105,29 @@ def embedding_names_by_table(tables: list[EmbeddingBagConfig]) -> list[list[str]
     one read by several tables becomes ``feature@table`` in each of them.
 
     Why TorchRec's rule: a model written for its ``EmbeddingBagCollection`` reads the pooled
-    ``KeyedTensor`` by these keys. A ValueError when two outputs would share a key (a feature
-    literally named ``f@t`` beside a shared ``f`` of table ``t``).
+    ``KeyedTensor`` by these keys. Two refusals go beyond TorchRec, whose output would then
+    hold one key twice: a ValueError for a table that lists a feature more than once, and for
+    outputs that would share a key (a feature literally named ``f@t`` beside a shared ``f``
+    of table ``t``).
     """
-    readers: dict[str, int] = {}
-    for config in tables:
-        for feature in tuple(config.feature_names) or (config.name,):
-            readers[feature] = readers.get(feature, 0) + 1
-    names = [[f if readers[f] == 1 else f"{f}@{config.name}" for f in tuple(config.feature_names) or (config.name,)]
-             for config in tables]
-    flat = [name for table in names for name in table]
-    clashing = sorted({name for name in flat if flat.count(name) > 1})
+    features_by_table = [tuple(config.feature_names) or (config.name,) for config in tables]
+    for config, features in zip(tables, features_by_table):
+        repeated = sorted(name for name, count in Counter(features).items() if count > 1)
+        if repeated:
+            raise ValueError(f"table {config.name!r} lists features {repeated} more than once in its "
+                             f"feature_names {list(features)}; each feature pools once per table")
+    readers = Counter(feature for features in features_by_table for feature in features)
+    names = [[f if readers[f] == 1 else f"{f}@{config.name}" for f in features]
+             for config, features in zip(tables, features_by_table)]
+    produced_by: dict[str, list[str]] = {}
+    for config, features, keys in zip(tables, features_by_table, names):
+        for feature, key in zip(features, keys):
+            produced_by.setdefault(key, []).append(f"feature {feature!r} of table {config.name!r}")
+    clashing = {key: sources for key, sources in produced_by.items() if len(sources) > 1}
     if clashing:
-        raise ValueError(f"the tables' pooled outputs would share the keys {clashing}: rename a feature "
-                         f"(a feature read by several tables is keyed 'feature@table')")
+        described = "; ".join(f"{key!r} from {' and '.join(sources)}" for key, sources in clashing.items())
+        raise ValueError(f"the tables' pooled outputs would share keys: {described}. Rename a feature "
+                         "(a feature read by several tables is keyed 'feature@table')")
     return names
 
 

@@ -437,14 +437,19 @@ class CachedEmbeddingBagCollection(nn.Module):
         not run yet stays valid (as a plain module's forward does across a `state_dict`): its
         rows are written as they are now, and its backward updates them afterwards.
         """
+        self._flush("flush()")
+
+    def _flush(self, call: str) -> None:
+        """`flush`, for ``call`` (named in the refusal: what the user called, not this helper)."""
         self._release_sync_plans(keep_live=True)
         self.finish_swaps()
         live = [table_plan for plan, _ in self._sync_plans for table_plan in plan.tables.values()]
         busy = sum(cache.protected_slots(excluding=[p for p in live if p.table == name])
                    for name, cache in self.caches.items())
         if busy or self.pending_writes():
-            raise RuntimeError(f"flush with batches in flight: {busy} protected slots, "
-                               f"{self.pending_writes()} pending write-backs; drain the pipeline first")
+            raise RuntimeError(f"{call} with batches in flight: {busy} protected slots, "
+                               f"{self.pending_writes()} pending write-backs; drain the pipeline first "
+                               "(its flush() or close())")
         for name, cache in self.caches.items():
             keys, slots = cache.cached()
             self.hosts[name].update(keys, self.slots[name].index_select(0, slots.to(self.device)).cpu())
@@ -465,7 +470,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def full_weight(self, table: str) -> torch.Tensor:
         """A copy of the whole table's embeddings, flushed."""
         host = self._host(table)
-        self.flush()
+        self._flush("full_weight()")
         return host.weight.clone()
 
     def _prepared_optimizer_state(self, table: str, state: Any) -> torch.Tensor:
@@ -487,13 +492,13 @@ class CachedEmbeddingBagCollection(nn.Module):
     def optimizer_state(self, table: str) -> torch.Tensor:
         """A copy of the whole table's optimizer state ``[num_rows, state_width]``, flushed."""
         host = self._host(table)
-        self.flush()
+        self._flush("optimizer_state()")
         return host.state.clone()
 
     def load_optimizer_state(self, table: str, state: torch.Tensor) -> None:
         """Overwrite a table's optimizer state (host and cached rows)."""
         state = self._prepared_optimizer_state(table, state)
-        self.flush()
+        self._flush("load_optimizer_state()")
         self.hosts[table].state.copy_(state)
         self._refresh_slots()
 
@@ -505,7 +510,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         `state_dict` too): save this beside it, or a resumed RowWiseAdagrad/Adam starts from
         fresh state.
         """
-        self.flush()
+        self._flush("optimizer_state_dict()")
         return {name: host.state.clone() for name, host in self.hosts.items()}
 
     def load_optimizer_state_dict(self, states: Mapping[str, torch.Tensor]) -> None:
@@ -519,7 +524,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise KeyError(f"optimizer states for tables {sorted(states)}, expected exactly {names} "
                            f"(missing {missing}, unknown {unknown})")
         prepared = {name: self._prepared_optimizer_state(name, states[name]) for name in names}
-        self.flush()
+        self._flush("load_optimizer_state_dict()")
         for name in names:
             self.hosts[name].state.copy_(prepared[name])
         self._refresh_slots()
@@ -580,7 +585,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         tables in config order, so the same seed draws the same rows), plus the optimizer state,
         which a start over needs too. Like ``load_state_dict``: refused with batches in flight.
         """
-        self.flush()  # first: a refusal must not have drawn from the RNG
+        self._flush("reset_parameters()")  # first: a refusal must not have drawn from the RNG
         weights = {layout.name: initial_weight(config, layout, None)
                    for config, layout in zip(self._configs, self.layouts)}
         states = {layout.name: self.optimizer.init_state(layout.num_rows, layout.dim) for layout in self.layouts}
@@ -599,7 +604,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     # -- checkpoints (full tables under EBC keys) --------------------------------------
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        self.flush()
+        self._flush("state_dict()")
         for name, host in self.hosts.items():
             destination[prefix + weight_key(name)] = host.weight.clone()
 
@@ -628,7 +633,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 if (head not in self._modules) if dot else (head not in own):
                     unexpected_keys.append(key)
         if loads:
-            self.flush()
+            self._flush("load_state_dict()")
             for name, value in loads.items():
                 self.hosts[name].weight.copy_(value.detach())
             self._refresh_slots()

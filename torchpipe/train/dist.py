@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
-from ..rec.batch_keys import embedding_names_by_table
+from ..rec.batch_keys import check_kjt, embedding_names_by_table, table_layouts
 from ..rec.errors import RecInputError
 
 __all__ = ["TableWiseSharding", "DistSplits", "all_to_all"]
@@ -104,8 +104,17 @@ class TableWiseSharding:
         for name, r in self.owner.items():
             if not 0 <= r < self.world:
                 raise ValueError(f"table {name!r}: owner rank {r} out of range for world size {self.world}")
+        # Every rank checks its own batch against every table before the key exchange (a key
+        # only its owner would find bad would leave the ranks' collectives out of step); this
+        # also checks the configs as the collections will (names, pooling, repeated features).
+        self.layouts = table_layouts(self.tables)
         names_by_table = embedding_names_by_table(self.tables)  # ``f@t`` for a feature several tables read
         owned = [[i for i, t in enumerate(self.tables) if self.owner[t.name] == r] for r in range(self.world)]
+        idle = [r for r, mine in enumerate(owned) if not mine]
+        if idle:  # the same on every rank: all of them refuse, none is left in a collective
+            raise ValueError(f"ranks {idle} own no table ({len(self.tables)} tables, world size {self.world}, "
+                             f"owners {self.owner}): every rank of the key exchange must own one (pass owners=, "
+                             "or use fewer ranks)")
         # What rank r pools: its tables' outputs, in config order, keyed as the whole collection
         # keys them. What it is sent: the features those tables read, each once.
         self.outputs_of_rank: List[List[str]] = [[name for i in mine for name in names_by_table[i]] for mine in owned]
@@ -116,6 +125,7 @@ class TableWiseSharding:
         self.local_keys_of_rank: List[List[str]] = [
             [name for names in embedding_names_by_table([self.tables[i] for i in mine]) for name in names]
             for mine in owned]
+        # Width of each output, keyed like the pooled KeyedTensor (``f@t`` for a shared feature).
         self.dims = {name: t.embedding_dim for t, names in zip(self.tables, names_by_table) for name in names}
         self.all_outputs = [name for names in names_by_table for name in names]
         self.all_features = list(dict.fromkeys(f for t in self.tables for f in _features(t)))
@@ -124,6 +134,33 @@ class TableWiseSharding:
     def local_tables(self) -> List[EmbeddingBagConfig]:
         """The configs of the tables this rank owns (build its collection from these)."""
         return [t for t in self.tables if self.owner[t.name] == self.rank]
+
+    def check_batch(self, kjt: KeyedJaggedTensor) -> None:
+        """`RecInputError` unless this rank's ``kjt`` suits every table, whichever rank owns it
+        (keys in range for each table a feature feeds, no per-sample weights). Reads only."""
+        refuse_weights(kjt)
+        check_kjt(kjt, self.layouts)
+
+    def agree(self, refusal: Optional[Exception]) -> None:
+        """Tell every rank whether any refused its batch (one small all-reduce), and raise if one did.
+
+        ``refusal`` is this rank's own error (None: its batch is good). It is raised here with
+        a note naming every refusing rank; a rank whose batch was good raises `RecInputError`
+        naming the ones that refused, so that every rank skips the batch together and the
+        ranks' collectives stay in step.
+        """
+        votes = torch.zeros(self.world, dtype=torch.int64)
+        votes[self.rank] = int(refusal is not None)
+        dist.all_reduce(votes, group=self.input_group)
+        refused = [rank for rank, vote in enumerate(votes.tolist()) if vote]
+        if refusal is not None:
+            if hasattr(refusal, "add_note"):
+                refusal.add_note(f"[torchpipe.train] ranks {refused} refused their batch; every rank skips this "
+                                 "batch, so the ranks stay in step")
+            raise refusal
+        if refused:
+            raise RecInputError(f"ranks {refused} refused their batch (see their error), so this rank skips its "
+                                "batch too: the ranks stay in step")
 
     def input_dist(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, DistSplits]:
         """This rank's features for the global batch, and the splits for the output dist.
@@ -198,7 +235,17 @@ class TableWiseSharding:
                            values=torch.cat([blocks[name] for name in keys], dim=1))
 
     def lookup(self, collection: torch.nn.Module, kjt: KeyedJaggedTensor) -> KeyedTensor:
-        """Synchronous sharded lookup: input dist, the owner's collection, output dist."""
+        """Synchronous sharded lookup: input dist, the owner's collection, output dist.
+
+        Each rank's batch is checked against every table first and the ranks agree
+        (`agree`): a bad batch on one rank is refused on every rank, before any key moves.
+        """
         refuse_weighted_collection(collection)
+        try:
+            self.check_batch(kjt)
+            refusal: Optional[Exception] = None
+        except Exception as exc:  # noqa: BLE001 - agreed on, then raised
+            refusal = exc
+        self.agree(refusal)
         global_kjt, splits = self.input_dist(kjt)
         return self.output_dist(collection(global_kjt), splits)

@@ -23,12 +23,12 @@ from torchrec import KeyedJaggedTensor
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
 from ..grad_sync import flatten, unflatten_into
-from ..rec import BatchPlan, CachedEmbeddingBagCollection, RecInputError
-from ..rec.batch_keys import BatchKeys, check_kjt, table_layouts
+from ..rec import BatchPlan, CachedEmbeddingBagCollection
+from ..rec.batch_keys import BatchKeys, check_kjt
 from ..rec.collection import mark_pipeline_hook
 from ..thread_state import records_graphs
 from .schedule import Clock
-from .dist import TableWiseSharding, refuse_weighted_collection, refuse_weights
+from .dist import TableWiseSharding, refuse_weighted_collection
 from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, keep_flushed_outputs
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
@@ -522,7 +522,6 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             refuse_weighted_collection(self.collection)
         claim_collection(self.collection)
         self._sharding = sharding
-        self._global_layouts: Optional[List[Any]] = None
         # Across processes the dense part is replicated: its gradients are all-reduced over the
         # sharding's output group before the dense optimizer steps ('mean' like DDP, or 'sum').
         self._dense_sync: Optional[Callable[[], None]] = None
@@ -579,36 +578,15 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             refusal: Optional[Exception] = None
         except Exception as exc:  # noqa: BLE001 - voted on, then raised
             refusal = exc
-        refused = self._refused_ranks(refusal is not None)
-        if refusal is not None:
-            if hasattr(refusal, "add_note"):
-                refusal.add_note(f"[torchpipe.train] ranks {refused} refused their batch at admission; every rank "
-                                 "skips this batch, so the ranks stay in step")
-            raise refusal
-        if refused:
-            raise RecInputError(f"ranks {refused} refused their batch at admission (see their error), so this "
-                                "rank skips its batch too: the ranks stay in step")
+        self._sharding.agree(refusal)
 
     def _check_batch(self, batch: Any) -> None:
         if not hasattr(batch, "sparse_features"):
             raise TypeError(f"EmbCacheTrainPipeline batches need .sparse_features, got {type(batch).__name__}")
         if self._sharding is None:
             check_features(batch.sparse_features, self.collection)
-            return
-        if self._global_layouts is None:
-            self._global_layouts = table_layouts(self._sharding.tables)
-        refuse_weights(batch.sparse_features)
-        check_kjt(batch.sparse_features, self._global_layouts)
-
-    def _refused_ranks(self, refused_here: bool) -> List[int]:
-        """The ranks of the key exchange's group that refused their batch (one small all-reduce)."""
-        import torch.distributed as dist
-
-        sharding = self._sharding
-        votes = torch.zeros(sharding.world, dtype=torch.int64)
-        votes[sharding.rank] = int(refused_here)
-        dist.all_reduce(votes, group=sharding.input_group)
-        return [rank for rank, vote in enumerate(votes.tolist()) if vote]
+        else:
+            self._sharding.check_batch(batch.sparse_features)
 
     def _dist(self, item: _Item) -> _Item:
         features = item.batch.sparse_features
