@@ -201,3 +201,38 @@ def test_tables_whose_outputs_would_share_a_key_are_refused_when_built() -> None
     with pytest.raises(ValueError, match=r"would share keys: 'f@t0' from feature 'f' of table 't0' and feature "
                                          r"'f@t0' of table 't1'\. Rename a feature"):
         FullTableEmbeddingBagCollection(clash)
+
+
+def test_weighted_shared_features_in_another_key_order_with_int32_keys_equal_torchrecs() -> None:
+    """Review gap: per-sample weights on a shared feature, a KJT whose keys come in another order
+    than the configs, and int32 values and lengths; TorchRec's weighted EBC is the reference."""
+    tables = shared_tables()
+    weights = integer_weights(tables)
+    theirs = EmbeddingBagCollection(tables=tables, is_weighted=True)
+    with torch.no_grad():
+        for name, weight in weights.items():
+            theirs.embedding_bags[name].weight.copy_(weight)
+    ours = CachedEmbeddingBagCollection(tables, {t.name: t.num_embeddings for t in tables}, optimizer=SGD(lr=1.0),
+                                        weights=weights, is_weighted=True)
+    for i, kjt in enumerate(shared_batches(tables, 6, seed=9)):
+        d = kjt.to_dict()
+        order = ["item", "user", "page"]
+        g = torch.Generator().manual_seed(i)
+        values = torch.cat([d[f].values() for f in order]).to(torch.int32)
+        lengths = torch.cat([d[f].lengths() for f in order]).to(torch.int32)
+        per_sample = torch.randint(-3, 4, (values.numel(),), generator=g).float()
+        mine = KeyedJaggedTensor.from_lengths_sync(order, values, lengths, weights=per_sample.clone().requires_grad_())
+        other = KeyedJaggedTensor.from_lengths_sync(order, values, lengths, weights=per_sample.clone().requires_grad_())
+        out, expected = ours(mine), theirs(other)
+        assert out.keys() == expected.keys() == EXPECTED_KEYS
+        assert torch.equal(out.values(), expected.values())
+        coefficients = torch.randint(-2, 3, out.values().shape, generator=g).float()
+        (out.values() * coefficients).sum().backward()
+        theirs.zero_grad()
+        (expected.values() * coefficients).sum().backward()
+        assert torch.equal(mine.weights().grad, other.weights().grad)
+        with torch.no_grad():
+            for bag in theirs.embedding_bags.values():
+                bag.weight -= bag.weight.grad
+        for name, bag in theirs.embedding_bags.items():
+            assert torch.equal(ours.full_weight(name), bag.weight.detach()), (i, name)
