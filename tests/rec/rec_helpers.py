@@ -119,3 +119,15 @@ def assert_same_tables(cached: CachedEmbeddingBagCollection, reference: FullTabl
     for layout in cached.layouts:
         assert torch.equal(cached.full_weight(layout.name), reference.full_weight(layout.name)), layout.name
         assert torch.equal(cached.optimizer_state(layout.name), reference.optimizer_state(layout.name)), layout.name
+
+
+class SumOfPooled(torch.nn.Module):
+    """A model a train pipeline can run over ``ebc``: its loss is the pooled embeddings' sum."""
+
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch):
+        loss = self.ebc(batch.sparse_features).values().sum()
+        return loss, loss.detach()

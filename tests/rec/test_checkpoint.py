@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rec_helpers import integer_weights, make_tables, zipf_batches
+from rec_helpers import SumOfPooled, integer_weights, make_tables, zipf_batches
 from torchrec import EmbeddingBagCollection
 
 from torchpipe.rec import CachedEmbeddingBagCollection, RowWiseAdagrad
@@ -242,16 +242,7 @@ def test_reset_parameters_draws_torchrecs_rows_and_fresh_optimizer_state() -> No
     assert torch.equal(once, FullTableEmbeddingBagCollection(tables, weights={
         t.name: cached.full_weight(t.name) for t in tables})(data[0]).values())
 
-    class Model(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ebc = cached
-
-        def forward(self, batch):
-            loss = self.ebc(batch.sparse_features).values().sum()
-            return loss, loss.detach()
-
-    with EmbCacheTrainPipeline(Model(), None, host_threads=1, device_threads=1) as pipe:
+    with EmbCacheTrainPipeline(SumOfPooled(cached), None, host_threads=1, device_threads=1) as pipe:
         pipe.progress(iter([RecBatch(torch.zeros(4, 1), kjt, torch.zeros(4)) for kjt in data]))
         assert cached.in_flight() > 0
         rng, rows = torch.get_rng_state(), [host.rows.clone() for host in cached.hosts.values()]

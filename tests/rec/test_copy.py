@@ -8,7 +8,7 @@ import io
 
 import pytest
 import torch
-from rec_helpers import integer_weights, make_tables, zipf_batches
+from rec_helpers import SumOfPooled, integer_weights, make_tables, zipf_batches
 
 from torchpipe.rec import Adam, CachedEmbeddingBagCollection
 
@@ -106,19 +106,10 @@ def test_copying_finds_a_pipeline_dropped_in_a_reference_cycle() -> None:
 
     model, rest = trained()
 
-    class Model(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ebc = model
-
-        def forward(self, batch):
-            loss = self.ebc(batch.sparse_features).values().sum()
-            return loss, loss.detach()
-
     batches = [RecBatch(torch.zeros(4, 1), kjt, torch.zeros(4)) for kjt in rest]
     gc.disable()
     try:
-        pipe = EmbCacheTrainPipeline(Model(), None, host_threads=1, device_threads=1)
+        pipe = EmbCacheTrainPipeline(SumOfPooled(model), None, host_threads=1, device_threads=1)
         it = iter(batches)
         pipe.progress(it)
         pipe.cycle = pipe  # dropped below, but alive until the cycle collector runs

@@ -4,9 +4,11 @@ EmbCacheTrainPipeline with sharding equals single-process full-table training.""
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -33,6 +35,20 @@ def concat_samples(batches):
     return RecBatch(torch.cat([b.dense_features for b in batches]), kjt, torch.cat([b.labels for b in batches]))
 
 
+def join(rank: int, init_file: str, tests_dir: str, timeout_s: Optional[float] = None) -> None:
+    """A rank's set-up: the tests' helper modules importable, one intra-op thread, the gloo group."""
+    sys.path.insert(0, tests_dir)
+    sys.path.insert(0, os.path.join(os.path.dirname(tests_dir), "rec"))  # rec_helpers, as tests/conftest.py does
+    torch.set_num_threads(1)
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, **timeout)
+
+
+def run_ranks(worker, tmp_path, *args) -> None:
+    """``worker(rank, init_file, tests_dir, *args)`` on every rank, each in a process of its own."""
+    spawn_ranks(worker, str(tmp_path / "init"), os.path.dirname(os.path.abspath(__file__)), *args, nprocs=WORLD)
+
+
 class SparseAndDense(torch.nn.Module):
     """Pooled embeddings plus a replicated dense layer; integer weights keep the sums exact."""
 
@@ -53,9 +69,7 @@ class SparseAndDense(torch.nn.Module):
 
 
 def worker(rank: int, init_file: str, tests_dir: str) -> None:
-    sys.path.insert(0, tests_dir)
-    sys.path.insert(0, os.path.join(os.path.dirname(tests_dir), "rec"))  # rec_helpers, as tests/conftest.py does
-    torch.set_num_threads(1)
+    join(rank, init_file, tests_dir)
     from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
 
     from torchrec import KeyedJaggedTensor
@@ -63,7 +77,6 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
     from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RecInputError
     from torchpipe.train import EmbCacheTrainPipeline, RecBatch, TableWiseSharding
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         output_group = dist.new_group(list(range(WORLD)))
         tables = make_tables()
@@ -143,23 +156,17 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
 
 
 def test_two_process_table_wise_dist_equals_single_process(tmp_path) -> None:
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    spawn_ranks(worker, str(tmp_path / "init"), tests_dir, nprocs=WORLD)
+    run_ranks(worker, tmp_path)
 
 
 def failing_rank_worker(rank: int, init_file: str, tests_dir: str, errors_file: str) -> None:
     """Rank 0's model fails in one step after the output all-to-all; rank 1 does not."""
-    import datetime
-    sys.path.insert(0, tests_dir)
-    sys.path.insert(0, os.path.join(os.path.dirname(tests_dir), "rec"))
-    torch.set_num_threads(1)
+    join(rank, init_file, tests_dir, timeout_s=5)
     from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
 
     from torchpipe.rec import SGD, CachedEmbeddingBagCollection
     from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=5))
     errors = []
     try:
         tables = make_tables()
@@ -202,9 +209,8 @@ def test_a_failure_on_one_rank_fails_every_rank_within_the_process_group_timeout
     """Documented limit: a failure only one rank sees leaves the others in a collective. They
     must fail (the process group's timeout), never hang, and the failing rank raises its own
     error first."""
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
     errors_file = str(tmp_path / "errors")
-    spawn_ranks(failing_rank_worker, str(tmp_path / "init"), tests_dir, errors_file, nprocs=WORLD)
+    run_ranks(failing_rank_worker, tmp_path, errors_file)
     first = open(f"{errors_file}.0").read().splitlines()
     other = open(f"{errors_file}.1").read().splitlines()
     assert first and first[0] == "ValueError: injected on rank 0", first
@@ -213,9 +219,7 @@ def test_a_failure_on_one_rank_fails_every_rank_within_the_process_group_timeout
 
 def shared_feature_worker(rank: int, init_file: str, tests_dir: str) -> None:
     """A feature read by tables on both ranks (``user``), and by two tables of rank 1 (``item``)."""
-    sys.path.insert(0, tests_dir)
-    sys.path.insert(0, os.path.join(os.path.dirname(tests_dir), "rec"))
-    torch.set_num_threads(1)
+    join(rank, init_file, tests_dir)
     from rec_helpers import integer_weights
     from test_shared_features import EXPECTED_KEYS, shared_batches, shared_tables
     from torchrec import KeyedJaggedTensor
@@ -223,7 +227,6 @@ def shared_feature_worker(rank: int, init_file: str, tests_dir: str) -> None:
     from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
     from torchpipe.train import TableWiseSharding
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         tables = shared_tables()
         sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD))),
@@ -258,25 +261,19 @@ def shared_feature_worker(rank: int, init_file: str, tests_dir: str) -> None:
 
 
 def test_a_feature_read_by_tables_of_several_ranks_equals_single_process(tmp_path) -> None:
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    spawn_ranks(shared_feature_worker, str(tmp_path / "init"), tests_dir, nprocs=WORLD)
+    run_ranks(shared_feature_worker, tmp_path)
 
 
 def sharding_refusal_worker(rank: int, init_file: str, tests_dir: str) -> None:
     """Review: a direct lookup whose batch had a key bad for another rank's table failed on that
     rank, after the key exchange, and left this rank in a collective until the group's timeout;
     a rank owning no table failed inside its lookup; a repeated feature was reported as a clash."""
-    import datetime
-    sys.path.insert(0, tests_dir)
-    sys.path.insert(0, os.path.join(os.path.dirname(tests_dir), "rec"))
-    torch.set_num_threads(1)
+    join(rank, init_file, tests_dir, timeout_s=20)
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
     from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RecInputError
     from torchpipe.train import TableWiseSharding
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=20))
     try:
         tables = [EmbeddingBagConfig(num_embeddings=30, embedding_dim=2, name="t0", feature_names=["u"]),
                   EmbeddingBagConfig(num_embeddings=12, embedding_dim=2, name="t1", feature_names=["u", "v"])]
@@ -319,5 +316,4 @@ def sharding_refusal_worker(rank: int, init_file: str, tests_dir: str) -> None:
 
 
 def test_sharding_refuses_bad_batches_and_configs_on_every_rank_together(tmp_path) -> None:
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    spawn_ranks(sharding_refusal_worker, str(tmp_path / "init"), tests_dir, nprocs=WORLD)
+    run_ranks(sharding_refusal_worker, tmp_path)
