@@ -479,14 +479,14 @@ class Pipe(nn.Module):
         return plan, program
 
     def _check_plan_fits(self, plan: Plan, num_microbatches: int) -> None:
-        """`InvalidPlanError` (a ValueError) unless this Pipe can run ``plan`` on a batch of ``num_microbatches``."""
+        """`InvalidPlanError` (a ValueError) unless this Pipe can run ``plan`` on ``num_microbatches``."""
         partitions = len(self.partitions)
         if plan.num_stages != partitions:
-            raise InvalidPlanError(f"plan {plan.name!r} has {plan.num_stages} stages, but this Pipe has {partitions} "
-                             "partitions: a plan runs one stage per partition")
+            raise InvalidPlanError(f"plan {plan.name!r} has {plan.num_stages} stages, but this Pipe has "
+                                   f"{partitions} partitions: a plan runs one stage per partition")
         if plan.num_workers > partitions:
-            raise InvalidPlanError(f"plan {plan.name!r} has {plan.num_workers} workers, but this Pipe has {partitions} "
-                             "partitions, each with one worker thread")
+            raise InvalidPlanError(f"plan {plan.name!r} has {plan.num_workers} workers, but this Pipe has "
+                                   f"{partitions} partitions, each with one worker thread")
         if plan.num_microbatches != num_microbatches:
             raise InvalidPlanError(
                 f"plan {plan.name!r} is for {plan.num_microbatches} micro-batches, but this batch splits into "

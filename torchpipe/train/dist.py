@@ -67,11 +67,6 @@ def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
-def _features(table: EmbeddingBagConfig) -> List[str]:
-    """The features ``table`` reads (its name when it lists none, as TorchRec's configs do)."""
-    return list(table.feature_names) or [table.name]
-
-
 def refuse_weights(kjt: object) -> None:
     """`RecInputError` for a weighted KJT: the key exchange would drop its weights silently."""
     weights_or_none = getattr(kjt, "weights_or_none", None)
@@ -108,7 +103,7 @@ class TableWiseSharding:
         # only its owner would find bad would leave the ranks' collectives out of step); this
         # also checks the configs as the collections will (names, pooling, repeated features).
         self.layouts = table_layouts(self.tables)
-        names_by_table = embedding_names_by_table(self.tables)  # ``f@t`` for a feature several tables read
+        names_by_table = [layout.output_names for layout in self.layouts]  # ``f@t``: a feature several read
         owned = [[i for i, t in enumerate(self.tables) if self.owner[t.name] == r] for r in range(self.world)]
         idle = [r for r, mine in enumerate(owned) if not mine]
         if idle:  # the same on every rank: all of them refuse, none is left in a collective
@@ -119,16 +114,16 @@ class TableWiseSharding:
         # keys them. What it is sent: the features those tables read, each once.
         self.outputs_of_rank: List[List[str]] = [[name for i in mine for name in names_by_table[i]] for mine in owned]
         self.features_of_rank: List[List[str]] = [
-            list(dict.fromkeys(f for i in mine for f in _features(self.tables[i]))) for mine in owned]
+            list(dict.fromkeys(f for i in mine for f in self.layouts[i].feature_names)) for mine in owned]
         # The keys rank r's own collection (built from its ``local_tables``) gives the same outputs:
         # a feature it shares only with another rank's table is plain ``f`` there, not ``f@t``.
         self.local_keys_of_rank: List[List[str]] = [
             [name for names in embedding_names_by_table([self.tables[i] for i in mine]) for name in names]
             for mine in owned]
         # Width of each output, keyed like the pooled KeyedTensor (``f@t`` for a shared feature).
-        self.dims = {name: t.embedding_dim for t, names in zip(self.tables, names_by_table) for name in names}
+        self.dims = {name: layout.dim for layout in self.layouts for name in layout.output_names}
         self.all_outputs = [name for names in names_by_table for name in names]
-        self.all_features = list(dict.fromkeys(f for t in self.tables for f in _features(t)))
+        self.all_features = list(dict.fromkeys(f for layout in self.layouts for f in layout.feature_names))
 
     @property
     def local_tables(self) -> List[EmbeddingBagConfig]:
