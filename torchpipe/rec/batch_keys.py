@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
@@ -19,7 +19,7 @@ from torchrec.types import DataType
 from .errors import RecInputError
 
 __all__ = ["TableLayout", "TableBatch", "BatchKeys", "prepare_batch", "table_layouts", "embedding_names_by_table",
-           "TABLE_DTYPE"]
+           "starting_rows", "TABLE_DTYPE"]
 
 TABLE_DTYPE = torch.float32  # TorchRec's default DataType.FP32, the only one supported
 
@@ -176,6 +176,21 @@ def initial_weight(config: EmbeddingBagConfig, layout: TableLayout,
         else:
             torch.nn.init.uniform_(weight, a=config.get_weight_init_min(), b=config.get_weight_init_max())
     return weight
+
+
+def starting_rows(configs: list[EmbeddingBagConfig], layouts: list[TableLayout],
+                  weights: Optional[dict[str, torch.Tensor]],
+                  init_state: Callable[[int, int], torch.Tensor],
+                  ) -> Iterator[tuple[TableLayout, torch.Tensor, torch.Tensor]]:
+    """Each table's starting ``(layout, weight, optimizer state)``, drawn in config order.
+
+    One rule for building a collection and for ``reset_parameters``, in the cached collection
+    and the full-table reference alike: the same seed gives the same rows everywhere. Drawn
+    one table at a time, as the caller takes them, so that host tables too big to be held
+    twice are not. ``init_state(num_rows, dim)`` is the row optimizer's.
+    """
+    for config, layout in zip(configs, layouts):
+        yield layout, initial_weight(config, layout, weights), init_state(layout.num_rows, layout.dim)
 
 
 def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:

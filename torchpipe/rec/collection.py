@@ -26,7 +26,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from ..checks import as_int, check_bool, check_positive_int
 from ..devices import usable_device
-from .batch_keys import BatchKeys, TableLayout, check_weights, initial_weight, prepare_batch, table_layouts
+from .batch_keys import BatchKeys, TableLayout, check_weights, prepare_batch, starting_rows, table_layouts
 from .cache import CacheStats, EmbeddingCache
 from .errors import CacheTooSmallError, StaleBatchError
 from .eviction import check_policy
@@ -137,12 +137,11 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.hosts: dict[str, HostEmbeddingTable] = {}
         self.caches: dict[str, EmbeddingCache] = {}
         self.slots: dict[str, torch.Tensor] = {}
-        for config, layout in zip(tables, self.layouts):
+        for layout, weight, state in starting_rows(tables, self.layouts, weights, self.optimizer.init_state):
             rows = rows_of[layout.name]
             width = self.optimizer.state_width(layout.dim)
-            weight = initial_weight(config, layout, weights)
             host = HostEmbeddingTable(layout.num_rows, layout.dim, width, pin_memory=pin_memory, weight=weight,
-                                      state=self.optimizer.init_state(layout.num_rows, layout.dim))
+                                      state=state)
             cache = EmbeddingCache(layout.num_rows, rows, policy, layout.name)
             self.hosts[layout.name] = host
             self.caches[layout.name] = cache
@@ -584,14 +583,13 @@ class CachedEmbeddingBagCollection(nn.Module):
         What TorchRec's ``EmbeddingBagCollection.reset_parameters`` does for its weights (the
         tables in config order, so the same seed draws the same rows), plus the optimizer state,
         which a start over needs too. Like ``load_state_dict``: refused with batches in flight.
+        One table at a time, so that tables too big to be held twice are not (an ``init_fn``
+        that raises leaves the tables before it reset).
         """
         self._flush("reset_parameters()")  # first: a refusal must not have drawn from the RNG
-        weights = {layout.name: initial_weight(config, layout, None)
-                   for config, layout in zip(self._configs, self.layouts)}
-        states = {layout.name: self.optimizer.init_state(layout.num_rows, layout.dim) for layout in self.layouts}
-        for name, host in self.hosts.items():
-            host.weight.copy_(weights[name])
-            host.state.copy_(states[name])
+        for layout, weight, state in starting_rows(self._configs, self.layouts, None, self.optimizer.init_state):
+            self.hosts[layout.name].weight.copy_(weight)
+            self.hosts[layout.name].state.copy_(state)
         self._refresh_slots()
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:

@@ -12,7 +12,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from ..checks import check_bool
 from ..devices import usable_device
-from .batch_keys import check_weights, initial_weight, prepare_batch, table_layouts
+from .batch_keys import check_weights, prepare_batch, starting_rows, table_layouts
 from .fused_lookup import fused_pooled_lookup
 from .optim import RowOptimizer, check_row_optimizer
 
@@ -48,14 +48,14 @@ class FullTableEmbeddingBagCollection(nn.Module):
 
     def _initial_rows(self, weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Each table's starting ``[embeddings | optimizer state]`` on the host, in config order."""
-        return {layout.name: torch.cat([initial_weight(config, layout, weights),
-                                        self.optimizer.init_state(layout.num_rows, layout.dim)], dim=1)
-                for config, layout in zip(self._configs, self.layouts)}
+        return {layout.name: torch.cat([weight, state], dim=1)
+                for layout, weight, state in starting_rows(self._configs, self.layouts, weights,
+                                                           self.optimizer.init_state)}
 
     def reset_parameters(self) -> None:
         """Every table's rows drawn again from its config's ``init_fn``, optimizer state reset (in place)."""
-        for name, rows in self._initial_rows(None).items():
-            self.rows[name].copy_(rows)
+        for layout, weight, state in starting_rows(self._configs, self.layouts, None, self.optimizer.init_state):
+            self.rows[layout.name].copy_(torch.cat([weight, state], dim=1))
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
