@@ -26,12 +26,11 @@ def concat_samples(batches):
     from torchrec import KeyedJaggedTensor
     from torchpipe.train import RecBatch
     keys = batches[0].sparse_features.keys()
-    values, lengths = [], []
-    for f in keys:
-        for b in batches:
-            values.append(b.sparse_features[f].values())
-            lengths.append(b.sparse_features[f].lengths())
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys, torch.cat(values), torch.cat(lengths))
+    parts = [b.sparse_features[f] for f in keys for b in batches]
+    weighted = batches[0].sparse_features.weights_or_none() is not None
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys, torch.cat([p.values() for p in parts]), torch.cat([p.lengths() for p in parts]),
+        weights=torch.cat([p.weights().float() for p in parts]) if weighted else None)
     return RecBatch(torch.cat([b.dense_features for b in batches]), kjt, torch.cat([b.labels for b in batches]))
 
 
@@ -68,14 +67,80 @@ class SparseAndDense(torch.nn.Module):
         return loss, score.detach()
 
 
-def worker(rank: int, init_file: str, tests_dir: str) -> None:
-    join(rank, init_file, tests_dir)
-    from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
-
+def train_through_the_pipeline(rank: int, sharding, tables, per_rank, global_batches) -> None:
+    """EmbCacheTrainPipeline with ``sharding`` (a small LFU cache) on every rank == the
+    single-process full-table loop over the global batches: each rank's outputs, its tables'
+    rows, and the dense replica. A batch one rank refuses is skipped by every rank."""
+    from train_helpers import DENSE_IN, integer_weights, window_minimum
     from torchrec import KeyedJaggedTensor
 
     from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RecInputError
-    from torchpipe.train import EmbCacheTrainPipeline, RecBatch, TableWiseSharding
+    from torchpipe.train import EmbCacheTrainPipeline, RecBatch
+
+    mine, weighted = sharding.local_tables, sharding.is_weighted()
+    weights = integer_weights(tables)
+    lo = sum(len(per_rank[r][0].labels) for r in range(rank))
+    hi = lo + len(per_rank[rank][0].labels)
+    ebc = CachedEmbeddingBagCollection(mine, window_minimum(mine, global_batches), optimizer=SGD(lr=1.0),
+                                       weights=weights, policy="lfu", is_weighted=weighted)
+    model = SparseAndDense(ebc, DENSE_IN)
+    if rank == 1:  # a replica that starts off: the pipeline broadcasts rank 0's dense weights
+        with torch.no_grad():
+            model.dense.weight.add_(5)
+    reference = SparseAndDense(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights,
+                                                               is_weighted=weighted), DENSE_IN)
+    lr = 2.0 ** -6  # exact in float32 with the integer data
+    ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.dense.parameters(), lr=lr)
+    with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
+                               device_threads=1, dense_grads="sum") as pipe:
+        outputs = []
+        it = iter(per_rank[rank])
+        while True:
+            try:
+                outputs.append(pipe.progress(it))
+            except StopIteration:
+                break
+        # Rank 1's next batch has a key out of range for t0, which rank 0 owns; rank 0's is
+        # good. Rank 1 refuses its batch before any collective of it, and the ranks vote at
+        # admission: rank 0 refuses its batch too, so both skip this step and stay in step
+        # (review: rank 0 admitted its batch, and the ranks exchanged keys of different steps).
+        extra = per_rank[rank][0]
+        features = extra.sparse_features
+        if rank == 1:
+            values = features.values().clone()
+            values[features.length_per_key()[0] - 1] = 10 ** 6  # the last key of t0's feature
+            features = KeyedJaggedTensor.from_lengths_sync(features.keys(), values, features.lengths(),
+                                                           weights=features.weights_or_none())
+        try:
+            pipe.progress(iter([RecBatch(extra.dense_features, features, extra.labels)]))
+        except RecInputError as exc:
+            expected = "out of range" if rank == 1 else "ranks [1] refused their batch (see their error)"
+            assert expected in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: a batch refused on rank 1 was admitted")
+        pipe.flush()
+    assert len(outputs) == len(global_batches)
+    for step, batch in enumerate(global_batches):
+        ref_opt.zero_grad()
+        loss, score = reference(batch)
+        loss.backward()
+        ref_opt.step()
+        assert torch.equal(outputs[step], score[lo:hi]), f"rank {rank}: step {step} differs"
+    for t in mine:
+        assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name)), f"rank {rank}: {t.name}"
+    # The dense replica saw every rank's samples through the gradient all-reduce.
+    for got, want in zip(model.dense.parameters(), reference.dense.parameters()):
+        assert torch.equal(got, want), f"rank {rank}: dense parameters differ"
+    assert ebc.cache_stats()[mine[0].name].swapped_out > 0
+
+
+def worker(rank: int, init_file: str, tests_dir: str) -> None:
+    join(rank, init_file, tests_dir)
+    from train_helpers import integer_weights, make_batches, make_tables
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
+    from torchpipe.train import TableWiseSharding
 
     try:
         output_group = dist.new_group(list(range(WORLD)))
@@ -99,57 +164,7 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
         assert torch.equal(got.values(), want.values()[lo:hi])
 
         # 2. training through the pipeline (small cache) == single-process full-table training
-        rows = window_minimum(mine, global_batches)
-        ebc = CachedEmbeddingBagCollection(mine, rows, optimizer=SGD(lr=1.0), weights=weights, policy="lfu")
-        model = SparseAndDense(ebc, DENSE_IN)
-        if rank == 1:  # a replica that starts off: the pipeline broadcasts rank 0's dense weights
-            with torch.no_grad():
-                model.dense.weight.add_(5)
-        reference = SparseAndDense(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights),
-                                   DENSE_IN)
-        lr = 2.0 ** -6  # exact in float32 with the integer data
-        ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=lr)
-        opt = torch.optim.SGD(model.dense.parameters(), lr=lr)
-        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
-                                   device_threads=1, dense_grads="sum") as pipe:
-            outputs = []
-            it = iter(per_rank[rank])
-            while True:
-                try:
-                    outputs.append(pipe.progress(it))
-                except StopIteration:
-                    break
-            # Rank 1's next batch has a key out of range for t0, which rank 0 owns; rank 0's is
-            # good. Rank 1 refuses its batch before any collective of it, and the ranks vote at
-            # admission: rank 0 refuses its batch too, so both skip this step and stay in step
-            # (review: rank 0 admitted its batch, and the ranks exchanged keys of different steps).
-            extra = per_rank[rank][0]
-            features = extra.sparse_features
-            if rank == 1:
-                values = features.values().clone()
-                values[features.length_per_key()[0] - 1] = 10 ** 6  # the last key of t0's feature
-                features = KeyedJaggedTensor.from_lengths_sync(features.keys(), values, features.lengths())
-            try:
-                pipe.progress(iter([RecBatch(extra.dense_features, features, extra.labels)]))
-            except RecInputError as exc:
-                expected = "out of range" if rank == 1 else "ranks [1] refused their batch (see their error)"
-                assert expected in str(exc), str(exc)
-            else:
-                raise AssertionError(f"rank {rank}: a batch refused on rank 1 was admitted")
-            pipe.flush()
-        assert len(outputs) == STEPS
-        for step, batch in enumerate(global_batches):
-            ref_opt.zero_grad()
-            loss, score = reference(batch)
-            loss.backward()
-            ref_opt.step()
-            assert torch.equal(outputs[step], score[lo:hi]), f"rank {rank}: step {step} differs"
-        for t in mine:
-            assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name))
-        # The dense replica saw every rank's samples through the gradient all-reduce.
-        for got, want in zip(model.dense.parameters(), reference.dense.parameters()):
-            assert torch.equal(got, want), f"rank {rank}: dense parameters differ"
-        assert ebc.cache_stats()[mine[0].name].swapped_out > 0
+        train_through_the_pipeline(rank, sharding, tables, per_rank, global_batches)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -157,6 +172,68 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
 
 def test_two_process_table_wise_dist_equals_single_process(tmp_path) -> None:
     run_ranks(worker, tmp_path)
+
+
+def weighted_worker(rank: int, init_file: str, tests_dir: str) -> None:
+    """Per-sample weights travel with their keys (rank 0 sends float32 weights, rank 1 float64):
+    direct lookups with backward, then the pipeline, equal single-process weighted training."""
+    join(rank, init_file, tests_dir, timeout_s=20)
+    from train_helpers import integer_weights, make_batches, make_tables, with_weights
+    from torchrec import KeyedJaggedTensor, PoolingType
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RecInputError
+    from torchpipe.train import TableWiseSharding
+
+    try:
+        tables = make_tables(num_rows=(40, 24, 16), pooling=(PoolingType.SUM,))  # t0, t2 on rank 0; t1 on 1
+        sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD))), is_weighted=True)
+        mine = sharding.local_tables
+        per_rank = [with_weights(make_batches(tables, STEPS, batch_size=3 + r, seed=30 + r), seed=40 + r,
+                                 dtype=(torch.float32, torch.float64)[r]) for r in range(WORLD)]
+        global_batches = [concat_samples([per_rank[r][i] for r in range(WORLD)]) for i in range(STEPS)]
+        lo = sum(3 + r for r in range(rank))
+        hi = lo + 3 + rank
+
+        # 1. direct lookups and backward: the owners' rows get every rank's weighted gradients
+        weights = integer_weights(tables)
+        ebc = CachedEmbeddingBagCollection(mine, 24, optimizer=SGD(lr=1.0), weights=weights, is_weighted=True)
+        full = FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights, is_weighted=True)
+        for step in range(8):
+            got = sharding.lookup(ebc, per_rank[rank][step].sparse_features)
+            want = full(global_batches[step].sparse_features)
+            assert got.keys() == want.keys()
+            assert torch.equal(got.values(), want.values()[lo:hi]), f"rank {rank}: step {step} differs"
+            g = torch.Generator().manual_seed(step)
+            coefficients = torch.randint(-2, 3, want.values().shape, generator=g).float()
+            (got.values() * coefficients[lo:hi]).sum().backward()
+            (want.values() * coefficients).sum().backward()
+        ebc.flush()
+        for t in mine:
+            assert torch.equal(ebc.full_weight(t.name), full.full_weight(t.name)), f"rank {rank}: {t.name} differs"
+
+        # 2. weights that require grad on one rank: refused on both, before any key moves
+        kjt = per_rank[rank][0].sparse_features
+        if rank == 1:
+            kjt = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(),
+                                                      weights=kjt.weights().clone().requires_grad_())
+        try:
+            sharding.lookup(ebc, kjt)
+        except RecInputError as exc:
+            expected = ("per-sample weights require grad" if rank == 1
+                        else "ranks [1] refused their batch (see their error)")
+            assert expected in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: weights that require grad were sent")
+
+        # 3. training through the pipeline
+        train_through_the_pipeline(rank, sharding, tables, per_rank, global_batches)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_per_sample_weights_travel_with_their_keys_and_train_as_in_one_process(tmp_path) -> None:
+    run_ranks(weighted_worker, tmp_path)
 
 
 def failing_rank_worker(rank: int, init_file: str, tests_dir: str, errors_file: str) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor, PoolingType
 from train_helpers import (RecBatch, TinyDLRM, assert_same_outputs, assert_same_state, build, drain, emb_width,
-                           integer_weights, make_batches, make_tables, reference_run, window_minimum)
+                           integer_weights, make_batches, make_tables, reference_run, window_minimum, with_weights)
 
 from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, CacheTooSmallError, FullTableEmbeddingBagCollection,
                            RecInputError, RowWiseAdagrad)
@@ -139,12 +139,7 @@ def test_a_model_copied_beside_an_open_pipeline_leaves_the_pipeline_behind() -> 
 def test_a_weighted_collection_trains_through_the_pipeline_as_the_loop_does() -> None:
     """Per-sample weights ride along the host KJT the pipeline plans from (is_weighted=True)."""
     tables = make_tables(pooling=(PoolingType.SUM,))
-    plain = make_batches(tables, 30)
-    g = torch.Generator().manual_seed(5)
-    batches = [RecBatch(b.dense_features, KeyedJaggedTensor.from_lengths_sync(
-        b.sparse_features.keys(), b.sparse_features.values(), b.sparse_features.lengths(),
-        weights=torch.randint(-2, 3, (b.sparse_features.values().numel(),), generator=g).float()), b.labels)
-        for b in plain]
+    batches = with_weights(make_batches(tables, 30), seed=5)
 
     def model_of(ebc):
         model = TinyDLRM(ebc, emb_width(tables))
@@ -163,36 +158,57 @@ def test_a_weighted_collection_trains_through_the_pipeline_as_the_loop_does() ->
     assert_same_state(model, reference)
 
 
-def test_a_weighted_collection_is_refused_by_table_wise_sharding_before_anything_changes() -> None:
+def test_table_wise_sharding_refuses_weights_it_was_not_built_for_before_anything_changes() -> None:
+    """A sharding sends per-sample weights only when built with is_weighted=True; the collection
+    must match it, and weights that require grad are refused (no gradient goes back)."""
     tables = make_tables(pooling=(PoolingType.SUM,))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        with pytest.raises(TypeError, match="is_weighted must be a bool, got 'yes'"):
+            TableWiseSharding(tables, is_weighted="yes")
+        with pytest.raises(ValueError, match=r"table 't1': per-sample weights \(is_weighted=True\) pool with SUM"):
+            TableWiseSharding(make_tables(), is_weighted=True)  # t1 is a MEAN table
         sharding = TableWiseSharding(tables)
         ebc = CachedEmbeddingBagCollection(sharding.local_tables, 64, is_weighted=True)
         model = TinyDLRM(ebc, emb_width(tables))
-        with pytest.raises(ValueError, match="exchanges keys, not per-sample weights: .* is_weighted=True"):
+        mismatch = "the collection was built with is_weighted=True but the sharding with is_weighted=False"
+        with pytest.raises(ValueError, match=mismatch):
             EmbCacheTrainPipeline(model, None, sharding=sharding)
         assert len(ebc._forward_pre_hooks) == 0  # not hooked, not claimed: a pipeline without sharding works
         EmbCacheTrainPipeline(model, None, host_threads=1, device_threads=1).close()
         plain_batches = make_batches(tables, 3)
-        weighted_kjt = KeyedJaggedTensor.from_lengths_sync(
-            plain_batches[1].sparse_features.keys(), plain_batches[1].sparse_features.values(),
-            plain_batches[1].sparse_features.lengths(),
-            weights=torch.ones(plain_batches[1].sparse_features.values().numel()))
-        # The direct sharded lookup: refused, not exchanged without the weights (review)
-        with pytest.raises(ValueError, match="exchanges keys, not per-sample weights: .* is_weighted=True"):
-            sharding.lookup(ebc, plain_batches[0].sparse_features)
+        weighted = with_weights(plain_batches, seed=1)
+        with pytest.raises(ValueError, match=mismatch):  # the direct sharded lookup
+            sharding.lookup(ebc, weighted[0].sparse_features)
         plain = CachedEmbeddingBagCollection(sharding.local_tables, 64)
-        with pytest.raises(RecInputError, match="TableWiseSharding exchanges keys, not per-sample weights"):
-            sharding.lookup(plain, weighted_kjt)
+        carries = "the sharding was built with is_weighted=False, but the batch carries per-sample weights"
+        with pytest.raises(RecInputError, match=carries):
+            sharding.lookup(plain, weighted[1].sparse_features)
+        with pytest.raises(RecInputError, match=carries):  # input_dist alone checks before its collectives
+            sharding.input_dist(weighted[1].sparse_features)
         # and at a sharded pipeline's admission, leaving the batches in flight alone
         with EmbCacheTrainPipeline(TinyDLRM(plain, emb_width(tables)), None, sharding=sharding, host_threads=1,
                                    device_threads=1) as pipe:
-            bad = RecBatch(plain_batches[1].dense_features, weighted_kjt, plain_batches[1].labels)
-            it = iter([plain_batches[0], bad, plain_batches[2]])
-            with pytest.raises(RecInputError, match="TableWiseSharding exchanges keys, not per-sample weights"):
+            it = iter([plain_batches[0], weighted[1], plain_batches[2]])
+            with pytest.raises(RecInputError, match=carries):
                 pipe.progress(it)  # filling: the first batch was admitted, the second is refused
             assert len(pipe.pipeline.in_flight()) == 1
             assert len(drain(pipe, it)) == 2 and pipe.steps_done == 2
+        weighted_sharding = TableWiseSharding(tables, is_weighted=True)
+        assert weighted_sharding.is_weighted() and not sharding.is_weighted()
+        with pytest.raises(RecInputError, match="the sharding was built with is_weighted=True, but the batch has no"):
+            weighted_sharding.lookup(ebc, plain_batches[0].sparse_features)
+        kjt = weighted[0].sparse_features
+        needs_grad = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(),
+                                                         weights=kjt.weights().clone().requires_grad_())
+        for call in (weighted_sharding.check_batch, weighted_sharding.input_dist):
+            with pytest.raises(RecInputError, match="per-sample weights require grad, but across processes"):
+                call(needs_grad)
+        # One rank: the weighted exchange is the identity, and the lookup is the collection's.
+        full = FullTableEmbeddingBagCollection(tables, weights=integer_weights(tables), is_weighted=True)
+        both = CachedEmbeddingBagCollection(tables, 64, weights=integer_weights(tables), is_weighted=True)
+        with torch.no_grad():
+            got, want = weighted_sharding.lookup(both, kjt), full(kjt)
+        assert got.keys() == want.keys() and torch.equal(got.values(), want.values())
     finally:
         dist.destroy_process_group()

@@ -12,6 +12,7 @@ from typing import List, Optional
 import torch
 from rec_helpers import integer_weights, make_tables, zipf_kjt  # noqa: F401 (make_tables re-exported to the tests)
 from torch import nn
+from torchrec import KeyedJaggedTensor
 
 from torchpipe.rec import CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RowOptimizer
 from torchpipe.train import RecBatch, train_step
@@ -28,6 +29,18 @@ def make_batches(tables, steps: int, batch_size: int = 4, max_bag: int = 3, seed
         labels = torch.randint(-2, 3, (batch_size,), generator=g).float()
         batches.append(RecBatch(dense, kjt, labels))
     return batches
+
+
+def with_weights(batches: List[RecBatch], seed: int, dtype: torch.dtype = torch.float32) -> List[RecBatch]:
+    """The same batches with integer per-sample weights in [-2, 2] (exact in any float dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    weighted = []
+    for b in batches:
+        kjt = b.sparse_features
+        weights = torch.randint(-2, 3, (kjt.values().numel(),), generator=g).to(dtype)
+        weighted.append(RecBatch(b.dense_features, KeyedJaggedTensor.from_lengths_sync(
+            kjt.keys(), kjt.values(), kjt.lengths(), weights=weights), b.labels))
+    return weighted
 
 
 def window_minimum(tables, batches: List[RecBatch], window: int = 3) -> int:

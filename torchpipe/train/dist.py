@@ -10,12 +10,17 @@ partial sums on several ranks and change the summation order.
 A feature several tables read (TorchRec's shared feature, pooled as ``feature@table``) goes
 to every rank that owns one of them, once per rank.
 
+Per-sample weights (``is_weighted=True``, TorchRec's weighted EBC) travel with their keys, as
+float32 (what the pooling casts them to anyway). They are data: their gradients are not sent
+back across processes, so weights that require grad are refused rather than left without one.
+
 Per batch, ``input_dist`` buckets the local KJT's features by owner rank and runs three
 ``all_to_all_single``: counts (batch size, lengths, values per destination), then lengths,
-then values. The owner gets its features for the *global* batch (samples in source-rank
-order); the collection's ``prepare`` then dedups it (the global dedup level). After the
-lookup, ``output_dist`` sends each source its samples' pooled rows back (an autograd
-all-to-all, whose backward returns the gradients to the owner).
+then values (a weighted sharding runs a fourth, for the weights). The owner gets its
+features for the *global* batch (samples in source-rank order); the collection's
+``prepare`` then dedups it (the global dedup level). After the lookup, ``output_dist``
+sends each source its samples' pooled rows back (an autograd all-to-all, whose backward
+returns the gradients to the owner).
 
 Collectives of one group must be issued in the same order on every rank. A pipeline issues
 input dists on a host thread and output dists (and their backward) on the compute thread,
@@ -32,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
-from ..rec.batch_keys import check_kjt, embedding_names_by_table, table_layouts
+from ..rec.batch_keys import TABLE_DTYPE, check_kjt, embedding_names_by_table, table_layouts
 from ..rec.errors import RecInputError
 
 __all__ = ["TableWiseSharding", "DistSplits", "all_to_all"]
@@ -67,29 +72,21 @@ def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
-def refuse_weights(kjt: object) -> None:
-    """`RecInputError` for a weighted KJT: the key exchange would drop its weights silently."""
-    weights_or_none = getattr(kjt, "weights_or_none", None)
-    if callable(weights_or_none) and weights_or_none() is not None:
-        raise RecInputError("TableWiseSharding exchanges keys, not per-sample weights: a weighted "
-                            "KeyedJaggedTensor trains in one process only")
-
-
-def refuse_weighted_collection(collection: object) -> None:
-    """`ValueError` for a collection built with ``is_weighted=True``: its weights would not be exchanged."""
-    is_weighted = getattr(collection, "is_weighted", None)
-    if callable(is_weighted) and is_weighted():
-        raise ValueError("TableWiseSharding exchanges keys, not per-sample weights: a collection built with "
-                         "is_weighted=True trains in one process only")
+def _cat(tensors: List[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.cat`` that also takes an empty list (a rank may be sent no feature)."""
+    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype)
 
 
 class TableWiseSharding:
     """Which rank owns which table, and the key/embedding all-to-alls between ranks."""
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], input_group=None, output_group=None,
-                 owners: Optional[Dict[str, int]] = None) -> None:
+                 owners: Optional[Dict[str, int]] = None, *, is_weighted: bool = False) -> None:
+        if not isinstance(is_weighted, bool):
+            raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
         if not dist.is_initialized():
             raise RuntimeError("TableWiseSharding needs torch.distributed initialised (init_process_group)")
+        self._weighted = is_weighted
         self.input_group = input_group
         self.output_group = output_group
         self.rank = dist.get_rank(input_group)
@@ -102,7 +99,7 @@ class TableWiseSharding:
         # Every rank checks its own batch against every table before the key exchange (a key
         # only its owner would find bad would leave the ranks' collectives out of step); this
         # also checks the configs as the collections will (names, pooling, repeated features).
-        self.layouts = table_layouts(self.tables)
+        self.layouts = table_layouts(self.tables, weighted=is_weighted)
         names_by_table = [layout.output_names for layout in self.layouts]  # ``f@t``: a feature several read
         owned = [[i for i, t in enumerate(self.tables) if self.owner[t.name] == r] for r in range(self.world)]
         idle = [r for r, mine in enumerate(owned) if not mine]
@@ -130,11 +127,36 @@ class TableWiseSharding:
         """The configs of the tables this rank owns (build its collection from these)."""
         return [t for t in self.tables if self.owner[t.name] == self.rank]
 
+    def is_weighted(self) -> bool:
+        """Whether batches carry per-sample weights to the owners (the collections' ``is_weighted``)."""
+        return self._weighted
+
+    def check_collection(self, collection: object) -> None:
+        """`ValueError` unless ``collection`` pools as this sharding sends: weighted or not, alike."""
+        is_weighted = getattr(collection, "is_weighted", None)
+        weighted = bool(is_weighted()) if callable(is_weighted) else False
+        if weighted != self._weighted:
+            raise ValueError(f"the collection was built with is_weighted={weighted} but the sharding with "
+                             f"is_weighted={self._weighted}: build both alike (a weighted sharding sends the "
+                             "per-sample weights with the keys)")
+
     def check_batch(self, kjt: KeyedJaggedTensor) -> None:
         """`RecInputError` unless this rank's ``kjt`` suits every table, whichever rank owns it
-        (keys in range for each table a feature feeds, no per-sample weights). Reads only."""
-        refuse_weights(kjt)
+        (keys in range for each table a feature feeds, per-sample weights as ``is_weighted``
+        says and not requiring grad). Reads only."""
+        self._check_weights_sendable(kjt)
         check_kjt(kjt, self.layouts)
+
+    def _check_weights_sendable(self, kjt: KeyedJaggedTensor) -> None:
+        """The weights the exchange can carry: present iff weighted, and without a graph to
+        send gradients back through (the exchange is data only, as TorchRec's input dist)."""
+        weights = kjt.weights_or_none()
+        if (weights is not None) != self._weighted:
+            raise RecInputError(f"the sharding was built with is_weighted={self._weighted}, but the batch "
+                                f"{'carries' if weights is not None else 'has no'} per-sample weights")
+        if weights is not None and weights.requires_grad:
+            raise RecInputError("the batch's per-sample weights require grad, but across processes they are sent "
+                                "as data and get no gradient back: detach them, or train in one process")
 
     def agree(self, refusal: Optional[Exception]) -> None:
         """Tell every rank whether any refused its batch (one small all-reduce), and raise if one did.
@@ -160,48 +182,52 @@ class TableWiseSharding:
     def input_dist(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, DistSplits]:
         """This rank's features for the global batch, and the splits for the output dist.
 
-        Keys only: a weighted KJT is refused (before any collective) rather than sent without
-        its weights.
+        A weighted sharding sends each key's weight with it (as float32). Weights that do not
+        match ``is_weighted``, or that require grad, are refused before any collective (an
+        unchecked batch here leaves the other ranks in theirs: `lookup` and the pipeline check
+        every rank's batch and agree first).
         """
-        refuse_weights(kjt)
+        self._check_weights_sendable(kjt)
         features = kjt.to_dict()
         missing = [f for f in self.all_features if f not in features]
         if missing:
             raise ValueError(f"features {missing} are missing from the batch")
         batch = kjt.stride()
-        send_lengths, send_values, counts = [], [], []
-        for r in range(self.world):
-            mine = self.features_of_rank[r]
-            lengths = [features[f].lengths().to(torch.int64) for f in mine]
-            values = [features[f].values().to(torch.int64) for f in mine]
-            send_lengths.append(torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64))
-            send_values.append(torch.cat(values) if values else torch.empty(0, dtype=torch.int64))
-            counts.append(torch.tensor([batch, send_lengths[-1].numel(), send_values[-1].numel()]))
+        # What goes to each rank: the lengths of its features, then per key position the key
+        # (and its weight), all in the rank's feature order.
+        kinds = [(lambda jt: jt.lengths(), torch.int64), (lambda jt: jt.values(), torch.int64)]
+        if self._weighted:
+            kinds.append((lambda jt: jt.weights(), TABLE_DTYPE))
+        send = [[_cat([read(features[f]).to(dtype) for f in self.features_of_rank[r]], dtype)
+                 for r in range(self.world)] for read, dtype in kinds]
+        counts = torch.tensor([[batch, lengths.numel(), keys.numel()] for lengths, keys in zip(send[0], send[1])],
+                              dtype=torch.int64)
         group = self.input_group
-        got_counts = torch.empty(3 * self.world, dtype=torch.int64)
-        dist.all_to_all_single(got_counts, torch.cat(counts), [3] * self.world, [3] * self.world, group=group)
-        got_counts = got_counts.view(self.world, 3)
-        got_lengths = torch.empty(int(got_counts[:, 1].sum()), dtype=torch.int64)
-        dist.all_to_all_single(got_lengths, torch.cat(send_lengths), got_counts[:, 1].tolist(),
-                               [t.numel() for t in send_lengths], group=group)
-        got_values = torch.empty(int(got_counts[:, 2].sum()), dtype=torch.int64)
-        dist.all_to_all_single(got_values, torch.cat(send_values), got_counts[:, 2].tolist(),
-                               [t.numel() for t in send_values], group=group)
+        got_counts = torch.empty_like(counts)
+        dist.all_to_all_single(got_counts, counts, group=group)
+        got_batches, got_lengths_n, got_keys_n = (column.tolist() for column in got_counts.unbind(1))
+        got = []
+        for parts, (_, dtype), sizes in zip(send, kinds, (got_lengths_n, got_keys_n, got_keys_n)):
+            out = torch.empty(sum(sizes), dtype=dtype)
+            dist.all_to_all_single(out, torch.cat(parts), sizes, [t.numel() for t in parts], group=group)
+            got.append(torch.split(out, sizes))
+        # Each source sent [features x its samples] lengths: regroup them feature-major over
+        # the global batch (samples in source-rank order), and the keys (weights) with them.
         mine = self.features_of_rank[self.rank]
-        per_feature_lengths: List[List[torch.Tensor]] = [[] for _ in mine]
-        per_feature_values: List[List[torch.Tensor]] = [[] for _ in mine]
-        for lengths, values, b in zip(torch.split(got_lengths, got_counts[:, 1].tolist()),
-                                      torch.split(got_values, got_counts[:, 2].tolist()),
-                                      got_counts[:, 0].tolist()):
-            blocks = lengths.view(len(mine), b) if mine else lengths.view(0, b)
+        per_feature: List[List[List[torch.Tensor]]] = [[[] for _ in mine] for _ in kinds]
+        for source, b in enumerate(got_batches):
+            blocks = got[0][source].view(len(mine), b)
             sizes = blocks.sum(dim=1).tolist()
-            for j, (block, vals) in enumerate(zip(blocks, torch.split(values, sizes))):
-                per_feature_lengths[j].append(block)
-                per_feature_values[j].append(vals)
-        lengths = torch.cat([torch.cat(x) for x in per_feature_lengths]) if mine else torch.empty(0, dtype=torch.int64)
-        values = torch.cat([torch.cat(x) for x in per_feature_values]) if mine else torch.empty(0, dtype=torch.int64)
-        splits = DistSplits(tuple(got_counts[:, 0].tolist()), batch)
+            for j, block in enumerate(blocks):
+                per_feature[0][j].append(block)
+            for kind in range(1, len(kinds)):
+                for j, part in enumerate(torch.split(got[kind][source], sizes)):
+                    per_feature[kind][j].append(part)
+        lengths, values, *weights = (_cat([t for parts in columns for t in parts], dtype)
+                                     for columns, (_, dtype) in zip(per_feature, kinds))
+        splits = DistSplits(tuple(got_batches), batch)
         global_kjt = KeyedJaggedTensor.from_lengths_sync(keys=list(mine), values=values, lengths=lengths,
+                                                         weights=weights[0] if weights else None,
                                                          stride=sum(splits.batch_sizes))
         return global_kjt, splits
 
@@ -235,7 +261,7 @@ class TableWiseSharding:
         Each rank's batch is checked against every table first and the ranks agree
         (`agree`): a bad batch on one rank is refused on every rank, before any key moves.
         """
-        refuse_weighted_collection(collection)
+        self.check_collection(collection)
         try:
             self.check_batch(kjt)
             refusal: Optional[Exception] = None

@@ -28,7 +28,7 @@ from ..rec.batch_keys import BatchKeys, check_kjt
 from ..rec.collection import mark_pipeline_hook
 from ..thread_state import records_graphs
 from .schedule import Clock
-from .dist import TableWiseSharding, refuse_weighted_collection
+from .dist import TableWiseSharding
 from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, keep_flushed_outputs
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
@@ -519,7 +519,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
                              f"{self.device}")
         if sharding is not None:
-            refuse_weighted_collection(self.collection)
+            sharding.check_collection(self.collection)
         claim_collection(self.collection)
         self._sharding = sharding
         # Across processes the dense part is replicated: its gradients are all-reduced over the
