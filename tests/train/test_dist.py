@@ -21,17 +21,22 @@ WORLD = 2
 STEPS = 30
 
 
-def concat_samples(batches):
-    """One batch holding the samples of ``batches`` in order (the global batch)."""
+def concat_kjts(kjts):
+    """One KJT holding the samples of ``kjts`` in order (the global batch), weights included."""
     from torchrec import KeyedJaggedTensor
-    from torchpipe.train import RecBatch
-    keys = batches[0].sparse_features.keys()
-    parts = [b.sparse_features[f] for f in keys for b in batches]
-    weighted = batches[0].sparse_features.weights_or_none() is not None
-    kjt = KeyedJaggedTensor.from_lengths_sync(
+    keys = kjts[0].keys()
+    parts = [kjt[f] for f in keys for kjt in kjts]
+    weighted = kjts[0].weights_or_none() is not None
+    return KeyedJaggedTensor.from_lengths_sync(
         keys, torch.cat([p.values() for p in parts]), torch.cat([p.lengths() for p in parts]),
         weights=torch.cat([p.weights().float() for p in parts]) if weighted else None)
-    return RecBatch(torch.cat([b.dense_features for b in batches]), kjt, torch.cat([b.labels for b in batches]))
+
+
+def concat_samples(batches):
+    """One batch holding the samples of ``batches`` in order (the global batch)."""
+    from torchpipe.train import RecBatch
+    return RecBatch(torch.cat([b.dense_features for b in batches]), concat_kjts([b.sparse_features for b in batches]),
+                    torch.cat([b.labels for b in batches]))
 
 
 def join(rank: int, init_file: str, tests_dir: str, timeout_s: Optional[float] = None) -> None:
@@ -67,6 +72,31 @@ class SparseAndDense(torch.nn.Module):
         return loss, score.detach()
 
 
+def own_samples(rank: int) -> slice:
+    """This rank's samples in the global batch: rank r's batches hold 3 + r, in rank order."""
+    lo = sum(3 + r for r in range(rank))
+    return slice(lo, lo + 3 + rank)
+
+
+def lookups_train_as_in_one_process(rank: int, sharding, ebc, full, local_kjts, global_kjts,
+                                    expected_keys=None) -> None:
+    """Sharded lookups of this rank's ``local_kjts``, each followed by a backward, equal
+    ``full``'s lookups of the ``global_kjts``: every step's output, then the owned rows."""
+    mine = own_samples(rank)
+    for step, (local, whole) in enumerate(zip(local_kjts, global_kjts)):
+        got = sharding.lookup(ebc, local)
+        want = full(whole)
+        assert got.keys() == want.keys() == (expected_keys or want.keys()), got.keys()
+        assert torch.equal(got.values(), want.values()[mine]), f"rank {rank}: step {step} differs"
+        g = torch.Generator().manual_seed(step)
+        coefficients = torch.randint(-2, 3, want.values().shape, generator=g).float()
+        (got.values() * coefficients[mine]).sum().backward()  # the owners' rows get every rank's grads
+        (want.values() * coefficients).sum().backward()
+    ebc.flush()
+    for t in sharding.local_tables:
+        assert torch.equal(ebc.full_weight(t.name), full.full_weight(t.name)), f"rank {rank}: {t.name} differs"
+
+
 def train_through_the_pipeline(rank: int, sharding, tables, per_rank, global_batches) -> None:
     """EmbCacheTrainPipeline with ``sharding`` (a small LFU cache) on every rank == the
     single-process full-table loop over the global batches: each rank's outputs, its tables'
@@ -79,8 +109,6 @@ def train_through_the_pipeline(rank: int, sharding, tables, per_rank, global_bat
 
     mine, weighted = sharding.local_tables, sharding.is_weighted()
     weights = integer_weights(tables)
-    lo = sum(len(per_rank[r][0].labels) for r in range(rank))
-    hi = lo + len(per_rank[rank][0].labels)
     ebc = CachedEmbeddingBagCollection(mine, window_minimum(mine, global_batches), optimizer=SGD(lr=1.0),
                                        weights=weights, policy="lfu", is_weighted=weighted)
     model = SparseAndDense(ebc, DENSE_IN)
@@ -126,7 +154,7 @@ def train_through_the_pipeline(rank: int, sharding, tables, per_rank, global_bat
         loss, score = reference(batch)
         loss.backward()
         ref_opt.step()
-        assert torch.equal(outputs[step], score[lo:hi]), f"rank {rank}: step {step} differs"
+        assert torch.equal(outputs[step], score[own_samples(rank)]), f"rank {rank}: step {step} differs"
     for t in mine:
         assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name)), f"rank {rank}: {t.name}"
     # The dense replica saw every rank's samples through the gradient all-reduce.
@@ -151,8 +179,6 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
         assert [t.name for t in mine] == [f"t{rank}"]
         per_rank = [make_batches(tables, STEPS, batch_size=3 + r, seed=10 + r) for r in range(WORLD)]
         global_batches = [concat_samples([per_rank[r][i] for r in range(WORLD)]) for i in range(STEPS)]
-        lo = sum(3 + r for r in range(rank))
-        hi = lo + 3 + rank
 
         # 1. one synchronous lookup: distributed == single process
         ebc = CachedEmbeddingBagCollection(mine, 40, optimizer=SGD(lr=1.0), weights=weights)
@@ -161,7 +187,7 @@ def worker(rank: int, init_file: str, tests_dir: str) -> None:
             got = sharding.lookup(ebc, per_rank[rank][0].sparse_features)
             want = full(global_batches[0].sparse_features)
         assert got.keys() == want.keys()
-        assert torch.equal(got.values(), want.values()[lo:hi])
+        assert torch.equal(got.values(), want.values()[own_samples(rank)])
 
         # 2. training through the pipeline (small cache) == single-process full-table training
         train_through_the_pipeline(rank, sharding, tables, per_rank, global_batches)
@@ -191,25 +217,13 @@ def weighted_worker(rank: int, init_file: str, tests_dir: str) -> None:
         per_rank = [with_weights(make_batches(tables, STEPS, batch_size=3 + r, seed=30 + r), seed=40 + r,
                                  dtype=(torch.float32, torch.float64)[r]) for r in range(WORLD)]
         global_batches = [concat_samples([per_rank[r][i] for r in range(WORLD)]) for i in range(STEPS)]
-        lo = sum(3 + r for r in range(rank))
-        hi = lo + 3 + rank
 
         # 1. direct lookups and backward: the owners' rows get every rank's weighted gradients
         weights = integer_weights(tables)
         ebc = CachedEmbeddingBagCollection(mine, 24, optimizer=SGD(lr=1.0), weights=weights, is_weighted=True)
         full = FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights, is_weighted=True)
-        for step in range(8):
-            got = sharding.lookup(ebc, per_rank[rank][step].sparse_features)
-            want = full(global_batches[step].sparse_features)
-            assert got.keys() == want.keys()
-            assert torch.equal(got.values(), want.values()[lo:hi]), f"rank {rank}: step {step} differs"
-            g = torch.Generator().manual_seed(step)
-            coefficients = torch.randint(-2, 3, want.values().shape, generator=g).float()
-            (got.values() * coefficients[lo:hi]).sum().backward()
-            (want.values() * coefficients).sum().backward()
-        ebc.flush()
-        for t in mine:
-            assert torch.equal(ebc.full_weight(t.name), full.full_weight(t.name)), f"rank {rank}: {t.name} differs"
+        lookups_train_as_in_one_process(rank, sharding, ebc, full, [b.sparse_features for b in per_rank[rank][:8]],
+                                        [b.sparse_features for b in global_batches[:8]])
 
         # 2. weights that require grad on one rank: refused on both, before any key moves
         kjt = per_rank[rank][0].sparse_features
@@ -299,7 +313,6 @@ def shared_feature_worker(rank: int, init_file: str, tests_dir: str) -> None:
     join(rank, init_file, tests_dir)
     from rec_helpers import integer_weights
     from test_shared_features import EXPECTED_KEYS, shared_batches, shared_tables
-    from torchrec import KeyedJaggedTensor
 
     from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
     from torchpipe.train import TableWiseSharding
@@ -313,25 +326,8 @@ def shared_feature_worker(rank: int, init_file: str, tests_dir: str) -> None:
         ebc = CachedEmbeddingBagCollection(mine, 24, optimizer=SGD(lr=1.0), weights=weights)
         full = FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights)
         per_rank = [shared_batches(tables, 12, batch_size=3 + r, seed=20 + r) for r in range(WORLD)]
-        lo = sum(3 + r for r in range(rank))
-        hi = lo + 3 + rank
-        for step in range(12):
-            parts = [per_rank[r][step] for r in range(WORLD)]
-            keys = parts[0].keys()
-            global_kjt = KeyedJaggedTensor.from_lengths_sync(
-                keys, torch.cat([p[f].values() for f in keys for p in parts]),
-                torch.cat([p[f].lengths() for f in keys for p in parts]))
-            got = sharding.lookup(ebc, parts[rank])
-            want = full(global_kjt)
-            assert got.keys() == want.keys() == EXPECTED_KEYS, got.keys()
-            assert torch.equal(got.values(), want.values()[lo:hi]), f"rank {rank}: step {step} differs"
-            g = torch.Generator().manual_seed(step)
-            coefficients = torch.randint(-2, 3, want.values().shape, generator=g).float()
-            (got.values() * coefficients[lo:hi]).sum().backward()  # the owners' rows get every rank's grads
-            (want.values() * coefficients).sum().backward()
-        ebc.flush()
-        for t in mine:
-            assert torch.equal(ebc.full_weight(t.name), full.full_weight(t.name)), f"rank {rank}: {t.name} differs"
+        global_kjts = [concat_kjts([per_rank[r][step] for r in range(WORLD)]) for step in range(12)]
+        lookups_train_as_in_one_process(rank, sharding, ebc, full, per_rank[rank], global_kjts, EXPECTED_KEYS)
         dist.barrier()
     finally:
         dist.destroy_process_group()
