@@ -47,7 +47,12 @@ def bags(keys_a: list[int]) -> dict[str, list[list[int]]]:
     # Review: a KJT's structure was not checked; these failed in the lookup, after the swap.
     ("negative_length", RecInputError, r"lengths must be >= 0, got \[-1\]"),
     ("values_2d", RecInputError, r"1-D tensor of keys, got shape \(8, 1\)"),
-    ("variable_batch", RecInputError, "batch size per feature"),
+    ("variable_batch", RecInputError, r"batch size per feature \(stride_per_key_per_rank\) needs inverse_indices"),
+    ("vbe_inverse_missing_feature", RecInputError, r"inverse_indices has no row for features \['f1b'\]"),
+    ("vbe_inverse_out_of_range", RecInputError, r"inverse_indices of feature 'f0b' must index its 1 bags, got \[1\]"),
+    ("vbe_inverse_1d", RecInputError, r"inverse_indices must be \(keys, a 2-D int32/int64 tensor"),
+    ("vbe_lengths", RecInputError, r"lengths have shape \(8,\), expected \(7,\): one per bag, and the features "
+                                   r"have \[2, 1, 2, 2\] bags"),
     ("lengths_beyond_values", RecInputError, "lengths add up to 9 keys, but its values hold 5"),
     ("lengths_short_of_values", RecInputError, "lengths add up to 8 keys, but its values hold 10"),
     ("bags_not_per_feature", RecInputError, r"lengths have shape \(7,\), expected \(4,\)"),
@@ -76,6 +81,14 @@ def test_bad_input_is_refused_before_any_state_change(case: str, error: type, wo
     elif case == "variable_batch":
         kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(7), lengths=torch.ones(7, dtype=torch.int64),
                                 stride_per_key_per_rank=[[2], [1], [2], [2]])
+    elif case.startswith("vbe_"):
+        inverse = {"vbe_inverse_missing_feature": (NAMES[:3], torch.tensor([[0, 1], [0, 0], [1, 0]])),
+                   "vbe_inverse_out_of_range": (NAMES, torch.tensor([[0, 1], [0, 1], [1, 0], [0, 1]])),
+                   "vbe_inverse_1d": (NAMES, torch.tensor([0, 0, 1, 0])),
+                   "vbe_lengths": (NAMES, torch.tensor([[0, 1], [0, 0], [1, 0], [0, 1]]))}[case]
+        count = 8 if case == "vbe_lengths" else 7
+        kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(count), lengths=torch.ones(count, dtype=torch.int64),
+                                stride_per_key_per_rank=[[2], [1], [2], [2]], inverse_indices=inverse)
     elif case == "lengths_beyond_values":
         kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(5), lengths=torch.tensor([2, 1, 1, 1, 1, 1, 1, 1]))
     elif case == "lengths_short_of_values":

@@ -32,13 +32,19 @@ def shared_tables(pooling: PoolingType = PoolingType.SUM) -> list[EmbeddingBagCo
     ]
 
 
-def shared_batches(tables: list[EmbeddingBagConfig], steps: int, batch_size: int = 4, max_bag: int = 3,
-                   seed: int = 0) -> list[KeyedJaggedTensor]:
-    """Each feature once per batch, with keys every table that reads it has rows for."""
+def feature_rows(tables: list[EmbeddingBagConfig]) -> dict[str, int]:
+    """Each feature, in first-use order, with the rows of the smallest table it feeds."""
     rows: dict[str, int] = {}
     for table in tables:
         for feature in table.feature_names:
             rows[feature] = min(rows.get(feature, table.num_embeddings), table.num_embeddings)
+    return rows
+
+
+def shared_batches(tables: list[EmbeddingBagConfig], steps: int, batch_size: int = 4, max_bag: int = 3,
+                   seed: int = 0) -> list[KeyedJaggedTensor]:
+    """Each feature once per batch, with keys every table that reads it has rows for."""
+    rows = feature_rows(tables)
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):

@@ -186,6 +186,15 @@ def test_table_wise_sharding_refuses_weights_it_was_not_built_for_before_anythin
             sharding.lookup(plain, weighted[1].sparse_features)
         with pytest.raises(RecInputError, match=carries):  # input_dist alone checks before its collectives
             sharding.input_dist(weighted[1].sparse_features)
+        names = ["f0a", "f0b", "f1a", "f1b"]
+        vbe = KeyedJaggedTensor(keys=names, values=torch.arange(7), lengths=torch.ones(7, dtype=torch.int64),
+                                stride_per_key_per_rank=[[2], [1], [2], [2]],
+                                inverse_indices=(names, torch.tensor([[0, 1], [0, 0], [1, 0], [0, 1]])))
+        plain(vbe)  # one process takes it
+        for call in (lambda: sharding.lookup(plain, vbe), lambda: sharding.input_dist(vbe)):
+            with pytest.raises(RecInputError, match=r"a batch size per feature \(stride_per_key_per_rank, VBE\) "
+                                                    "trains in one process only"):
+                call()
         # and at a sharded pipeline's admission, leaving the batches in flight alone
         with EmbCacheTrainPipeline(TinyDLRM(plain, emb_width(tables)), None, sharding=sharding, host_threads=1,
                                    device_threads=1) as pipe:

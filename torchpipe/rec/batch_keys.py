@@ -50,6 +50,9 @@ class TableBatch:
 
     ``inverse[p]`` is the index into ``unique_keys`` of key position ``p``; bags are
     feature-major (``num_features * batch_size`` bags) with ``offsets`` of length bags + 1.
+    A batch size per feature (TorchRec's variable batch, VBE) gives each feature its own
+    number of bags; ``bag_of_sample`` then maps each (feature, sample), feature-major, to
+    its bag, as the KJT's ``inverse_indices`` do.
     """
 
     layout: TableLayout
@@ -58,6 +61,7 @@ class TableBatch:
     offsets: torch.Tensor
     batch_size: int
     weights: Optional[torch.Tensor] = None  # per key position, as ``inverse``; None: unweighted
+    bag_of_sample: Optional[torch.Tensor] = None  # VBE only: ``num_features * batch_size`` bag indices
 
 
 @dataclass(eq=False)
@@ -257,14 +261,18 @@ def _check_jagged_structure(kjt: KeyedJaggedTensor, given: list[str]) -> None:
     values = kjt.values()
     if values.dim() != 1:
         raise RecInputError(f"feature values must be a 1-D tensor of keys, got shape {tuple(values.shape)}")
-    if kjt.variable_stride_per_key():
-        raise RecInputError("KeyedJaggedTensors with a batch size per feature (stride_per_key_per_rank, "
-                            "variable batch) are not supported: every feature needs one bag per sample")
     lengths = kjt.lengths()
-    bags = len(given) * kjt.stride()
-    if lengths.dim() != 1 or lengths.numel() != bags:
-        raise RecInputError(f"the batch's lengths have shape {tuple(lengths.shape)}, expected ({bags},): one bag per "
-                            f"feature ({len(given)}) and sample (batch size {kjt.stride()})")
+    if kjt.variable_stride_per_key():
+        _check_bags_of_samples(kjt, given)
+        bags = sum(kjt.stride_per_key())
+        if lengths.dim() != 1 or lengths.numel() != bags:
+            raise RecInputError(f"the batch's lengths have shape {tuple(lengths.shape)}, expected ({bags},): one "
+                                f"per bag, and the features have {kjt.stride_per_key()} bags (stride_per_key)")
+    else:
+        bags = len(given) * kjt.stride()
+        if lengths.dim() != 1 or lengths.numel() != bags:
+            raise RecInputError(f"the batch's lengths have shape {tuple(lengths.shape)}, expected ({bags},): one bag "
+                                f"per feature ({len(given)}) and sample (batch size {kjt.stride()})")
     if bags and int(lengths.min()) < 0:
         raise RecInputError(f"the batch's lengths must be >= 0, got {lengths[lengths < 0][:5].tolist()}")
     total = int(lengths.sum()) if bags else 0
@@ -272,11 +280,52 @@ def _check_jagged_structure(kjt: KeyedJaggedTensor, given: list[str]) -> None:
         raise RecInputError(f"the batch's lengths add up to {total} keys, but its values hold {values.numel()}")
 
 
+def _check_bags_of_samples(kjt: KeyedJaggedTensor, given: list[str]) -> None:
+    """A batch size per feature (VBE): ``inverse_indices`` must map every sample of every
+    feature to one of that feature's bags, which is how TorchRec's EBC expands its output to
+    the batch (without them its ``torch.cat`` fails on the features' different sizes)."""
+    inverse = kjt.inverse_indices_or_none()
+    if inverse is None:
+        raise RecInputError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) needs "
+                            "inverse_indices=(keys, tensor) mapping each sample to its bag of each feature, as "
+                            "TorchRec's EmbeddingBagCollection does")
+    names, index = inverse
+    if not isinstance(index, torch.Tensor) or index.dim() != 2 or index.dtype not in (torch.int32, torch.int64) \
+            or index.shape[0] != len(names):
+        raise RecInputError(f"inverse_indices must be (keys, a 2-D int32/int64 tensor of shape (len(keys), batch "
+                            f"size)), got {len(names)} keys and "
+                            f"{tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__}")
+    missing = [f for f in given if f not in names]
+    if missing:
+        raise RecInputError(f"inverse_indices has no row for features {missing} (its keys: {list(names)})")
+    row_of = {name: i for i, name in enumerate(names)}
+    for feature, bags in zip(given, kjt.stride_per_key()):
+        row = index[row_of[feature]]
+        if row.numel() and (int(row.min()) < 0 or int(row.max()) >= bags):
+            bad = row[(row < 0) | (row >= bags)]
+            raise RecInputError(f"inverse_indices of feature {feature!r} must index its {bags} bags, got "
+                                f"{bad[:5].tolist()}")
+
+
+def _bags_of_samples(kjt: KeyedJaggedTensor, feature_names: tuple[str, ...]) -> torch.Tensor:
+    """For a VBE batch: each (feature, sample) of one table's features, feature-major, as an
+    index into the table's bags (the features' bags laid end to end)."""
+    names, index = kjt.inverse_indices()
+    row_of = {name: i for i, name in enumerate(names)}
+    bags_of = dict(zip(kjt.keys(), kjt.stride_per_key()))
+    parts, start = [], 0
+    for feature in feature_names:
+        parts.append(index[row_of[feature]].to("cpu", torch.int64) + start)
+        start += bags_of[feature]
+    return torch.cat(parts)
+
+
 def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKeys:
     """Check ``kjt`` against ``layouts`` and dedup keys per table; raises `RecInputError`."""
     check_kjt(kjt, layouts)
     features = kjt.to_dict()
-    batch_size = kjt.stride()
+    variable = kjt.variable_stride_per_key()
+    batch_size = kjt.inverse_indices()[1].shape[1] if variable else kjt.stride()
     tables: dict[str, TableBatch] = {}
     for layout in layouts:
         values: list[torch.Tensor] = []
@@ -295,5 +344,6 @@ def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKe
         torch.cumsum(all_lengths, 0, out=offsets[1:])
         unique_keys, inverse = torch.unique(all_keys, sorted=True, return_inverse=True)
         tables[layout.name] = TableBatch(layout, unique_keys, inverse, offsets, batch_size,
-                                         torch.cat(weights) if weights else None)
+                                         torch.cat(weights) if weights else None,
+                                         _bags_of_samples(kjt, layout.feature_names) if variable else None)
     return BatchKeys(tables, batch_size)

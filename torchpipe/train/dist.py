@@ -144,12 +144,18 @@ class TableWiseSharding:
         """`RecInputError` unless this rank's ``kjt`` suits every table, whichever rank owns it
         (keys in range for each table a feature feeds, per-sample weights as ``is_weighted``
         says and not requiring grad). Reads only."""
-        self._check_weights_sendable(kjt)
+        self._check_sendable(kjt)
         check_kjt(kjt, self.layouts)
 
-    def _check_weights_sendable(self, kjt: KeyedJaggedTensor) -> None:
-        """The weights the exchange can carry: present iff weighted, and without a graph to
-        send gradients back through (the exchange is data only, as TorchRec's input dist)."""
+    def _check_sendable(self, kjt: KeyedJaggedTensor) -> None:
+        """What the exchange can carry: one bag per feature and sample, and weights present iff
+        weighted, without a graph to send gradients back through (the exchange is data only,
+        as TorchRec's input dist)."""
+        if not isinstance(kjt, KeyedJaggedTensor):
+            raise RecInputError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
+        if kjt.variable_stride_per_key():
+            raise RecInputError("TableWiseSharding sends one bag per feature and sample: a KeyedJaggedTensor with "
+                                "a batch size per feature (stride_per_key_per_rank, VBE) trains in one process only")
         weights = kjt.weights_or_none()
         if (weights is not None) != self._weighted:
             raise RecInputError(f"the sharding was built with is_weighted={self._weighted}, but the batch "
@@ -187,7 +193,7 @@ class TableWiseSharding:
         unchecked batch here leaves the other ranks in theirs: `lookup` and the pipeline check
         every rank's batch and agree first).
         """
-        self._check_weights_sendable(kjt)
+        self._check_sendable(kjt)
         features = kjt.to_dict()
         missing = [f for f in self.all_features if f not in features]
         if missing:
