@@ -10,16 +10,27 @@ all costs are scaled to integers over their common denominator, so block sums ar
 without rounding. Two splits whose float sums would round to the same value are therefore
 still told apart correctly, and the result is deterministic.
 
-Algorithm: dynamic programming over (blocks, prefix length) in ``O(partitions * n * log n)``.
-``best[j][i]`` is the smallest possible largest block when the first ``i`` costs form ``j``
-blocks. With non-negative costs ``best[j - 1][s]`` is non-decreasing in ``s`` and the last
-block's sum ``prefix[i] - prefix[s]`` is non-increasing in ``s``, so the best split point is
-found by bisection at their crossing.
+Algorithm, in two passes over (blocks, prefix length):
 
-Tie-break (deterministic): of the optimal splits, the last block starts as late as possible;
-the layers before it are, recursively, an optimal split of their own chosen the same way. So
-every prefix of the plan is itself optimally balanced, and zero-cost layers at the end go to
-the last block.
+1. The optimum, the smallest possible largest block, in ``O(partitions * n * log n)``:
+   ``best[j][i]`` is the smallest largest block when the first ``i`` costs form ``j`` blocks.
+   With non-negative costs ``best[j - 1][s]`` is non-decreasing in ``s`` and the last block's
+   sum ``prefix[i] - prefix[s]`` is non-increasing in ``s``, so the best split point is found
+   by bisection at their crossing.
+2. Which optimal split (ties are the rule when one layer dominates: any split that keeps the
+   other blocks under it is optimal). Of the splits whose blocks all fit under the optimum,
+   the one with the most even blocks: the smallest sum of squared block costs, then the
+   smallest sum of squared layer counts (so zero-cost layers are spread, not piled into one
+   block). A block's penalty is convex in its sum and infinite above the optimum, so it obeys
+   the quadrangle inequality, the best split points are monotone, and divide and conquer finds
+   them in ``O(partitions * n * log n)`` evaluations. Remaining ties go to the earliest split
+   point, so the result is deterministic.
+
+Why the second pass: picking any optimum (say, every last block as short as possible) packs
+the non-dominant layers into one block when a single layer (an embedding, a stem, an LM head)
+sets the bottleneck, e.g. ``[1, 10, 1, 1]`` for an embedding and 12 equal blocks on 4
+devices. That block then becomes the bottleneck under the smallest timing error, and holds
+10x the activations of its neighbours. ``[1, 4, 4, 4]`` is as fast and leaves slack everywhere.
 """
 from __future__ import annotations
 
@@ -27,7 +38,7 @@ import math
 import operator
 from fractions import Fraction
 from numbers import Integral, Rational, Real
-from typing import Iterable, List, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["blockpartition", "balance_by_cost"]
 
@@ -115,25 +126,48 @@ def _exact_integers(costs: Sequence[float]) -> List[int]:
 
 
 def _optimal_block_starts(costs: List[int], partitions: int) -> List[int]:
-    """Start index of each block of an optimal split (``starts[0] == 0``)."""
-    n = len(costs)
-    prefix = [0] * (n + 1)
+    """Start index of each block of the most even optimal split (``starts[0] == 0``)."""
+    prefix = [0] * (len(costs) + 1)
     for i, cost in enumerate(costs):
         prefix[i + 1] = prefix[i] + cost
+    return _most_even_block_starts(prefix, partitions, _smallest_largest_block(prefix, partitions))
 
-    # best[i]: optimum for the first i costs in the current number of blocks j.
-    # choice[j][i]: start of the j-th (last) block in that optimum.
-    best = prefix[:]  # j == 1: one block holds everything.
-    choice: List[List[int]] = [[0] * (n + 1)]
+
+def _smallest_largest_block(prefix: List[int], partitions: int) -> int:
+    """The optimum: the smallest possible largest block of ``partitions`` consecutive blocks."""
+    n = len(prefix) - 1
+    best = prefix[:]  # one block: the first i costs hold everything
     for blocks in range(2, partitions + 1):
         current = [0] * (n + 1)
-        chosen = [0] * (n + 1)
         # Leave room for the blocks still to come: the first `blocks` costs at least.
         for i in range(blocks, n - (partitions - blocks) + 1):
-            start, value = _best_last_block(best, prefix, lo=blocks - 1, hi=i - 1, end=i)
-            current[i] = value
-            chosen[i] = start
+            current[i] = _best_last_block(best, prefix, lo=blocks - 1, hi=i - 1, end=i)
         best = current
+    return best[n]
+
+
+def _most_even_block_starts(prefix: List[int], partitions: int, bottleneck: int) -> List[int]:
+    """Block starts of the split with every block at most ``bottleneck`` that minimises the sum
+    of squared block costs, then of squared layer counts (see the module docstring)."""
+    n = len(prefix) - 1
+    counts_weight = n * n + 1  # more than any sum of squared layer counts: costs come first
+
+    def penalty(start: int, end: int) -> Optional[int]:
+        block = prefix[end] - prefix[start]
+        if block > bottleneck:
+            return None  # not allowed (None, not math.inf: exact integers may exceed any float)
+        return block * block * counts_weight + (end - start) ** 2
+
+    # score[i]: the least total penalty of the first i costs in the current number of blocks
+    # (None: they cannot form that many blocks under the bottleneck).
+    score: List[Optional[int]] = [penalty(0, i) if i else None for i in range(n + 1)]
+    choice: List[List[int]] = [[0] * (n + 1)]
+    for blocks in range(2, partitions + 1):
+        current: List[Optional[int]] = [None] * (n + 1)
+        chosen = [0] * (n + 1)
+        ends = (blocks, n - (partitions - blocks))  # leave room for the blocks still to come
+        _fill_by_divide_and_conquer(score, current, chosen, penalty, ends, (blocks - 1, ends[1] - 1))
+        score = current
         choice.append(chosen)
 
     starts = [0] * partitions
@@ -144,9 +178,38 @@ def _optimal_block_starts(costs: List[int], partitions: int) -> List[int]:
     return starts
 
 
-def _best_last_block(before: List[int], prefix: List[int], lo: int, hi: int,
-                     end: int) -> tuple[int, int]:
-    """Best start ``s`` in ``[lo, hi]`` of a last block ending at ``end``; the latest on ties.
+def _fill_by_divide_and_conquer(before: List[Optional[int]], current: List[Optional[int]], chosen: List[int],
+                                penalty: Callable[[int, int], Optional[int]], ends: Tuple[int, int],
+                                starts: Tuple[int, int]) -> None:
+    """``current[i] = min over s of before[s] + penalty(s, i)`` for ``i`` in ``ends`` (inclusive),
+    with ``s`` in ``starts`` and ``s < i``; ``chosen[i]`` the earliest best ``s``.
+
+    The best ``s`` is non-decreasing in ``i`` (quadrangle inequality), so the middle end's best
+    start bounds the search of the ends on either side of it. An explicit stack, not recursion:
+    no recursion limit on long sequences.
+    """
+    stack = [(ends[0], ends[1], starts[0], starts[1])]
+    while stack:
+        first, last, low, high = stack.pop()
+        if first > last:
+            continue
+        middle = (first + last) // 2
+        best_value: Optional[int] = None
+        best_start = high  # no allowed start: neither does any later end have one
+        for start in range(low, min(high, middle - 1) + 1):
+            head, block = before[start], penalty(start, middle)
+            if head is None or block is None:
+                continue
+            if best_value is None or head + block < best_value:
+                best_value, best_start = head + block, start
+        current[middle], chosen[middle] = best_value, best_start
+        stack.append((first, middle - 1, low, best_start))
+        stack.append((middle + 1, last, best_start, high))
+
+
+def _best_last_block(before: List[int], prefix: List[int], lo: int, hi: int, end: int) -> int:
+    """The least ``max(before[s], last block)`` over starts ``s`` in ``[lo, hi]`` of a last
+    block ending at ``end``.
 
     ``before[s]`` (the optimum of everything before ``s``) is non-decreasing in ``s``;
     ``prefix[end] - prefix[s]`` (the last block) is non-increasing, so ``max`` of the two is
@@ -167,17 +230,4 @@ def _best_last_block(before: List[int], prefix: List[int], lo: int, hi: int,
         candidates.append(before[crossing])
     if crossing - 1 >= lo:
         candidates.append(prefix[end] - prefix[crossing - 1])
-    value = min(candidates)
-
-    if crossing <= hi and before[crossing] <= value:
-        # From the crossing on, the cost is before[s], non-decreasing: take the last s equal.
-        left, right = crossing, hi + 1
-        while left < right:
-            middle = (left + right) // 2
-            if before[middle] <= value:
-                left = middle + 1
-            else:
-                right = middle
-        return left - 1, value
-    # Below the crossing the cost is the last block, non-increasing: crossing - 1 is latest.
-    return crossing - 1, value
+    return min(candidates)
