@@ -18,7 +18,7 @@ from torch import Tensor
 __all__ = [
     "Batch", "BatchDim", "scatter", "gather", "rebuild", "why_not_gatherable", "TensorOrTensors", "batch_size",
     "samples", "check_batch_dim", "common_batch_dim", "check_joins", "nested_tensors",
-    "nested_tensor_paths", "items_of",
+    "nested_tensor_paths", "items_of", "map_nested",
 ]
 
 TensorOrTensors = Union[Tensor, Tuple[Any, ...]]
@@ -115,6 +115,24 @@ def rebuild(template: Tuple[Any, ...], items: Sequence[Any]) -> Tuple[Any, ...]:
         return kind(tuple(items))
     except Exception:  # noqa: BLE001 - a constructor of its own: the items as a plain tuple
         return tuple(items)
+
+
+def map_nested(values: Any, function: Callable[[Tensor], Any]) -> Any:
+    """``values`` with ``function`` applied to every tensor, also inside nested tuples, lists
+    and dicts; each container is rebuilt of its kind (see :func:`rebuild`), other items kept."""
+    if isinstance(values, Tensor):
+        return function(values)
+    if isinstance(values, tuple):
+        return rebuild(values, [map_nested(value, function) for value in values])
+    if isinstance(values, list):
+        return [map_nested(value, function) for value in values]
+    if isinstance(values, dict):
+        items = [(key, map_nested(value, function)) for key, value in values.items()]
+        try:  # an OrderedDict stays one; a dict subclass with a constructor of its own becomes a dict
+            return type(values)(items)
+        except Exception:  # noqa: BLE001
+            return dict(items)
+    return values
 
 
 BatchDim = Union[int, Tuple[Optional[int], ...]]

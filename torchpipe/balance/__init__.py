@@ -23,7 +23,7 @@ from torchpipe.balance.layer_call import Activation, tensors_of
 from torchpipe.balance.profile_size import profile_sizes
 from torchpipe.balance.profile_time import profile_times
 from torchpipe.balance.solver import as_count, balance_by_cost, blockpartition, check_partitions
-from torchpipe.devices import as_device, usable_device
+from torchpipe.devices import as_device, get_backend, usable_device
 from torchpipe.microbatch import BatchDim, batch_size, check_batch_dim
 
 __all__ = ["balance_by_time", "balance_by_size", "blockpartition", "balance_by_cost"]
@@ -66,9 +66,9 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: Activation, *
     micro-batches the pipe will split it into, along ``batch_dim`` (as ``Pipe(batch_dim=...)``
     splits it: ``1`` for a sequence-first model, ``None`` in a tuple for an item every
     micro-batch gets whole). A layer's cost is the activation bytes of one
-    (the largest) micro-batch plus ``param_scale`` times its parameter bytes plus its buffer
-    bytes. Activations come from the allocator on an accelerator and from the tensors autograd
-    keeps on CPU: see :mod:`torchpipe.balance.profile_size` for exactly what is counted.
+    (the largest) micro-batch plus ``param_scale`` times the bytes of its parameters that
+    require grad plus, once, those of its frozen parameters and buffers. Activations come
+    from the allocator on an accelerator and from the tensors autograd keeps on CPU: see :mod:`torchpipe.balance.profile_size` for exactly what is counted.
 
     ``param_scale`` depends on the optimizer: 2 counts weights and gradients (plain SGD); add
     1 per optimizer state tensor per parameter (SGD with momentum: 3, Adam: 4).
@@ -92,7 +92,7 @@ def _check_common(partitions: int, module: nn.Sequential, sample: Activation, ba
         raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
     partitions = check_partitions(partitions, len(module))
     batch_dim = check_batch_dim(batch_dim)
-    if not tensors_of(sample):
+    if not tensors_of(sample, "the sample"):
         raise TypeError("the sample tuple holds no Tensor to run the layers on")
     if isinstance(sample, torch.Tensor) and sample.dim() == 0:
         raise ValueError("the sample is a 0-dim tensor: it needs a batch dimension to stand for a mini-batch")
@@ -118,22 +118,24 @@ def _profiling_device(device: Optional[Device]) -> torch.device:
             return torch.device("cpu")
         return torch.device(accelerator.type, torch.accelerator.current_device_index())
     if as_device(device).type == "meta":
-        raise ValueError("device='meta' cannot be profiled: meta tensors take no time and share no "
+        raise ValueError(f"device={device!r} cannot be profiled: meta tensors take no time and share no "
                          "storage to measure; profile on the CPU or an accelerator")
     return usable_device(device)  # a clear error for a bad string, an NPU without torch_npu, no CUDA
 
 
 @contextmanager
 def _profiling_mode(device: torch.device) -> Iterator[None]:
-    """Forward plus backward whatever the caller's mode, without advancing the user's RNG.
+    """Forward plus backward whatever the caller's mode, on ``device`` as the current device,
+    without advancing the user's RNG.
 
     ``no_grad`` and ``inference_mode`` around the call would otherwise turn profiling into
     forward-only silently; the RNG is forked so that dropout in profiling draws nothing from
-    the user's random stream.
+    the user's random stream. The device is made current as a pipe's worker makes its own,
+    so a layer that allocates on ``'cuda'`` profiles on the device it would run on.
     """
     if device.type == "cpu":
         rng = torch.random.fork_rng(devices=[])
     else:
         rng = torch.random.fork_rng(devices=[device], device_type=device.type)
-    with rng, torch.inference_mode(False), torch.enable_grad():
+    with rng, torch.inference_mode(False), torch.enable_grad(), get_backend(device).use_device(device):
         yield

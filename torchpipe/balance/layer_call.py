@@ -7,8 +7,9 @@ serves each pop a fresh copy of it, so that a layer can be run many times and a 
 layer profiles with the tensor its stashing layer produced.
 
 A layer takes and returns either one tensor or a tuple, as in torchgpipe: a tuple is passed
-to the layer as a single argument. As in a pipe, a namedtuple keeps its type and the
-non-tensor items of a tuple travel unchanged.
+to the layer as a single argument. As in a pipe, a namedtuple keeps its type, the non-tensor
+items of a tuple travel unchanged, and tensors nested in its tuples, lists and dicts (an
+LSTM's ``(out, (h_n, c_n))``) are handled as its own: cut, cloned, moved and counted.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from torchpipe.microbatch import rebuild
+from torchpipe.microbatch import map_nested, nested_tensors
 from torchpipe.skip import use_skip_tracker
 from torchpipe.skip.skippable import Skippable
 from torchpipe.skip.tracker import SkipKey, skip_name
@@ -29,21 +30,21 @@ __all__ = ["Activation", "call_layer", "tensors_of", "partition_input", "to_devi
 Activation = Union[Tensor, Tuple[Tensor, ...]]
 
 
-def tensors_of(value: Activation) -> Tuple[Tensor, ...]:
-    """The tensors of an activation, whether it is one tensor or a tuple (other items skipped)."""
+def tensors_of(value: Activation, what: str = "a layer input or output") -> Tuple[Tensor, ...]:
+    """The tensors of an activation, whether it is one tensor or a tuple, also those nested in
+    its tuples, lists and dicts (other items skipped)."""
     if isinstance(value, Tensor):
         return (value,)
     if isinstance(value, tuple):
-        return tuple(x for x in value if isinstance(x, Tensor))
-    raise TypeError(f"a layer input or output must be a Tensor or a tuple, got {type(value).__name__}")
+        return tuple(nested_tensors(value))
+    raise TypeError(f"{what} must be a Tensor or a tuple, got {type(value).__name__}")
 
 
 def map_tensors(value: Activation, function: Callable[[Tensor], Tensor]) -> Activation:
-    """``value`` with ``function`` applied to each of its tensors; the rest, and a namedtuple's type, kept."""
-    if isinstance(value, Tensor):
-        return function(value)
+    """``value`` with ``function`` applied to each of its tensors, nested ones too; the rest,
+    and each container's kind (a namedtuple's type), kept."""
     tensors_of(value)  # the type check
-    return rebuild(value, [function(x) if isinstance(x, Tensor) else x for x in value])
+    return map_nested(value, function)
 
 
 def cut(value: Activation) -> Activation:

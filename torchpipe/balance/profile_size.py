@@ -2,11 +2,11 @@
 
 The cost of layer ``i`` is::
 
-    activation_bytes(i) + param_scale * parameter_bytes(i) + buffer_bytes(i)
+    activation_bytes(i) + param_scale * parameter_bytes(i) + frozen_bytes(i) + buffer_bytes(i)
 
 * ``activation_bytes``: bytes that the forward of ONE micro-batch leaves allocated until
   backward, measured on the largest micro-batch, i.e. the first ``ceil(batch / chunks)``
-  samples of the input (dimension 0 of every input tensor). How it is measured:
+  samples of the input (along ``batch_dim``, as the pipe splits it). How it is measured:
 
   - on an accelerator (CUDA, NPU, ...): the allocator's ``memory_allocated`` after the
     forward (output alive) minus before it, as torchgpipe does. The input and the layer are
@@ -23,10 +23,13 @@ The cost of layer ``i`` is::
     and in-place results share storage). Transient temporaries freed during the forward are
     not counted, on either device.
 
-* ``parameter_bytes``: bytes of the layer's distinct parameter storages, scaled by
-  ``param_scale`` for the gradient and the optimizer state (2 = weights + gradients).
-* ``buffer_bytes``: bytes of the layer's buffers (e.g. batch-norm running statistics), once:
-  they get neither gradients nor optimizer state.
+* ``parameter_bytes``: bytes of the layer's distinct storages of parameters that require
+  grad, scaled by ``param_scale`` for the gradient and the optimizer state (2 = weights +
+  gradients).
+* ``frozen_bytes``: bytes of its other parameters (``requires_grad=False``), once: a frozen
+  parameter gets neither a gradient nor optimizer state.
+* ``buffer_bytes``: bytes of the layer's buffers (e.g. batch-norm running statistics), once,
+  for the same reason.
 """
 from __future__ import annotations
 
@@ -70,9 +73,10 @@ def _size_layer(layer: nn.Module, value: Activation, param_scale: float, device:
         output, activation = _forward_measured_by_allocator(layer, value, device)
     else:
         output, activation = _forward_measured_by_autograd(layer, value, popped, skips)
-    parameters = _storage_bytes(layer.parameters())
-    buffers = _storage_bytes(layer.buffers())
-    size = activation + param_scale * parameters + buffers
+    trained = [p for p in layer.parameters() if p.requires_grad]
+    parameters = _storage_bytes(trained)
+    once = _storage_bytes([*trained, *(p for p in layer.parameters() if not p.requires_grad), *layer.buffers()])
+    size = activation + param_scale * parameters + (once - parameters)
     if not math.isfinite(size):
         raise ValueError(f"param_scale={param_scale!r} times the {parameters} parameter bytes of layer {len(sizes)} "
                          "overflows: give a param_scale of a sensible size (torchgpipe's default is 2.0)")

@@ -14,6 +14,8 @@ from typing import Iterator, Tuple
 import torch
 from torch import nn
 
+from torchpipe.notes import add_note
+
 __all__ = ["layerwise_sandbox", "blame_layer"]
 
 
@@ -41,7 +43,6 @@ def blame_layer(module: nn.Sequential, index: int) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"[torchpipe.balance] while profiling layer {index} "
-                         f"({type(module[index]).__name__}) of the module")
+        add_note(exc, f"[torchpipe.balance] while profiling layer {index} ({type(module[index]).__name__}) of "
+                      "the module")
         raise

@@ -38,7 +38,7 @@ import math
 import operator
 from fractions import Fraction
 from numbers import Integral, Rational, Real
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 __all__ = ["blockpartition", "balance_by_cost"]
 
@@ -108,8 +108,11 @@ def check_partitions(partitions: int, length: int) -> int:
 
 def _exact_integers(costs: Sequence[float]) -> List[int]:
     """Scale the costs to integers over their common denominator, exactly."""
-    if isinstance(costs, (str, bytes)) or not isinstance(costs, Iterable):
-        raise TypeError(f"costs must be a sequence of real numbers, one per layer, got {costs!r}")
+    if hasattr(costs, "tolist") and not isinstance(costs, (list, tuple)):  # a 1-D tensor or NumPy array
+        costs = costs.tolist()
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):  # a set or a dict has no order
+        raise TypeError(f"costs must be a sequence of real numbers, one per layer (a list, a tuple, a 1-D tensor "
+                        f"or array), got {type(costs).__name__} {costs!r}")
     fractions: List[Fraction] = []
     for index, cost in enumerate(costs):
         if isinstance(cost, bool) or not isinstance(cost, Real):

@@ -26,6 +26,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from ..checks import as_int, check_bool, check_positive_int
 from ..devices import usable_device
+from ..notes import add_note
 from .batch_keys import BatchKeys, TableLayout, check_weights, prepare_batch, starting_rows, table_layouts
 from .cache import CacheStats, EmbeddingCache
 from .errors import CacheTooSmallError, StaleBatchError
@@ -185,9 +186,8 @@ class CachedEmbeddingBagCollection(nn.Module):
                 missing = int(unique.numel()) - int(cache.is_cached(unique).sum())
                 error = CacheTooSmallError(layout.name, cache.cache_rows, int(unique.numel()), 0, missing,
                                            cache.cache_rows)
-                if hasattr(error, "add_note"):  # Python >= 3.11
-                    error.add_note(f"[torchpipe.rec] this batch alone has {unique.numel()} unique keys for table "
-                                   f"{layout.name!r}, more than its {cache.cache_rows} cache rows: it can never fit")
+                add_note(error, f"[torchpipe.rec] this batch alone has {unique.numel()} unique keys for table "
+                                f"{layout.name!r}, more than its {cache.cache_rows} cache rows: it can never fit")
                 raise error
 
     def plan(self, keys: BatchKeys) -> BatchPlan:

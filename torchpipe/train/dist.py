@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from ..rec.batch_keys import TABLE_DTYPE, check_kjt, embedding_names_by_table, table_layouts
+from ..notes import add_note
 from ..rec.errors import RecInputError
 
 __all__ = ["TableWiseSharding", "DistSplits", "all_to_all"]
@@ -177,9 +178,8 @@ class TableWiseSharding:
         dist.all_reduce(votes, group=self.input_group)
         refused = [rank for rank, vote in enumerate(votes.tolist()) if vote]
         if refusal is not None:
-            if hasattr(refusal, "add_note"):
-                refusal.add_note(f"[torchpipe.train] ranks {refused} refused their batch; every rank skips this "
-                                 "batch, so the ranks stay in step")
+            add_note(refusal, f"[torchpipe.train] ranks {refused} refused their batch; every rank skips this batch, "
+                              "so the ranks stay in step")
             raise refusal
         if refused:
             raise RecInputError(f"ranks {refused} refused their batch (see their error), so this rank skips its "

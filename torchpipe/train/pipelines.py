@@ -23,6 +23,7 @@ from torchrec import KeyedJaggedTensor
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
 from ..grad_sync import flatten, unflatten_into
+from ..notes import add_note
 from ..rec import BatchPlan, CachedEmbeddingBagCollection
 from ..rec.batch_keys import BatchKeys, check_kjt
 from ..rec.collection import mark_pipeline_hook
@@ -697,11 +698,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                 # Plan order: swaps complete in ticket order. Trained batches were swapped in.
                 self._in_flight.drop_all()
         except BaseException as again:  # noqa: B902 - the step's own error is the one to raise
-            if hasattr(failure.error, "add_note"):
-                failure.error.add_note(
-                    f"[torchpipe.train] completing the dropped batches' swaps failed too "
-                    f"({type(again).__name__}: {again}); the collection retries them before its next "
-                    "plan, flush or lookup")
+            add_note(failure.error, f"[torchpipe.train] completing the dropped batches' swaps failed too "
+                                    f"({type(again).__name__}: {again}); the collection retries them before its "
+                                    "next plan, flush or lookup")
         finally:
             for _, stream in others:  # ... and the next steps come after them
                 backend.wait_stream(stream, swap)

@@ -35,6 +35,7 @@ from ..checks import as_int, check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
 from ..thread_state import refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only
 from ..workers import STOP_TIMEOUT_S, Worker, available_cores, check_intra_op_threads, stop_workers
+from ..notes import add_note
 from .schedule import Clock, ClockSchedule, schedule_table
 
 __all__ = ["PipelineStage", "StagedPipeline", "PipelineFailure"]
@@ -85,9 +86,9 @@ class PipelineStage:
 def keep_flushed_outputs(error: BaseException, outputs: List[Any]) -> None:
     """Hand the outputs a failing ``flush()`` had finished to its caller: ``error.flushed_outputs``."""
     error.flushed_outputs = outputs  # type: ignore[attr-defined]
-    if outputs and hasattr(error, "add_note"):
-        error.add_note(f"[torchpipe.train] flush() finished {len(outputs)} batches before this failure: their "
-                       "outputs are in this error's flushed_outputs")
+    if outputs:
+        add_note(error, f"[torchpipe.train] flush() finished {len(outputs)} batches before this failure: their "
+                        "outputs are in this error's flushed_outputs")
 
 
 class PipelineFailure:
@@ -106,9 +107,9 @@ class PipelineFailure:
 
 def _note_unreturned(exc: BaseException, clock: Clock) -> None:
     """Tell the caller that ``clock``'s finished batch, if any, is lost with ``exc`` (the rest stays in flight)."""
-    if clock.finished is not None and hasattr(exc, "add_note"):
-        exc.add_note(f"[torchpipe.train] after clock {clock.index}: batch {clock.finished} did finish "
-                     "(its output is not returned); the batches in flight stay in flight")
+    if clock.finished is not None:
+        add_note(exc, f"[torchpipe.train] after clock {clock.index}: batch {clock.finished} did finish "
+                      "(its output is not returned); the batches in flight stay in flight")
 
 
 class _FirstFailure:
@@ -424,11 +425,10 @@ class StagedPipeline:
         if self._on_failure is not None:
             self._on_failure(failure)
         stage = self._failure.stage or "caller (interrupted)"
-        if hasattr(exc, "add_note"):
-            finished = [b for s, b in clock.active if s == self.depth - 1 and s in completed]
-            done = f"; batch {finished[0]} did finish (its output is not returned)" if finished else ""
-            exc.add_note(f"[torchpipe.train] clock {clock.index} failed in stage {stage!r}; "
-                         f"batches {dropped} were in flight and dropped{done}; the pipeline is empty and usable")
+        finished = [b for s, b in clock.active if s == self.depth - 1 and s in completed]
+        done = f"; batch {finished[0]} did finish (its output is not returned)" if finished else ""
+        add_note(exc, f"[torchpipe.train] clock {clock.index} failed in stage {stage!r}; "
+                      f"batches {dropped} were in flight and dropped{done}; the pipeline is empty and usable")
 
     def _record(self) -> None:
         """Add the runtime's last step to the timings, once."""
