@@ -92,12 +92,23 @@ def test_too_small_raises_with_numbers_before_any_change() -> None:
     err = info.value
     assert (err.cache_rows, err.keys_requested, err.keys_protected, err.slots_available) == (4, 2, 3, 1)
     assert "cache_rows=4" in str(err) and "protected by in-flight batches=3" in str(err)
+    assert "Raise cache_rows to at least 5 or keep fewer batches in flight." in str(err)
     assert isinstance(err, RuntimeError)
     assert_unchanged(before, snapshot(cache))
     with pytest.raises(CacheTooSmallError):
         cache.check_fits(keys(5, 6))
     assert_unchanged(before, snapshot(cache))
+    # Review: a key both requested and protected was counted twice in the advice (6, where 5
+    # rows hold the union {0, 1, 2, 3, 4}).
+    with pytest.raises(CacheTooSmallError, match=r"at least 5 or keep") as info:
+        cache.plan_swap(keys(2, 3, 4))
+    assert info.value.rows_needed == 5
+    twin = EmbeddingCache(20, 5)
+    twin.plan_swap(keys(0, 1, 2))
+    twin.plan_swap(keys(2, 3, 4))  # and 5 rows do hold it
     cache.release(in_flight)
+    with pytest.raises(CacheTooSmallError, match=r"at least 5\.$"):  # nothing in flight: no advice about it
+        cache.plan_swap(keys(0, 1, 2, 3, 4))
     cache.release(cache.plan_swap(keys(5, 6)))  # fits once released
 
 

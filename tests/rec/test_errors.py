@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from rec_helpers import integer_weights, make_kjt, make_tables
@@ -9,8 +11,8 @@ from torchrec import KeyedJaggedTensor
 
 from torchpipe.devices import BackendUnavailableError
 from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, CacheTooSmallError, EmbeddingCache,
-                           FullTableEmbeddingBagCollection, HostEmbeddingTable, RecInputError, RowWiseAdagrad,
-                           StaleBatchError)
+                           FullTableEmbeddingBagCollection, HostEmbeddingTable, RecInputError, RowOptimizer,
+                           RowWiseAdagrad, StaleBatchError)
 
 
 def model_and_state() -> tuple[CachedEmbeddingBagCollection, callable]:
@@ -335,10 +337,47 @@ def test_dicts_may_hold_other_tables() -> None:
     (lambda: Adam(beta2=2), ValueError, r"beta2 must be a float in \[0, 1\), got 2"),
     (lambda: Adam(beta2="0.9"), TypeError, r"beta2 must be a float in \[0, 1\)"),
     (lambda: Adam(eps=-1e-8), ValueError, "eps must be a finite float >= 0"),
+    # Review: below 1 in double precision, 1.0 in the rows' float32: NaN or inf rows after one step.
+    (lambda: Adam(beta2=0.99999999), ValueError, r"beta2=0.99999999 rounds to 1.0 in float32, the rows' dtype"),
+    (lambda: Adam(beta1=1 - 1e-9), ValueError, r"beta1=0.999999999 rounds to 1.0 in float32"),
+    (lambda: Adam(eps=1e-50), ValueError, r"eps=1e-50 rounds to 0 in float32"),
+    (lambda: RowWiseAdagrad(eps=1e-46), ValueError, r"eps=1e-46 rounds to 0 in float32"),
 ])
 def test_row_optimizers_refuse_bad_hyperparameters(build, error: type, words: str) -> None:
     with pytest.raises(error, match=words):
         build()
+
+
+@pytest.mark.parametrize("kind", ["cached", "full"])
+def test_an_optimizer_is_replaced_only_by_one_with_the_same_state(kind: str) -> None:
+    """Review: ``ebc.optimizer = RowWiseAdagrad(...)`` on Adam rows was taken, and Adagrad
+    trained on Adam's first moment as its accumulator; a new lr or new betas are fine."""
+    tables = make_tables(num_rows=(10, 10))
+    weights = integer_weights(tables)
+    build = (lambda opt: CachedEmbeddingBagCollection(tables, 8, optimizer=opt, weights=weights)) \
+        if kind == "cached" else (lambda opt: FullTableEmbeddingBagCollection(tables, optimizer=opt, weights=weights))
+    model = build(Adam(lr=0.1))
+    for other in (RowWiseAdagrad(lr=0.1), SGD(lr=0.1)):
+        with pytest.raises(TypeError, match=rf"rows hold Adam's state \(10 columns in table 't0'\); "
+                                            rf"{type(other).__name__} keeps another state"):
+            model.optimizer = other
+        assert model.optimizer == Adam(lr=0.1)
+    for bad, words in ((None, "cannot be set to None"), (torch.optim.SGD, "RowOptimizer instance"),
+                       (RowOptimizer(), "RowOptimizer instance")):
+        with pytest.raises(TypeError, match=words):
+            model.optimizer = bad
+    model.optimizer = dataclasses.replace(model.optimizer, lr=0.5, beta1=0.5)
+    assert model.optimizer == Adam(lr=0.5, beta1=0.5)
+    kjt = make_kjt(tables, bags([1, 2]))
+    reference = build(Adam(lr=0.5, beta1=0.5))
+    for ebc in (model, reference):
+        ebc(kjt).values().sum().backward()
+        if kind == "cached":
+            ebc.flush()
+    for layout in model.layouts:
+        assert torch.equal(model.full_weight(layout.name), reference.full_weight(layout.name))
+    with pytest.raises(TypeError, match="RowOptimizer instance"):
+        build(RowOptimizer())
 
 
 def test_row_optimizers_accept_torch_optims_boundaries() -> None:

@@ -55,8 +55,10 @@ def test_one_row_below_the_window_minimum_is_refused_with_numbers() -> None:
     minimal = window_minimum(tables, batches)
     model, opt = build(tables, minimal - 1, SGD(lr=1.0))
     with EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1) as pipe:
-        with pytest.raises(CacheTooSmallError, match=f"cache_rows={minimal - 1}"):
+        with pytest.raises(CacheTooSmallError, match=f"cache_rows={minimal - 1}") as info:
             drain(pipe, iter(batches))
+        assert "cache_rows must hold the unique keys a table gets in any 3 consecutive batches" in "".join(
+            info.value.__notes__)
         assert model.ebc.in_flight() == 0 and model.ebc.pending_writes() == 0
 
 

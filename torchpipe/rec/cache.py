@@ -129,8 +129,9 @@ class EmbeddingCache:
         missing = int(keys.numel()) - int(hit_slots.numel())
         error = None
         if missing > available:
-            error = CacheTooSmallError(self.name, self.cache_rows, int(keys.numel()),
-                                       self._protected, missing, available)
+            protected_hits = int(self._protect_count.index_select(0, hit_slots).gt(0).sum())
+            error = CacheTooSmallError(self.name, self.cache_rows, int(keys.numel()), self._protected, missing,
+                                       available, rows_needed=int(keys.numel()) + self._protected - protected_hits)
         return slots, hit_slots, available, error
 
     def _capacity_error(self, keys: torch.Tensor) -> CacheTooSmallError | None:

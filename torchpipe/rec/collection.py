@@ -33,7 +33,7 @@ from .errors import CacheTooSmallError, StaleBatchError
 from .eviction import check_policy
 from .fused_lookup import fused_pooled_lookup
 from .host_table import HostEmbeddingTable
-from .optim import RowOptimizer, check_row_optimizer
+from .optim import FusedOptimizerAttribute, RowOptimizer, check_row_optimizer
 from .portable import fresh_locks, in_use_error, state_without_locks
 from .swap_plan import SwapPlan
 
@@ -115,6 +115,8 @@ class CachedEmbeddingBagCollection(nn.Module):
     """
 
     _LOCKS = {"_plan_lock": threading.Lock, "_finish_lock": threading.RLock}
+
+    optimizer = FusedOptimizerAttribute()
 
     def __init__(self, tables: list[EmbeddingBagConfig], cache_rows: int | dict[str, int],
                  device: torch.device | str | None = None, optimizer: RowOptimizer | None = None,

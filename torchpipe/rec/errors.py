@@ -20,19 +20,23 @@ class CacheTooSmallError(RuntimeError):
     """
 
     def __init__(self, table: str, cache_rows: int, keys_requested: int, keys_protected: int,
-                 keys_missing: int, slots_available: int) -> None:
+                 keys_missing: int, slots_available: int, rows_needed: int | None = None) -> None:
         self.table = table
         self.cache_rows = cache_rows
         self.keys_requested = keys_requested
         self.keys_protected = keys_protected
         self.keys_missing = keys_missing
         self.slots_available = slots_available
+        #: the least cache_rows that holds this batch's keys and the protected ones together
+        #: (a key in both counts once); without the overlap known, their sum
+        self.rows_needed = keys_requested + keys_protected if rows_needed is None else rows_needed
+        fewer = " or keep fewer batches in flight" if keys_protected else ""
         super().__init__(
             f"embedding cache of table {table!r} is too small: cache_rows={cache_rows}, "
             f"keys requested by this batch={keys_requested} ({keys_missing} not cached), "
             f"keys protected by in-flight batches={keys_protected}, "
             f"slots free or evictable={slots_available}. Raise cache_rows to at least "
-            f"{keys_requested + keys_protected} or keep fewer batches in flight."
+            f"{self.rows_needed}{fewer}."
         )
 
 

@@ -43,7 +43,8 @@ def choose_victims(candidates: torch.Tensor, count: int, policy: str, key_of_slo
 
     ``'lru'``: least recently used first. ``'lfu'``: lowest key frequency first, ties broken
     by least recently used (FBGEMM's LFU keeps a frequency per key over the whole table,
-    so a key keeps its count when it leaves the cache; so do we). Remaining ties: lower slot
+    so a key keeps its count when it leaves the cache; so do we. A key's frequency here is
+    the number of batches that held it; FBGEMM adds its occurrences). Remaining ties: lower slot
     id first (stable sorts over ascending ``candidates``). Returns the victims in that order.
     """
     check_policy(policy)

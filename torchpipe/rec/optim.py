@@ -19,7 +19,22 @@ import torch
 
 from ..checks import check_real
 
-__all__ = ["RowOptimizer", "SGD", "RowWiseAdagrad", "Adam", "check_row_optimizer"]
+__all__ = ["RowOptimizer", "SGD", "RowWiseAdagrad", "Adam", "check_row_optimizer", "FusedOptimizerAttribute"]
+
+ROW_DTYPE = torch.float32  # the rows' dtype (batch_keys.TABLE_DTYPE): what hyper-parameters are multiplied in
+
+
+def _check_held_in_rows(name: str, value: float, *, below_one: bool = False) -> None:
+    """``ValueError`` for a value that passes the double-precision check but changes meaning in
+    the rows' float32: a beta below 1 that rounds to 1 (``1 - beta**t`` becomes 0: NaN or inf
+    rows), an ``eps`` above 0 that rounds to 0."""
+    held = float(torch.tensor(float(value), dtype=ROW_DTYPE))
+    if below_one and held >= 1.0:
+        raise ValueError(f"{name}={value!r} rounds to {held} in float32, the rows' dtype, where it must stay below 1 "
+                         "(1 - beta**t would be 0); take a beta further from 1")
+    if not below_one and value > 0 and held == 0.0:
+        raise ValueError(f"{name}={value!r} rounds to 0 in float32, the rows' dtype; give 0 or at least "
+                         f"{torch.finfo(ROW_DTYPE).tiny:g}")
 
 
 class RowOptimizer:
@@ -73,6 +88,7 @@ class RowWiseAdagrad(RowOptimizer):
     def __post_init__(self) -> None:
         check_real("lr", self.lr, 0.0)
         check_real("eps", self.eps, 0.0)
+        _check_held_in_rows("eps", self.eps)
 
     def state_names(self, dim: int) -> list[str]:
         return ["sum_sq_mean"]
@@ -112,6 +128,9 @@ class Adam(RowOptimizer):
         check_real("beta1", self.beta1, 0.0, 1.0)
         check_real("beta2", self.beta2, 0.0, 1.0)
         check_real("eps", self.eps, 0.0)
+        _check_held_in_rows("beta1", self.beta1, below_one=True)
+        _check_held_in_rows("beta2", self.beta2, below_one=True)
+        _check_held_in_rows("eps", self.eps)
 
     def state_names(self, dim: int) -> list[str]:
         return [f"m{i}" for i in range(dim)] + [f"v{i}" for i in range(dim)] + ["beta1_pow", "beta2_pow"]
@@ -146,7 +165,42 @@ def check_row_optimizer(optimizer: object) -> RowOptimizer:
     """
     if optimizer is None:
         return SGD()
-    if not isinstance(optimizer, RowOptimizer):
+    if not isinstance(optimizer, RowOptimizer) or type(optimizer).apply is RowOptimizer.apply:
         raise TypeError(f"optimizer must be a torchpipe.rec RowOptimizer instance (SGD, RowWiseAdagrad, Adam) or "
                         f"None, got {optimizer!r}")
     return optimizer
+
+
+class FusedOptimizerAttribute:
+    """A collection's ``optimizer``: replaceable, for a new learning rate or new betas, by an
+    optimizer whose state has the same columns in every table.
+
+    Why checked: the optimizer's state lives in the rows. Another kind (Adagrad after Adam)
+    would read the old state's columns as its own and train on garbage, silently, or fail
+    only inside a backward; so assigning one is a ``TypeError`` and the collection keeps its
+    optimizer. To schedule the learning rate: ``ebc.optimizer = dataclasses.replace(
+    ebc.optimizer, lr=new_lr)``.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = f"_{name}"
+
+    def __get__(self, collection: object, owner: type | None = None) -> "RowOptimizer | FusedOptimizerAttribute":
+        if collection is None:
+            return self
+        return collection.__dict__[self._slot]
+
+    def __set__(self, collection: object, optimizer: object) -> None:
+        if optimizer is None:
+            raise TypeError("optimizer cannot be set to None on a built collection: give a RowOptimizer")
+        optimizer = check_row_optimizer(optimizer)
+        current = collection.__dict__.get(self._slot)
+        if current is not None:
+            for layout in collection.layouts:  # type: ignore[attr-defined]
+                if optimizer.state_names(layout.dim) != current.state_names(layout.dim):
+                    raise TypeError(f"this collection's rows hold {type(current).__name__}'s state "
+                                    f"({current.state_width(layout.dim)} columns in table {layout.name!r}); "
+                                    f"{type(optimizer).__name__} keeps another state and cannot take over. "
+                                    f"Replace it by another {type(current).__name__} (dataclasses.replace(ebc.optimizer, "
+                                    "lr=...)), or build a new collection")
+        collection.__dict__[self._slot] = optimizer

@@ -14,13 +14,15 @@ from ..checks import check_bool
 from ..devices import usable_device
 from .batch_keys import check_weights, prepare_batch, starting_rows, table_layouts
 from .fused_lookup import fused_pooled_lookup
-from .optim import RowOptimizer, check_row_optimizer
+from .optim import FusedOptimizerAttribute, RowOptimizer, check_row_optimizer
 
 __all__ = ["FullTableEmbeddingBagCollection"]
 
 
 class FullTableEmbeddingBagCollection(nn.Module):
     """A fused-optimizer EBC holding full tables ``[num_rows, dim + state_width]`` on ``device``."""
+
+    optimizer = FusedOptimizerAttribute()
 
     def __init__(self, tables: list[EmbeddingBagConfig], device: torch.device | str | None = None,
                  optimizer: RowOptimizer | None = None, weights: dict[str, torch.Tensor] | None = None,

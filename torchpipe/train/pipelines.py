@@ -24,7 +24,7 @@ from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
 from ..grad_sync import flatten, unflatten_into
 from ..notes import add_note
-from ..rec import BatchPlan, CachedEmbeddingBagCollection
+from ..rec import BatchPlan, CachedEmbeddingBagCollection, CacheTooSmallError
 from ..rec.batch_keys import BatchKeys, check_kjt
 from ..rec.collection import mark_pipeline_hook
 from ..thread_state import records_graphs
@@ -599,7 +599,13 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
     def _plan(self, item: _Item) -> _Item:
         assert item.keys is not None
-        plan = self.collection.plan(item.keys)
+        try:
+            plan = self.collection.plan(item.keys)
+        except CacheTooSmallError as error:  # its advice counts this moment's batches: say what the pipeline needs
+            add_note(error, "[torchpipe.train] this pipeline keeps the keys of 3 consecutive batches in the cache "
+                            "(the one planned, the one swapping, the one training): cache_rows must hold the "
+                            "unique keys a table gets in any 3 consecutive batches")
+            raise
         item.plan = plan
         self._in_flight.add(item)
         return item
