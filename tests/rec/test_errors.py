@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -378,6 +380,16 @@ def test_an_optimizer_is_replaced_only_by_one_with_the_same_state(kind: str) -> 
         assert torch.equal(model.full_weight(layout.name), reference.full_weight(layout.name))
     with pytest.raises(TypeError, match="RowOptimizer instance"):
         build(RowOptimizer())
+    with pytest.raises(AttributeError, match="optimizer cannot be deleted"):
+        del model.optimizer
+    # Copies keep the replaced optimizer, and a collection pickled when ``optimizer`` was a plain
+    # attribute (review) still loads and trains.
+    assert copy.deepcopy(model).optimizer == pickle.loads(pickle.dumps(model)).optimizer == model.optimizer
+    legacy = pickle.loads(pickle.dumps(model))
+    legacy.__dict__["optimizer"] = legacy.__dict__.pop("_optimizer")
+    revived = pickle.loads(pickle.dumps(legacy))
+    assert revived.optimizer == model.optimizer
+    revived(kjt).values().sum().backward()
 
 
 def test_row_optimizers_accept_torch_optims_boundaries() -> None:

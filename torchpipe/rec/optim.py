@@ -183,12 +183,15 @@ class FusedOptimizerAttribute:
     """
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self._slot = f"_{name}"
+        self._name, self._slot = name, f"_{name}"
 
     def __get__(self, collection: object, owner: type | None = None) -> "RowOptimizer | FusedOptimizerAttribute":
         if collection is None:
             return self
-        return collection.__dict__[self._slot]
+        state = collection.__dict__
+        if self._slot not in state and self._name in state:  # pickled before the attribute was checked
+            state[self._slot] = state.pop(self._name)
+        return state[self._slot]
 
     def __set__(self, collection: object, optimizer: object) -> None:
         if optimizer is None:
@@ -204,3 +207,6 @@ class FusedOptimizerAttribute:
                                     f"Replace it by another {type(current).__name__} (dataclasses.replace(ebc.optimizer, "
                                     "lr=...)), or build a new collection")
         collection.__dict__[self._slot] = optimizer
+
+    def __delete__(self, collection: object) -> None:
+        raise AttributeError("a collection's optimizer cannot be deleted: its rows hold the optimizer's state")
