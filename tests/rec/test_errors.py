@@ -51,12 +51,16 @@ def bags(keys_a: list[int]) -> dict[str, list[list[int]]]:
     # Review: a KJT's structure was not checked; these failed in the lookup, after the swap.
     ("negative_length", RecInputError, r"lengths must be >= 0, got \[-1\]"),
     ("values_2d", RecInputError, r"1-D tensor of keys, got shape \(8, 1\)"),
-    ("variable_batch", RecInputError, r"batch size per feature \(stride_per_key_per_rank\) needs inverse_indices"),
+    ("variable_batch", RecInputError, r"different numbers of bags \(\{'f0a': 2, 'f0b': 1, 'f1a': 2, 'f1b': 2\}, a "
+                                      r"batch size per feature: stride_per_key_per_rank\) needs inverse_indices"),
+    ("vbe_strides_short", RecInputError, r"stride_per_key_per_rank must hold one list per feature \(4\), each with "
+                                         r"one bag count per rank, got \[\[2\], \[1\], \[2\]\]"),
     ("vbe_inverse_missing_feature", RecInputError, r"inverse_indices has no row for features \['f1b'\]"),
     ("vbe_inverse_out_of_range", RecInputError, r"inverse_indices of feature 'f0b' must index its 1 bags, got \[1\]"),
     ("vbe_inverse_1d", RecInputError, r"inverse_indices must be \(keys, a 2-D int32/int64 tensor"),
     ("vbe_lengths", RecInputError, r"lengths have shape \(8,\), expected \(7,\): one per bag, and the features "
-                                   r"have \[2, 1, 2, 2\] bags"),
+                                   r"have \{'f0a': 2, 'f0b': 1, 'f1a': 2, 'f1b': 2\} bags"),
+    ("inverse_float", RecInputError, r"int32/int64 tensor .*, got 4 keys and torch.float32 of shape \(4, 2\)"),
     ("lengths_beyond_values", RecInputError, "lengths add up to 9 keys, but its values hold 5"),
     ("lengths_short_of_values", RecInputError, "lengths add up to 8 keys, but its values hold 10"),
     ("bags_not_per_feature", RecInputError, r"lengths have shape \(7,\), expected \(4,\)"),
@@ -85,6 +89,13 @@ def test_bad_input_is_refused_before_any_state_change(case: str, error: type, wo
     elif case == "variable_batch":
         kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(7), lengths=torch.ones(7, dtype=torch.int64),
                                 stride_per_key_per_rank=[[2], [1], [2], [2]])
+    elif case == "vbe_strides_short":  # torchrec drops the fourth feature's bags from to_dict()
+        kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(7), lengths=torch.ones(7, dtype=torch.int64),
+                                stride_per_key_per_rank=[[2], [1], [2]],
+                                inverse_indices=(NAMES, torch.zeros(4, 2, dtype=torch.int64)))
+    elif case == "inverse_float":  # one batch size, with inverse_indices: TorchRec applies them
+        kjt = KeyedJaggedTensor(keys=NAMES, values=torch.arange(8), lengths=torch.ones(8, dtype=torch.int64),
+                                inverse_indices=(NAMES, torch.zeros(4, 2)))
     elif case.startswith("vbe_"):
         inverse = {"vbe_inverse_missing_feature": (NAMES[:3], torch.tensor([[0, 1], [0, 0], [1, 0]])),
                    "vbe_inverse_out_of_range": (NAMES, torch.tensor([[0, 1], [0, 1], [1, 0], [0, 1]])),
@@ -344,6 +355,10 @@ def test_dicts_may_hold_other_tables() -> None:
     (lambda: Adam(beta1=1 - 1e-9), ValueError, r"beta1=0.999999999 rounds to 1.0 in float32"),
     (lambda: Adam(eps=1e-50), ValueError, r"eps=1e-50 rounds to 0 in float32"),
     (lambda: RowWiseAdagrad(eps=1e-46), ValueError, r"eps=1e-46 rounds to 0 in float32"),
+    (lambda: SGD(lr=1e-46), ValueError, r"lr=1e-46 rounds to 0 in float32.* \(at least 1.4013e-45\)"),
+    (lambda: SGD(lr=1e39), ValueError, r"lr=1e\+39 is beyond float32's range, the rows' dtype"),
+    (lambda: RowWiseAdagrad(eps=1e39), ValueError, r"eps=1e\+39 is beyond float32's range"),
+    (lambda: Adam(lr=1e39), ValueError, r"lr=1e\+39 is beyond float32's range"),
 ])
 def test_row_optimizers_refuse_bad_hyperparameters(build, error: type, words: str) -> None:
     with pytest.raises(error, match=words):
@@ -390,6 +405,17 @@ def test_an_optimizer_is_replaced_only_by_one_with_the_same_state(kind: str) -> 
     revived = pickle.loads(pickle.dumps(legacy))
     assert revived.optimizer == model.optimizer
     revived(kjt).values().sum().backward()
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.9, 0.9999999), (0.9999999, 0.999)])
+def test_adams_first_step_is_lr_against_the_gradients_sign(betas) -> None:
+    """Review: (1 - beta) was taken from the double beta and beta**t from the float32 one, so
+    near 1 they did not cancel: a first step of 1.09 lr (beta2 = 0.9999999) where torch's
+    Adam steps exactly lr."""
+    optimizer = Adam(lr=1.0, beta1=betas[0], beta2=betas[1], eps=0.0)
+    rows = torch.cat([torch.zeros(1, 3), optimizer.init_state(1, 3)], dim=1)
+    stepped = optimizer.apply(rows, torch.tensor([[0.5, -3.0, 1e-3]]), 3)
+    assert stepped[0, :3].tolist() == [-1.0, 1.0, -1.0]
 
 
 def test_row_optimizers_accept_torch_optims_boundaries() -> None:

@@ -174,3 +174,34 @@ def test_the_train_pipeline_on_vbe_batches_equals_the_unpipelined_loop_bitwise()
     for table in tables:
         assert torch.equal(ebc.full_weight(table.name), reference.ebc.full_weight(table.name)), table.name
     assert sum(stats.swapped_out for stats in ebc.cache_stats().values()) > 0
+
+
+@pytest.mark.parametrize("kind", ["cached", "full"])
+def test_inverse_indices_on_one_batch_size_and_equal_bags_without_them_are_torchrecs(kind: str) -> None:
+    """Review: TorchRec applies ``inverse_indices`` whenever a KJT has them (request-level dedup
+    gives one batch size, fewer bags than samples), and pools a VBE KJT whose features all have
+    as many bags as there are samples without any; ours ignored the first and refused the second."""
+    tables = shared_tables()
+    theirs = torchrec_ebc(tables)
+    ours = (CachedEmbeddingBagCollection(tables, 40, optimizer=SGD(lr=1.0), weights=integer_weights(tables))
+            if kind == "cached" else
+            FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=integer_weights(tables)))
+    plain = shared_batches(tables, 4, batch_size=3, seed=11)
+    g = torch.Generator().manual_seed(12)
+    for i, kjt in enumerate(plain):
+        keys = kjt.keys()
+        deduped = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=kjt.lengths(), inverse_indices=(
+            keys, torch.randint(0, 3, (len(keys), 5), generator=g)))
+        split_over_ranks = KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=kjt.lengths(),
+                                             stride_per_key_per_rank=[[1, 2]] * len(keys))
+        assert not deduped.variable_stride_per_key() and split_over_ranks.variable_stride_per_key()
+        for batch, samples in ((deduped, 5), (split_over_ranks, 3)):
+            out, expected = ours(batch), theirs(batch)
+            assert out.values().shape == expected.values().shape == (samples, sum(out.length_per_key()))
+            assert torch.equal(out.values(), expected.values())
+            coefficients = torch.randint(-2, 3, out.values().shape, generator=g).float()
+            (out.values() * coefficients).sum().backward()
+            (expected.values() * coefficients).sum().backward()
+            sgd_step_on_theirs(theirs)
+            for name, bag in theirs.embedding_bags.items():
+                assert torch.equal(ours.full_weight(name), bag.weight.detach()), (i, name)

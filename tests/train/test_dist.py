@@ -390,3 +390,60 @@ def sharding_refusal_worker(rank: int, init_file: str, tests_dir: str) -> None:
 
 def test_sharding_refuses_bad_batches_and_configs_on_every_rank_together(tmp_path) -> None:
     run_ranks(sharding_refusal_worker, tmp_path)
+
+
+def agreement_worker(rank: int, init_file: str, tests_dir: str) -> None:
+    """Review: ranks set up differently failed on one rank and left the other in a collective
+    (a weighted sharding on one rank only: gloo aborted the process, or both waited for the
+    group's timeout); a collection that did not match the sharding on one rank, at lookup or
+    when a pipeline was built; an owner whose lookup failed after the key exchange."""
+    join(rank, init_file, tests_dir, timeout_s=20)
+    from train_helpers import integer_weights, make_batches, make_tables
+    from torchrec import PoolingType
+
+    from torchpipe.rec import CachedEmbeddingBagCollection, CacheTooSmallError
+    from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
+
+    def refused_on_both(build, mine: str, theirs: str, error: type = ValueError) -> None:
+        try:
+            build()
+        except error as exc:
+            text = str(exc) + "".join(getattr(exc, "__notes__", []))
+            assert (mine if rank == 1 else theirs) in text, text
+        else:
+            raise AssertionError(f"rank {rank}: {mine!r} was not refused")
+
+    try:
+        tables = make_tables(pooling=(PoolingType.SUM,))
+        output_group = dist.new_group(list(range(WORLD)), timeout=datetime.timedelta(seconds=20))
+        refused_on_both(lambda: TableWiseSharding(tables, output_group=output_group, is_weighted=rank == 1),
+                        "is_weighted: False on rank 0, True on rank 1", "is_weighted: False on rank 0, True on rank 1")
+        refused_on_both(lambda: TableWiseSharding(tables, output_group=output_group, is_weighted=1 if rank else False),
+                        "is_weighted must be a bool, got 1", "ranks [1] refused their TableWiseSharding arguments",
+                        (TypeError, ValueError))
+        sharding = TableWiseSharding(tables, output_group=output_group)
+        weights = integer_weights(tables)
+        good = CachedEmbeddingBagCollection(sharding.local_tables, 64, weights=weights)
+        odd = CachedEmbeddingBagCollection(sharding.local_tables, 64, weights=weights, is_weighted=rank == 1)
+        batch = make_batches(tables, 1, seed=rank)[0]
+        refused_on_both(lambda: sharding.lookup(odd, batch.sparse_features),
+                        "the collection was built with is_weighted=True but the sharding with is_weighted=False",
+                        "ranks [1] refused their batch (see their error)")
+        model = torch.nn.Module()
+        model.ebc = odd
+        refused_on_both(lambda: EmbCacheTrainPipeline(model, None, sharding=sharding, host_threads=1,
+                                                      device_threads=1),
+                        "the collection was built with is_weighted=True", "ranks [1] refused their collection")
+        # Rank 1's cache holds 2 rows: enough for its own batch, not for the global one.
+        small = CachedEmbeddingBagCollection(sharding.local_tables, 64 if rank == 0 else 2, weights=weights)
+        refused_on_both(lambda: sharding.lookup(small, batch.sparse_features), "is too small",
+                        "ranks [1] refused their lookup (see their error)", (CacheTooSmallError, RuntimeError))
+        with torch.no_grad():  # and the ranks are still in step
+            assert sharding.lookup(good, batch.sparse_features).values().shape[0] == len(batch.labels)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_set_up_differently_all_raise_instead_of_waiting_for_each_other(tmp_path) -> None:
+    run_ranks(agreement_worker, tmp_path)

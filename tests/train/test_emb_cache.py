@@ -195,7 +195,7 @@ def test_table_wise_sharding_refuses_weights_it_was_not_built_for_before_anythin
         plain(vbe)  # one process takes it
         for call in (lambda: sharding.lookup(plain, vbe), lambda: sharding.input_dist(vbe)):
             with pytest.raises(RecInputError, match=r"a batch size per feature \(stride_per_key_per_rank, VBE\) "
-                                                    "trains in one process only"):
+                                                    "or inverse_indices trains in one process only"):
                 call()
         # and at a sharded pipeline's admission, leaving the batches in flight alone
         with EmbCacheTrainPipeline(TinyDLRM(plain, emb_width(tables)), None, sharding=sharding, host_threads=1,

@@ -51,8 +51,8 @@ class TableBatch:
     ``inverse[p]`` is the index into ``unique_keys`` of key position ``p``; bags are
     feature-major (``num_features * batch_size`` bags) with ``offsets`` of length bags + 1.
     A batch size per feature (TorchRec's variable batch, VBE) gives each feature its own
-    number of bags; ``bag_of_sample`` then maps each (feature, sample), feature-major, to
-    its bag, as the KJT's ``inverse_indices`` do.
+    number of bags; a KJT with ``inverse_indices`` (VBE or not) has ``bag_of_sample``, which
+    maps each (feature, sample), feature-major, to its bag, as those indices do.
     """
 
     layout: TableLayout
@@ -61,7 +61,7 @@ class TableBatch:
     offsets: torch.Tensor
     batch_size: int
     weights: Optional[torch.Tensor] = None  # per key position, as ``inverse``; None: unweighted
-    bag_of_sample: Optional[torch.Tensor] = None  # VBE only: ``num_features * batch_size`` bag indices
+    bag_of_sample: Optional[torch.Tensor] = None  # with inverse_indices: ``num_features * batch_size`` bags
 
 
 @dataclass(eq=False)
@@ -262,17 +262,18 @@ def _check_jagged_structure(kjt: KeyedJaggedTensor, given: list[str]) -> None:
     if values.dim() != 1:
         raise RecInputError(f"feature values must be a 1-D tensor of keys, got shape {tuple(values.shape)}")
     lengths = kjt.lengths()
-    if kjt.variable_stride_per_key():
-        _check_bags_of_samples(kjt, given)
-        bags = sum(kjt.stride_per_key())
-        if lengths.dim() != 1 or lengths.numel() != bags:
-            raise RecInputError(f"the batch's lengths have shape {tuple(lengths.shape)}, expected ({bags},): one "
-                                f"per bag, and the features have {kjt.stride_per_key()} bags (stride_per_key)")
-    else:
-        bags = len(given) * kjt.stride()
-        if lengths.dim() != 1 or lengths.numel() != bags:
-            raise RecInputError(f"the batch's lengths have shape {tuple(lengths.shape)}, expected ({bags},): one bag "
-                                f"per feature ({len(given)}) and sample (batch size {kjt.stride()})")
+    bags_per_feature = _bags_per_feature(kjt, given)
+    if kjt.inverse_indices_or_none() is not None:
+        _check_bags_of_samples(kjt, given, bags_per_feature)
+    elif len(set(bags_per_feature)) > 1:
+        raise RecInputError(f"a KeyedJaggedTensor whose features have different numbers of bags "
+                            f"({dict(zip(given, bags_per_feature))}, a batch size per feature: "
+                            "stride_per_key_per_rank) needs inverse_indices=(keys, tensor) mapping each sample to "
+                            "its bag of each feature, as TorchRec's EmbeddingBagCollection does")
+    bags = sum(bags_per_feature)
+    if lengths.dim() != 1 or lengths.numel() != bags:
+        raise RecInputError(f"the batch's lengths have shape {tuple(lengths.shape)}, expected ({bags},): one per "
+                            f"bag, and the features have {dict(zip(given, bags_per_feature))} bags")
     if bags and int(lengths.min()) < 0:
         raise RecInputError(f"the batch's lengths must be >= 0, got {lengths[lengths < 0][:5].tolist()}")
     total = int(lengths.sum()) if bags else 0
@@ -280,26 +281,47 @@ def _check_jagged_structure(kjt: KeyedJaggedTensor, given: list[str]) -> None:
         raise RecInputError(f"the batch's lengths add up to {total} keys, but its values hold {values.numel()}")
 
 
-def _check_bags_of_samples(kjt: KeyedJaggedTensor, given: list[str]) -> None:
-    """A batch size per feature (VBE): ``inverse_indices`` must map every sample of every
-    feature to one of that feature's bags, which is how TorchRec's EBC expands its output to
-    the batch (without them its ``torch.cat`` fails on the features' different sizes)."""
+def _bags_per_feature(kjt: KeyedJaggedTensor, given: list[str]) -> list[int]:
+    """How many bags each feature has: the batch size, or with a batch size per feature (VBE)
+    its entries of ``stride_per_key_per_rank``, checked to be one list per feature, each with
+    one count per rank (torchrec does not check them, and a short list drops features)."""
+    if not kjt.variable_stride_per_key():
+        return [kjt.stride()] * len(given)
+    per_rank = kjt.stride_per_key_per_rank()
+    ranks = {len(counts) for counts in per_rank}
+    if len(per_rank) != len(given) or len(ranks) != 1:
+        raise RecInputError(f"stride_per_key_per_rank must hold one list per feature ({len(given)}), each with one "
+                            f"bag count per rank, got {per_rank}")
+    if any(count < 0 for counts in per_rank for count in counts):
+        raise RecInputError(f"stride_per_key_per_rank must hold counts >= 0, got {per_rank}")
+    return [sum(counts) for counts in per_rank]
+
+
+def batch_size_of(kjt: KeyedJaggedTensor) -> int:
+    """Samples in a checked batch: ``inverse_indices``' width when it has them, else the bags
+    of any feature (every feature has one per sample)."""
     inverse = kjt.inverse_indices_or_none()
-    if inverse is None:
-        raise RecInputError("a KeyedJaggedTensor with a batch size per feature (stride_per_key_per_rank) needs "
-                            "inverse_indices=(keys, tensor) mapping each sample to its bag of each feature, as "
-                            "TorchRec's EmbeddingBagCollection does")
-    names, index = inverse
+    if inverse is not None:
+        return int(inverse[1].shape[1])
+    return kjt.stride_per_key()[0] if kjt.variable_stride_per_key() and kjt.keys() else kjt.stride()
+
+
+def _check_bags_of_samples(kjt: KeyedJaggedTensor, given: list[str], bags_per_feature: list[int]) -> None:
+    """``inverse_indices`` (TorchRec's: applied whenever a KJT carries them, batch size per
+    feature or not) must map every sample of every feature to one of that feature's bags:
+    TorchRec's EBC expands its pooled bags to the batch with them."""
+    names, index = kjt.inverse_indices()
     if not isinstance(index, torch.Tensor) or index.dim() != 2 or index.dtype not in (torch.int32, torch.int64) \
             or index.shape[0] != len(names):
+        got = (f"{index.dtype} of shape {tuple(index.shape)}" if isinstance(index, torch.Tensor)
+               else type(index).__name__)
         raise RecInputError(f"inverse_indices must be (keys, a 2-D int32/int64 tensor of shape (len(keys), batch "
-                            f"size)), got {len(names)} keys and "
-                            f"{tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__}")
+                            f"size)), got {len(names)} keys and {got}")
     missing = [f for f in given if f not in names]
     if missing:
         raise RecInputError(f"inverse_indices has no row for features {missing} (its keys: {list(names)})")
     row_of = {name: i for i, name in enumerate(names)}
-    for feature, bags in zip(given, kjt.stride_per_key()):
+    for feature, bags in zip(given, bags_per_feature):
         row = index[row_of[feature]]
         if row.numel() and (int(row.min()) < 0 or int(row.max()) >= bags):
             bad = row[(row < 0) | (row >= bags)]
@@ -308,11 +330,11 @@ def _check_bags_of_samples(kjt: KeyedJaggedTensor, given: list[str]) -> None:
 
 
 def _bags_of_samples(kjt: KeyedJaggedTensor, feature_names: tuple[str, ...]) -> torch.Tensor:
-    """For a VBE batch: each (feature, sample) of one table's features, feature-major, as an
-    index into the table's bags (the features' bags laid end to end)."""
+    """For a batch with ``inverse_indices``: each (feature, sample) of one table's features,
+    feature-major, as an index into the table's bags (the features' bags laid end to end)."""
     names, index = kjt.inverse_indices()
     row_of = {name: i for i, name in enumerate(names)}
-    bags_of = dict(zip(kjt.keys(), kjt.stride_per_key()))
+    bags_of = dict(zip(kjt.keys(), _bags_per_feature(kjt, list(kjt.keys()))))
     parts, start = [], 0
     for feature in feature_names:
         parts.append(index[row_of[feature]].to("cpu", torch.int64) + start)
@@ -324,8 +346,8 @@ def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKe
     """Check ``kjt`` against ``layouts`` and dedup keys per table; raises `RecInputError`."""
     check_kjt(kjt, layouts)
     features = kjt.to_dict()
-    variable = kjt.variable_stride_per_key()
-    batch_size = kjt.inverse_indices()[1].shape[1] if variable else kjt.stride()
+    expanded = kjt.inverse_indices_or_none() is not None
+    batch_size = batch_size_of(kjt)
     tables: dict[str, TableBatch] = {}
     for layout in layouts:
         values: list[torch.Tensor] = []
@@ -345,5 +367,5 @@ def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKe
         unique_keys, inverse = torch.unique(all_keys, sorted=True, return_inverse=True)
         tables[layout.name] = TableBatch(layout, unique_keys, inverse, offsets, batch_size,
                                          torch.cat(weights) if weights else None,
-                                         _bags_of_samples(kjt, layout.feature_names) if variable else None)
+                                         _bags_of_samples(kjt, layout.feature_names) if expanded else None)
     return BatchKeys(tables, batch_size)

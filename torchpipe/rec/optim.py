@@ -24,17 +24,26 @@ __all__ = ["RowOptimizer", "SGD", "RowWiseAdagrad", "Adam", "check_row_optimizer
 ROW_DTYPE = torch.float32  # the rows' dtype (batch_keys.TABLE_DTYPE): what hyper-parameters are multiplied in
 
 
+def held_in_rows(value: float) -> float:
+    """``value`` as the rows' float32 holds it: what a hyper-parameter is multiplied in."""
+    return float(torch.tensor(float(value), dtype=ROW_DTYPE))
+
+
 def _check_held_in_rows(name: str, value: float, *, below_one: bool = False) -> None:
     """``ValueError`` for a value that passes the double-precision check but changes meaning in
     the rows' float32: a beta below 1 that rounds to 1 (``1 - beta**t`` becomes 0: NaN or inf
-    rows), an ``eps`` above 0 that rounds to 0."""
-    held = float(torch.tensor(float(value), dtype=ROW_DTYPE))
+    rows), a positive lr or eps that rounds to 0 (no update, or a 0 that the check refused), or
+    one beyond float32's range (inf rows)."""
+    held = held_in_rows(value)
     if below_one and held >= 1.0:
         raise ValueError(f"{name}={value!r} rounds to {held} in float32, the rows' dtype, where it must stay below 1 "
                          "(1 - beta**t would be 0); take a beta further from 1")
-    if not below_one and value > 0 and held == 0.0:
-        raise ValueError(f"{name}={value!r} rounds to 0 in float32, the rows' dtype; give 0 or at least "
-                         f"{torch.finfo(ROW_DTYPE).tiny:g}")
+    if value > 0 and held == 0.0:
+        raise ValueError(f"{name}={value!r} rounds to 0 in float32, the rows' dtype; give 0 or a value float32 "
+                         f"holds (at least {torch.finfo(ROW_DTYPE).smallest_normal * 2.0 ** -23:g})")
+    if held == float("inf"):
+        raise ValueError(f"{name}={value!r} is beyond float32's range, the rows' dtype (at most "
+                         f"{torch.finfo(ROW_DTYPE).max:g})")
 
 
 class RowOptimizer:
@@ -65,6 +74,7 @@ class SGD(RowOptimizer):
 
     def __post_init__(self) -> None:
         check_real("lr", self.lr, 0.0)
+        _check_held_in_rows("lr", self.lr)
 
     def state_names(self, dim: int) -> list[str]:
         return []
@@ -88,6 +98,7 @@ class RowWiseAdagrad(RowOptimizer):
     def __post_init__(self) -> None:
         check_real("lr", self.lr, 0.0)
         check_real("eps", self.eps, 0.0)
+        _check_held_in_rows("lr", self.lr)
         _check_held_in_rows("eps", self.eps)
 
     def state_names(self, dim: int) -> list[str]:
@@ -128,6 +139,7 @@ class Adam(RowOptimizer):
         check_real("beta1", self.beta1, 0.0, 1.0)
         check_real("beta2", self.beta2, 0.0, 1.0)
         check_real("eps", self.eps, 0.0)
+        _check_held_in_rows("lr", self.lr)
         _check_held_in_rows("beta1", self.beta1, below_one=True)
         _check_held_in_rows("beta2", self.beta2, below_one=True)
         _check_held_in_rows("eps", self.eps)
@@ -141,12 +153,16 @@ class Adam(RowOptimizer):
         return state
 
     def apply(self, rows: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
+        # The betas as the rows hold them, in the moments and in the powers alike: (1 - beta)
+        # from the double beta against beta**t from the float32 one would not cancel at t = 1
+        # (a first step of 1.09 lr instead of lr for beta2 = 0.9999999).
+        beta1, beta2 = held_in_rows(self.beta1), held_in_rows(self.beta2)
         out = rows.clone()
         w = rows[:, :dim]
-        m = rows[:, dim:2 * dim] * self.beta1 + grad * (1.0 - self.beta1)
-        v = rows[:, 2 * dim:3 * dim] * self.beta2 + (grad * grad) * (1.0 - self.beta2)
-        b1_pow = rows[:, 3 * dim:3 * dim + 1] * self.beta1
-        b2_pow = rows[:, 3 * dim + 1:3 * dim + 2] * self.beta2
+        m = rows[:, dim:2 * dim] * beta1 + grad * (1.0 - beta1)
+        v = rows[:, 2 * dim:3 * dim] * beta2 + (grad * grad) * (1.0 - beta2)
+        b1_pow = rows[:, 3 * dim:3 * dim + 1] * beta1
+        b2_pow = rows[:, 3 * dim + 1:3 * dim + 2] * beta2
         m_hat = m / (1.0 - b1_pow)
         v_hat = v / (1.0 - b2_pow)
         out[:, :dim] = w - (m_hat * self.lr) / (torch.sqrt(v_hat) + self.eps)
@@ -191,7 +207,10 @@ class FusedOptimizerAttribute:
         state = collection.__dict__
         if self._slot not in state and self._name in state:  # pickled before the attribute was checked
             state[self._slot] = state.pop(self._name)
-        return state[self._slot]
+        try:
+            return state[self._slot]
+        except KeyError:
+            raise AttributeError(f"{type(collection).__name__} has no optimizer yet") from None
 
     def __set__(self, collection: object, optimizer: object) -> None:
         if optimizer is None:

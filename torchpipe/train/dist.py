@@ -31,7 +31,7 @@ each used by one thread in batch order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,15 +83,27 @@ class TableWiseSharding:
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], input_group=None, output_group=None,
                  owners: Optional[Dict[str, int]] = None, *, is_weighted: bool = False) -> None:
-        if not isinstance(is_weighted, bool):
-            raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
         if not dist.is_initialized():
             raise RuntimeError("TableWiseSharding needs torch.distributed initialised (init_process_group)")
-        self._weighted = is_weighted
         self.input_group = input_group
         self.output_group = output_group
         self.rank = dist.get_rank(input_group)
         self.world = dist.get_world_size(input_group)
+        # Every rank must build the same sharding, or the first exchange pairs up collectives of
+        # different shapes (gloo aborts the process) or of different counts (a hang until the
+        # group's timeout). So the ranks compare what they were given, and all raise together.
+        try:
+            self._build(tables, owners, is_weighted)
+            refusal: Optional[Exception] = None
+        except Exception as exc:  # noqa: BLE001 - agreed on, then raised
+            refusal = exc
+        self._agree_on_arguments(refusal)
+
+    def _build(self, tables: Sequence[EmbeddingBagConfig], owners: Optional[Dict[str, int]],
+               is_weighted: bool) -> None:
+        if not isinstance(is_weighted, bool):
+            raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
+        self._weighted = is_weighted
         self.tables = list(tables)
         self.owner = {t.name: (owners[t.name] if owners else i % self.world) for i, t in enumerate(self.tables)}
         for name, r in self.owner.items():
@@ -122,6 +134,37 @@ class TableWiseSharding:
         self.dims = {name: layout.dim for layout in self.layouts for name in layout.output_names}
         self.all_outputs = [name for names in names_by_table for name in names]
         self.all_features = list(dict.fromkeys(f for layout in self.layouts for f in layout.feature_names))
+
+    def _arguments(self) -> tuple:
+        """What every rank must agree on, as plain values: the tables, their owners, weights,
+        and which groups the exchanges use."""
+        tables = tuple((layout.name, layout.num_rows, layout.dim, layout.feature_names, layout.pooling)
+                       for layout in self.layouts)
+        groups = (self.input_group is None, self.output_group is None, self.output_group is self.input_group)
+        return tables, tuple(sorted(self.owner.items())), self._weighted, groups
+
+    def _agree_on_arguments(self, refusal: Optional[Exception]) -> None:
+        """Raise on every rank if one refused its arguments or the ranks were given different ones."""
+        mine = (refusal is not None, None if refusal is not None else self._arguments())
+        everyone: List[Any] = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.input_group)
+        refused = [rank for rank, (failed, _) in enumerate(everyone) if failed]
+        if refusal is not None:
+            add_note(refusal, f"[torchpipe.train] ranks {refused} refused their TableWiseSharding arguments; the "
+                              "sharding is refused on every rank")
+            raise refusal
+        if refused:
+            raise ValueError(f"ranks {refused} refused their TableWiseSharding arguments (see their error), so "
+                             "this rank refuses the sharding too")
+        differ = [rank for rank, (_, arguments) in enumerate(everyone) if arguments != everyone[0][1]]
+        if differ:
+            fields = ("tables (name, rows, dim, features, pooling)", "owners", "is_weighted",
+                      "groups (input_group is None, output_group is None, the same group)")
+            first, other = everyone[0][1], everyone[differ[0]][1]
+            diffs = "; ".join(f"{field}: {a!r} on rank 0, {b!r} on rank {differ[0]}"
+                              for field, a, b in zip(fields, first, other) if a != b)
+            raise ValueError(f"the ranks built TableWiseSharding with different arguments (ranks {differ} differ "
+                             f"from rank 0): {diffs}; every rank must pass the same")
 
     @property
     def local_tables(self) -> List[EmbeddingBagConfig]:
@@ -154,9 +197,10 @@ class TableWiseSharding:
         as TorchRec's input dist)."""
         if not isinstance(kjt, KeyedJaggedTensor):
             raise RecInputError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
-        if kjt.variable_stride_per_key():
+        if kjt.variable_stride_per_key() or kjt.inverse_indices_or_none() is not None:
             raise RecInputError("TableWiseSharding sends one bag per feature and sample: a KeyedJaggedTensor with "
-                                "a batch size per feature (stride_per_key_per_rank, VBE) trains in one process only")
+                                "a batch size per feature (stride_per_key_per_rank, VBE) or inverse_indices trains "
+                                "in one process only")
         weights = kjt.weights_or_none()
         if (weights is not None) != self._weighted:
             raise RecInputError(f"the sharding was built with is_weighted={self._weighted}, but the batch "
@@ -165,25 +209,26 @@ class TableWiseSharding:
             raise RecInputError("the batch's per-sample weights require grad, but across processes they are sent "
                                 "as data and get no gradient back: detach them, or train in one process")
 
-    def agree(self, refusal: Optional[Exception]) -> None:
-        """Tell every rank whether any refused its batch (one small all-reduce), and raise if one did.
+    def agree(self, refusal: Optional[Exception], what: str = "batch",
+              error: Callable[[str], Exception] = RecInputError) -> None:
+        """Tell every rank whether any refused its ``what`` (one small all-reduce), and raise if one did.
 
         ``refusal`` is this rank's own error (None: its batch is good). It is raised here with
-        a note naming every refusing rank; a rank whose batch was good raises `RecInputError`
-        naming the ones that refused, so that every rank skips the batch together and the
-        ranks' collectives stay in step.
+        a note naming every refusing rank; a rank whose batch was good raises ``error``
+        (`RecInputError` for a batch) naming the ones that refused, so that every rank skips
+        the batch together and the ranks' collectives stay in step.
         """
         votes = torch.zeros(self.world, dtype=torch.int64)
         votes[self.rank] = int(refusal is not None)
         dist.all_reduce(votes, group=self.input_group)
         refused = [rank for rank, vote in enumerate(votes.tolist()) if vote]
         if refusal is not None:
-            add_note(refusal, f"[torchpipe.train] ranks {refused} refused their batch; every rank skips this batch, "
-                              "so the ranks stay in step")
+            add_note(refusal, f"[torchpipe.train] ranks {refused} refused their {what}; every rank skips this "
+                              f"{what}, so the ranks stay in step")
             raise refusal
         if refused:
-            raise RecInputError(f"ranks {refused} refused their batch (see their error), so this rank skips its "
-                                "batch too: the ranks stay in step")
+            raise error(f"ranks {refused} refused their {what} (see their error), so this rank skips its {what} too: "
+                        "the ranks stay in step")
 
     def input_dist(self, kjt: KeyedJaggedTensor) -> Tuple[KeyedJaggedTensor, DistSplits]:
         """This rank's features for the global batch, and the splits for the output dist.
@@ -264,15 +309,25 @@ class TableWiseSharding:
     def lookup(self, collection: torch.nn.Module, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Synchronous sharded lookup: input dist, the owner's collection, output dist.
 
-        Each rank's batch is checked against every table first and the ranks agree
-        (`agree`): a bad batch on one rank is refused on every rank, before any key moves.
+        Each rank's collection and batch are checked against every table first and the ranks
+        agree (`agree`): a bad batch on one rank is refused on every rank, before any key moves.
+        They agree again after the owners' lookups, so that one that fails (a cache too small
+        for the global batch) fails every rank's call instead of leaving the others waiting
+        in the output exchange.
         """
-        self.check_collection(collection)
         try:
+            self.check_collection(collection)
             self.check_batch(kjt)
             refusal: Optional[Exception] = None
         except Exception as exc:  # noqa: BLE001 - agreed on, then raised
             refusal = exc
         self.agree(refusal)
         global_kjt, splits = self.input_dist(kjt)
-        return self.output_dist(collection(global_kjt), splits)
+        pooled = None
+        try:
+            pooled = collection(global_kjt)
+            failure: Optional[Exception] = None
+        except Exception as exc:  # noqa: BLE001 - agreed on, then raised
+            failure = exc
+        self.agree(failure, "lookup", RuntimeError)
+        return self.output_dist(pooled, splits)

@@ -515,12 +515,20 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                 raise TypeError(f"sharding= replicates the model's parameters: the model must be an nn.Module, "
                                 f"got {type(model).__name__}")
         super().__init__(model, optimizer, device)
-        self.collection = collection if collection is not None else find_collection(model)
-        if self.collection.device != self.device:
-            raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
-                             f"{self.device}")
-        if sharding is not None:
-            sharding.check_collection(self.collection)
+        try:
+            self.collection = collection if collection is not None else find_collection(model)
+            if self.collection.device != self.device:
+                raise ValueError(f"the collection caches rows on {self.collection.device}, the pipeline runs on "
+                                 f"{self.device}")
+            if sharding is not None:
+                sharding.check_collection(self.collection)
+            refusal: Optional[Exception] = None
+        except Exception as exc:  # noqa: BLE001 - raised at once, or agreed on across ranks first
+            refusal = exc
+        if sharding is not None:  # every rank refuses together: none is left in the broadcast below
+            sharding.agree(refusal, "collection", ValueError)
+        elif refusal is not None:
+            raise refusal
         claim_collection(self.collection)
         self._sharding = sharding
         # Across processes the dense part is replicated: its gradients are all-reduced over the
