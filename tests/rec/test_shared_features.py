@@ -58,8 +58,9 @@ def shared_batches(tables: list[EmbeddingBagConfig], steps: int, batch_size: int
     return out
 
 
-def torchrec_ebc(tables: list[EmbeddingBagConfig]) -> EmbeddingBagCollection:
-    ebc = EmbeddingBagCollection(tables=tables)
+def torchrec_ebc(tables: list[EmbeddingBagConfig], is_weighted: bool = False) -> EmbeddingBagCollection:
+    """TorchRec's EBC with the tests' integer rows (``integer_weights``)."""
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=is_weighted)
     with torch.no_grad():
         for name, weight in integer_weights(tables).items():
             ebc.embedding_bags[name].weight.copy_(weight)
@@ -104,17 +105,17 @@ def test_output_keys_values_and_an_sgd_step_equal_torchrecs(kind: str) -> None:
         assert sum(stats.swapped_out for stats in ours.cache_stats().values()) > 0  # evictions happened
 
 
-@pytest.mark.parametrize("optimizer", [SGD(lr=0.5), RowWiseAdagrad(lr=0.5), Adam(lr=0.25)],
-                         ids=["sgd", "adagrad", "adam"])
-def test_cache_training_equals_the_full_table_reference_bitwise(optimizer) -> None:
-    tables = shared_tables(PoolingType.MEAN)
-    data = shared_batches(tables, 40, seed=8)
-    cached = CachedEmbeddingBagCollection(tables, most_unique_keys(tables, data), optimizer=optimizer, weights=integer_weights(tables))
+def assert_cache_training_equals_the_full_table(tables: list[EmbeddingBagConfig], data: list[KeyedJaggedTensor],
+                                                optimizer) -> None:
+    """Lookups and backward through a cache just big enough (so it evicts) == the full tables:
+    every output (keyed alike), then every row and its optimizer state, bitwise."""
+    cached = CachedEmbeddingBagCollection(tables, most_unique_keys(tables, data), optimizer=optimizer,
+                                          weights=integer_weights(tables))
     full = FullTableEmbeddingBagCollection(tables, optimizer=optimizer, weights=integer_weights(tables))
     for i, kjt in enumerate(data):
         a, b = cached(kjt), full(kjt)
         assert a.keys() == b.keys() == EXPECTED_KEYS
-        assert torch.equal(a.values(), b.values())
+        assert torch.equal(a.values(), b.values()), i
         coefficients = torch.randint(-2, 3, a.values().shape, generator=torch.Generator().manual_seed(i)).float()
         (a.values() * coefficients).sum().backward()
         (b.values() * coefficients).sum().backward()
@@ -123,6 +124,13 @@ def test_cache_training_equals_the_full_table_reference_bitwise(optimizer) -> No
     for layout in cached.layouts:
         assert torch.equal(cached.full_weight(layout.name), full.full_weight(layout.name)), layout.name
         assert torch.equal(cached.optimizer_state(layout.name), full.optimizer_state(layout.name)), layout.name
+
+
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.5), RowWiseAdagrad(lr=0.5), Adam(lr=0.25)],
+                         ids=["sgd", "adagrad", "adam"])
+def test_cache_training_equals_the_full_table_reference_bitwise(optimizer) -> None:
+    tables = shared_tables(PoolingType.MEAN)
+    assert_cache_training_equals_the_full_table(tables, shared_batches(tables, 40, seed=8), optimizer)
 
 
 class _Model(torch.nn.Module):
@@ -145,11 +153,15 @@ class _Model(torch.nn.Module):
         return loss, logit.detach()
 
 
-def test_the_train_pipeline_equals_the_unpipelined_full_table_loop_bitwise() -> None:
-    tables = shared_tables()
+def assert_the_pipeline_equals_the_loop(tables: list[EmbeddingBagConfig], kjts: list[KeyedJaggedTensor],
+                                        cache_rows: int) -> CachedEmbeddingBagCollection:
+    """EmbCacheTrainPipeline over ``kjts`` (a small cache) == the unpipelined full-table loop:
+    every step's logits, the tables' rows and the dense layer, bitwise. Returns the collection."""
     g = torch.Generator().manual_seed(5)
-    batches = [RecBatch(torch.zeros(4, 1), kjt, torch.randint(-2, 3, (4,), generator=g).float())
-               for kjt in shared_batches(tables, 24, seed=5)]
+    batches = []
+    for kjt in kjts:
+        samples = kjt.inverse_indices()[1].shape[1] if kjt.inverse_indices_or_none() is not None else kjt.stride()
+        batches.append(RecBatch(torch.zeros(samples, 1), kjt, torch.randint(-2, 3, (samples,), generator=g).float()))
     reference = _Model(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0),
                                                        weights=integer_weights(tables)), tables)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=2.0 ** -6)
@@ -160,7 +172,7 @@ def test_the_train_pipeline_equals_the_unpipelined_full_table_loop_bitwise() -> 
         loss.backward()
         ref_opt.step()
         expected.append(logit)
-    ebc = CachedEmbeddingBagCollection(tables, 24, optimizer=SGD(lr=1.0), weights=integer_weights(tables))
+    ebc = CachedEmbeddingBagCollection(tables, cache_rows, optimizer=SGD(lr=1.0), weights=integer_weights(tables))
     model = _Model(ebc, tables)
     opt = torch.optim.SGD(model.parameters(), lr=2.0 ** -6)
     outputs = []
@@ -178,6 +190,12 @@ def test_the_train_pipeline_equals_the_unpipelined_full_table_loop_bitwise() -> 
     for table in tables:
         assert torch.equal(ebc.full_weight(table.name), reference.ebc.full_weight(table.name)), table.name
     assert torch.equal(model.top.weight, reference.top.weight)
+    return ebc
+
+
+def test_the_train_pipeline_equals_the_unpipelined_full_table_loop_bitwise() -> None:
+    tables = shared_tables()
+    assert_the_pipeline_equals_the_loop(tables, shared_batches(tables, 24, seed=5), cache_rows=24)
 
 
 def test_a_key_is_checked_against_every_table_its_feature_feeds_before_anything_changes() -> None:
@@ -213,13 +231,9 @@ def test_weighted_shared_features_in_another_key_order_with_int32_keys_equal_tor
     """Review gap: per-sample weights on a shared feature, a KJT whose keys come in another order
     than the configs, and int32 values and lengths; TorchRec's weighted EBC is the reference."""
     tables = shared_tables()
-    weights = integer_weights(tables)
-    theirs = EmbeddingBagCollection(tables=tables, is_weighted=True)
-    with torch.no_grad():
-        for name, weight in weights.items():
-            theirs.embedding_bags[name].weight.copy_(weight)
+    theirs = torchrec_ebc(tables, is_weighted=True)
     ours = CachedEmbeddingBagCollection(tables, {t.name: t.num_embeddings for t in tables}, optimizer=SGD(lr=1.0),
-                                        weights=weights, is_weighted=True)
+                                        weights=integer_weights(tables), is_weighted=True)
     for i, kjt in enumerate(shared_batches(tables, 6, seed=9)):
         d = kjt.to_dict()
         order = ["item", "user", "page"]

@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from rec_helpers import integer_weights, zipf_keys
-from test_shared_features import (EXPECTED_KEYS, _Model, feature_rows, most_unique_keys, shared_batches,
+from test_shared_features import (EXPECTED_KEYS, assert_cache_training_equals_the_full_table,
+                                  assert_the_pipeline_equals_the_loop, feature_rows, most_unique_keys, shared_batches,
                                   shared_tables, torchrec_ebc)
-from torchrec import EmbeddingBagCollection, KeyedJaggedTensor, PoolingType
+from torchrec import KeyedJaggedTensor, PoolingType
 
 from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RecInputError,
                            RowWiseAdagrad)
-from torchpipe.train import EmbCacheTrainPipeline, RecBatch
 
 
 def vbe_batches(tables, steps: int, batch_size: int = 5, ranks: int = 1, max_bag: int = 3, seed: int = 0,
@@ -95,13 +95,9 @@ def test_outputs_and_an_sgd_step_equal_torchrecs(kind: str, ranks: int, pooling:
 
 def test_weighted_vbe_batches_and_their_weight_grads_equal_torchrecs() -> None:
     tables = shared_tables()  # SUM tables: per-sample weights need them
-    weights = integer_weights(tables)
-    theirs = EmbeddingBagCollection(tables=tables, is_weighted=True)
-    with torch.no_grad():
-        for name, weight in weights.items():
-            theirs.embedding_bags[name].weight.copy_(weight)
+    theirs = torchrec_ebc(tables, is_weighted=True)
     ours = CachedEmbeddingBagCollection(tables, {t.name: t.num_embeddings for t in tables}, optimizer=SGD(lr=1.0),
-                                        weights=weights, is_weighted=True)
+                                        weights=integer_weights(tables), is_weighted=True)
     for i, kjt in enumerate(vbe_batches(tables, 8, seed=4, weighted=True)):
         mine, other = (KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
                                          weights=kjt.weights().clone().requires_grad_(),
@@ -124,55 +120,12 @@ def test_cache_training_on_mixed_batches_equals_the_full_table_reference_bitwise
     """VBE batches between ordinary ones, through a cache small enough to evict."""
     tables = shared_tables(PoolingType.MEAN)
     vbe, plain = vbe_batches(tables, 20, seed=8), shared_batches(tables, 20, batch_size=5, seed=9)
-    data = [kjt for pair in zip(vbe, plain) for kjt in pair]
-    cached = CachedEmbeddingBagCollection(tables, most_unique_keys(tables, data), optimizer=optimizer,
-                                          weights=integer_weights(tables))
-    full = FullTableEmbeddingBagCollection(tables, optimizer=optimizer, weights=integer_weights(tables))
-    for i, kjt in enumerate(data):
-        a, b = cached(kjt), full(kjt)
-        assert torch.equal(a.values(), b.values()), i
-        coefficients = torch.randint(-2, 3, a.values().shape, generator=torch.Generator().manual_seed(i)).float()
-        (a.values() * coefficients).sum().backward()
-        (b.values() * coefficients).sum().backward()
-    assert sum(stats.swapped_out for stats in cached.cache_stats().values()) > 0
-    cached.flush()
-    for layout in cached.layouts:
-        assert torch.equal(cached.full_weight(layout.name), full.full_weight(layout.name)), layout.name
-        assert torch.equal(cached.optimizer_state(layout.name), full.optimizer_state(layout.name)), layout.name
+    assert_cache_training_equals_the_full_table(tables, [kjt for pair in zip(vbe, plain) for kjt in pair], optimizer)
 
 
 def test_the_train_pipeline_on_vbe_batches_equals_the_unpipelined_loop_bitwise() -> None:
     tables = shared_tables()
-    g = torch.Generator().manual_seed(5)
-    batches = [RecBatch(torch.zeros(5, 1), kjt, torch.randint(-2, 3, (5,), generator=g).float())
-               for kjt in vbe_batches(tables, 24, seed=5)]
-    reference = _Model(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0),
-                                                       weights=integer_weights(tables)), tables)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=2.0 ** -6)
-    expected = []
-    for batch in batches:
-        ref_opt.zero_grad()
-        loss, logit = reference(batch)
-        loss.backward()
-        ref_opt.step()
-        expected.append(logit)
-    ebc = CachedEmbeddingBagCollection(tables, 30, optimizer=SGD(lr=1.0), weights=integer_weights(tables))
-    model = _Model(ebc, tables)
-    opt = torch.optim.SGD(model.parameters(), lr=2.0 ** -6)
-    outputs = []
-    with EmbCacheTrainPipeline(model, opt, collection=ebc) as pipe:
-        it = iter(batches)
-        while True:
-            try:
-                outputs.append(pipe.progress(it))
-            except StopIteration:
-                break
-    assert len(outputs) == len(expected)
-    for step, (got, want) in enumerate(zip(outputs, expected)):
-        assert torch.equal(got, want), f"step {step} differs"
-    ebc.flush()
-    for table in tables:
-        assert torch.equal(ebc.full_weight(table.name), reference.ebc.full_weight(table.name)), table.name
+    ebc = assert_the_pipeline_equals_the_loop(tables, vbe_batches(tables, 24, seed=5), cache_rows=30)
     assert sum(stats.swapped_out for stats in ebc.cache_stats().values()) > 0
 
 
