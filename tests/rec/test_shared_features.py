@@ -16,6 +16,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 
 from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RecInputError,
                            RowWiseAdagrad)
+from torchpipe.rec.batch_keys import batch_size_of
 from torchpipe.train import EmbCacheTrainPipeline, RecBatch
 
 # ``user`` feeds t0 and t1, ``item`` feeds t1 and t2, ``page`` only t0.
@@ -160,7 +161,7 @@ def assert_the_pipeline_equals_the_loop(tables: list[EmbeddingBagConfig], kjts: 
     g = torch.Generator().manual_seed(5)
     batches = []
     for kjt in kjts:
-        samples = kjt.inverse_indices()[1].shape[1] if kjt.inverse_indices_or_none() is not None else kjt.stride()
+        samples = batch_size_of(kjt)
         batches.append(RecBatch(torch.zeros(samples, 1), kjt, torch.randint(-2, 3, (samples,), generator=g).float()))
     reference = _Model(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0),
                                                        weights=integer_weights(tables)), tables)

@@ -19,7 +19,7 @@ from torchrec.types import DataType
 from .errors import RecInputError
 
 __all__ = ["TableLayout", "TableBatch", "BatchKeys", "prepare_batch", "table_layouts", "embedding_names_by_table",
-           "starting_rows", "TABLE_DTYPE"]
+           "starting_rows", "TABLE_DTYPE", "batch_size_of"]
 
 TABLE_DTYPE = torch.float32  # TorchRec's default DataType.FP32, the only one supported
 
@@ -329,12 +329,12 @@ def _check_bags_of_samples(kjt: KeyedJaggedTensor, given: list[str], bags_per_fe
                                 f"{bad[:5].tolist()}")
 
 
-def _bags_of_samples(kjt: KeyedJaggedTensor, feature_names: tuple[str, ...]) -> torch.Tensor:
+def _bags_of_samples(kjt: KeyedJaggedTensor, feature_names: tuple[str, ...], bags_of: dict[str, int]) -> torch.Tensor:
     """For a batch with ``inverse_indices``: each (feature, sample) of one table's features,
-    feature-major, as an index into the table's bags (the features' bags laid end to end)."""
+    feature-major, as an index into the table's bags (the features' bags laid end to end;
+    ``bags_of``: each feature's number of bags)."""
     names, index = kjt.inverse_indices()
     row_of = {name: i for i, name in enumerate(names)}
-    bags_of = dict(zip(kjt.keys(), _bags_per_feature(kjt, list(kjt.keys()))))
     parts, start = [], 0
     for feature in feature_names:
         parts.append(index[row_of[feature]].to("cpu", torch.int64) + start)
@@ -346,7 +346,8 @@ def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKe
     """Check ``kjt`` against ``layouts`` and dedup keys per table; raises `RecInputError`."""
     check_kjt(kjt, layouts)
     features = kjt.to_dict()
-    expanded = kjt.inverse_indices_or_none() is not None
+    given = list(kjt.keys())
+    bags_of = dict(zip(given, _bags_per_feature(kjt, given))) if kjt.inverse_indices_or_none() is not None else None
     batch_size = batch_size_of(kjt)
     tables: dict[str, TableBatch] = {}
     for layout in layouts:
@@ -367,5 +368,6 @@ def prepare_batch(kjt: KeyedJaggedTensor, layouts: list[TableLayout]) -> BatchKe
         unique_keys, inverse = torch.unique(all_keys, sorted=True, return_inverse=True)
         tables[layout.name] = TableBatch(layout, unique_keys, inverse, offsets, batch_size,
                                          torch.cat(weights) if weights else None,
-                                         _bags_of_samples(kjt, layout.feature_names) if expanded else None)
+                                         None if bags_of is None else
+                                         _bags_of_samples(kjt, layout.feature_names, bags_of))
     return BatchKeys(tables, batch_size)

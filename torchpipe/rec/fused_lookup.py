@@ -98,7 +98,7 @@ def fused_pooled_lookup(anchor: torch.Tensor, storages: Sequence[torch.Tensor], 
         layout = batch.layout
         weights = batch.weights.to(device) if batch.weights is not None else None
         bags = pool_bags(table_rows, batch.inverse.to(device), batch.offsets.to(device), layout.pooling, weights)
-        if batch.bag_of_sample is not None:  # a batch size per feature: each sample reads its bag
+        if batch.bag_of_sample is not None:  # inverse_indices: each sample reads its bag
             bags = bags.index_select(0, batch.bag_of_sample.to(device))
         num_features = len(layout.feature_names)
         per_sample = bags.view(num_features, batch.batch_size, layout.dim).transpose(0, 1)

@@ -14,14 +14,16 @@ duplicate keys first (two-level dedup).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from ..checks import check_real
+from .batch_keys import TABLE_DTYPE
 
 __all__ = ["RowOptimizer", "SGD", "RowWiseAdagrad", "Adam", "check_row_optimizer", "FusedOptimizerAttribute"]
 
-ROW_DTYPE = torch.float32  # the rows' dtype (batch_keys.TABLE_DTYPE): what hyper-parameters are multiplied in
+ROW_DTYPE = TABLE_DTYPE  # what the hyper-parameters are multiplied in
 
 
 def held_in_rows(value: float) -> float:
@@ -144,6 +146,11 @@ class Adam(RowOptimizer):
         _check_held_in_rows("beta2", self.beta2, below_one=True)
         _check_held_in_rows("eps", self.eps)
 
+    @cached_property
+    def _held_betas(self) -> tuple[float, float]:
+        """The betas as float32 holds them (computed once per optimizer, not per update)."""
+        return held_in_rows(self.beta1), held_in_rows(self.beta2)
+
     def state_names(self, dim: int) -> list[str]:
         return [f"m{i}" for i in range(dim)] + [f"v{i}" for i in range(dim)] + ["beta1_pow", "beta2_pow"]
 
@@ -156,7 +163,7 @@ class Adam(RowOptimizer):
         # The betas as the rows hold them, in the moments and in the powers alike: (1 - beta)
         # from the double beta against beta**t from the float32 one would not cancel at t = 1
         # (a first step of 1.09 lr instead of lr for beta2 = 0.9999999).
-        beta1, beta2 = held_in_rows(self.beta1), held_in_rows(self.beta2)
+        beta1, beta2 = self._held_betas
         out = rows.clone()
         w = rows[:, :dim]
         m = rows[:, dim:2 * dim] * beta1 + grad * (1.0 - beta1)
