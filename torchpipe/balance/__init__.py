@@ -68,7 +68,8 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: Activation, *
     micro-batch gets whole). A layer's cost is the activation bytes of one
     (the largest) micro-batch plus ``param_scale`` times the bytes of its parameters that
     require grad plus, once, those of its frozen parameters and buffers. Activations come
-    from the allocator on an accelerator and from the tensors autograd keeps on CPU: see :mod:`torchpipe.balance.profile_size` for exactly what is counted.
+    from the allocator on an accelerator and from the tensors autograd keeps on CPU: see
+    :mod:`torchpipe.balance.profile_size` for exactly what is counted.
 
     ``param_scale`` depends on the optimizer: 2 counts weights and gradients (plain SGD); add
     1 per optimizer state tensor per parameter (SGD with momentum: 3, Adam: 4).

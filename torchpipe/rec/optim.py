@@ -230,8 +230,8 @@ class FusedOptimizerAttribute:
                     raise TypeError(f"this collection's rows hold {type(current).__name__}'s state "
                                     f"({current.state_width(layout.dim)} columns in table {layout.name!r}); "
                                     f"{type(optimizer).__name__} keeps another state and cannot take over. "
-                                    f"Replace it by another {type(current).__name__} (dataclasses.replace(ebc.optimizer, "
-                                    "lr=...)), or build a new collection")
+                                    f"Replace it by another {type(current).__name__} "
+                                    "(dataclasses.replace(ebc.optimizer, lr=...)), or build a new collection")
         collection.__dict__[self._slot] = optimizer
 
     def __delete__(self, collection: object) -> None:

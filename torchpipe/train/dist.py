@@ -73,11 +73,6 @@ def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
-def _cat(tensors: List[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.cat`` that also takes an empty list (a rank may be sent no feature)."""
-    return torch.cat(tensors) if tensors else torch.empty(0, dtype=dtype)
-
-
 class TableWiseSharding:
     """Which rank owns which table, and the key/embedding all-to-alls between ranks."""
 
@@ -249,7 +244,8 @@ class TableWiseSharding:
         kinds = [(lambda jt: jt.lengths(), torch.int64), (lambda jt: jt.values(), torch.int64)]
         if self._weighted:
             kinds.append((lambda jt: jt.weights(), TABLE_DTYPE))
-        send = [[_cat([read(features[f]).to(dtype) for f in self.features_of_rank[r]], dtype)
+        # (Every rank owns a table, and every table reads a feature: no list below is empty.)
+        send = [[torch.cat([read(features[f]).to(dtype) for f in self.features_of_rank[r]])
                  for r in range(self.world)] for read, dtype in kinds]
         counts = torch.tensor([[batch, lengths.numel(), keys.numel()] for lengths, keys in zip(send[0], send[1])],
                               dtype=torch.int64)
@@ -274,8 +270,7 @@ class TableWiseSharding:
             for kind in range(1, len(kinds)):
                 for j, part in enumerate(torch.split(got[kind][source], sizes)):
                     per_feature[kind][j].append(part)
-        lengths, values, *weights = (_cat([t for parts in columns for t in parts], dtype)
-                                     for columns, (_, dtype) in zip(per_feature, kinds))
+        lengths, values, *weights = (torch.cat([t for parts in columns for t in parts]) for columns in per_feature)
         splits = DistSplits(tuple(got_batches), batch)
         global_kjt = KeyedJaggedTensor.from_lengths_sync(keys=list(mine), values=values, lengths=lengths,
                                                          weights=weights[0] if weights else None,
