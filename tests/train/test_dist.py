@@ -308,6 +308,110 @@ def test_a_failure_on_one_rank_fails_every_rank_within_the_process_group_timeout
     assert other and all(line.startswith("RuntimeError") for line in other), other
 
 
+def plan_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
+    """Batch 6 gives table t0 (rank 0's) more keys than its cache has rows: rank 0's plan fails
+    and rank 1's plan of t1 does not. Rank 0 raises at the end of that clock, rank 1 at its next
+    call (long before the group's 20 s timeout); both drop the same batches and go on in step:
+    what they trained equals single-process training of the batches trained before the failure
+    and of every batch after it."""
+    join(rank, init_file, tests_dir, timeout_s=20)
+    from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
+    from torchrec import KeyedJaggedTensor
+
+    from torchpipe.grad_sync import PeerStepFailed
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, CacheTooSmallError, FullTableEmbeddingBagCollection
+    from torchpipe.train import EmbCacheTrainPipeline, RecBatch, TableWiseSharding
+
+    try:
+        tables = make_tables(num_rows=(200, 24))
+        sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD))))
+        mine = sharding.local_tables
+        before = [make_batches(tables, 10, batch_size=3 + r, seed=50 + r) for r in range(WORLD)]
+        after = [make_batches(tables, 6, batch_size=3 + r, seed=60 + r) for r in range(WORLD)]
+        global_before = [concat_samples([before[r][i] for r in range(WORLD)]) for i in range(10)]
+        global_after = [concat_samples([after[r][i] for r in range(WORLD)]) for i in range(6)]
+        cache_rows = window_minimum(mine, global_before + global_after)
+        assert cache_rows < tables[0].num_embeddings, cache_rows
+        batches = list(before[rank])
+        if rank == 0:  # every key of t0 in sample 0's f0a bag: no cache of fewer rows holds them
+            good = batches[6]
+            jagged = good.sparse_features
+            lengths = jagged.lengths().clone()
+            lengths[0] = tables[0].num_embeddings
+            values = torch.cat([torch.arange(tables[0].num_embeddings), jagged.values()[jagged.lengths()[0]:]])
+            batches[6] = RecBatch(good.dense_features,
+                                  KeyedJaggedTensor.from_lengths_sync(jagged.keys(), values, lengths), good.labels)
+
+        weights = integer_weights(tables)
+        ebc = CachedEmbeddingBagCollection(mine, cache_rows, optimizer=SGD(lr=1.0), weights=weights)
+        model = SparseAndDense(ebc, DENSE_IN)
+        opt = torch.optim.SGD(model.dense.parameters(), lr=2.0 ** -6)
+        outputs, error = [], None
+        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
+                                   device_threads=1, dense_grads="sum") as pipe:
+            it = iter(batches)
+            while error is None:
+                try:
+                    outputs.append(pipe.progress(it))
+                except StopIteration:
+                    break
+                except Exception as exc:  # noqa: BLE001 - checked below
+                    error = exc
+            trained_before = pipe.steps_done
+            assert pipe.pipeline.in_flight() == [], pipe.pipeline.in_flight()
+            if rank == 0:
+                assert isinstance(error, CacheTooSmallError), repr(error)
+                assert "ranks [0] failed in this clock" in "\n".join(getattr(error, "__notes__", [])), error
+            else:
+                assert isinstance(error, PeerStepFailed), repr(error)
+                # Rank 1's part of that clock went well: it handed the clock's batch on, and learnt
+                # of rank 0's failure at its next call, before admitting a batch.
+                assert "ranks [0] failed in a clock's h2d, plan or swap stage" in str(error), str(error)
+                notes = "\n".join(getattr(error, "__notes__", []))
+                assert "failed on another rank (this rank's part of it finished and was handed on)" in notes, notes
+                assert len(outputs) == trained_before
+            steps = [None] * WORLD
+            dist.all_gather_object(steps, trained_before)
+            assert steps[0] == steps[1] and 0 < trained_before < 6, steps
+            assert len(outputs) <= trained_before
+            # The ranks go on in step with new batches.
+            it = iter(after[rank])
+            while True:
+                try:
+                    outputs.append(pipe.progress(it))
+                except StopIteration:
+                    break
+            assert pipe.steps_done == trained_before + len(global_after)
+
+        reference = SparseAndDense(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights),
+                                   DENSE_IN)
+        ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=2.0 ** -6)
+        returned_before = len(outputs) - len(global_after)
+        expected = []
+        for step, batch in enumerate(global_before[:trained_before] + global_after):
+            ref_opt.zero_grad()
+            loss, score = reference(batch)
+            loss.backward()
+            ref_opt.step()
+            if step < returned_before or step >= trained_before:
+                expected.append(score[own_samples(rank)])
+        assert len(expected) == len(outputs)
+        for step, (got, want) in enumerate(zip(outputs, expected)):
+            assert torch.equal(got, want), f"rank {rank}: output {step} differs"
+        ebc.flush()
+        for t in mine:
+            assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name)), f"rank {rank}: {t.name}"
+        for got, want in zip(model.dense.parameters(), reference.dense.parameters()):
+            assert torch.equal(got, want), f"rank {rank}: dense parameters differ"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_plan_that_fails_on_one_rank_fails_that_clock_on_every_rank_and_they_go_on_in_step(tmp_path) -> None:
+    run_ranks(plan_failure_worker, tmp_path)
+
+
 def shared_feature_worker(rank: int, init_file: str, tests_dir: str) -> None:
     """A feature read by tables on both ranks (``user``), and by two tables of rank 1 (``item``)."""
     join(rank, init_file, tests_dir)

@@ -215,6 +215,146 @@ def test_error_in_any_stage_surfaces_and_pipeline_restarts(stage: int, overlap: 
     assert threading.active_count() <= threads_before
 
 
+def local_stages(rec: Recorder, fail: dict, local: Tuple[int, ...] = (0, 1, 2)) -> List[PipelineStage]:
+    """``make``'s four stages, those in ``local`` marked local (no collective)."""
+    return [PipelineStage(f"s{i}", rec.stage(i, 0.0, *fail.get(i, (None,))), WORKERS[i], local=i in local)
+            for i in range(4)]
+
+
+class Votes:
+    """An ``agree`` for one rank of several: logs what it was given; raises as a peer's failure when told."""
+
+    def __init__(self, peer_fails_at_call: int = -1) -> None:
+        self.given: List[Any] = []
+        self.peer_fails_at_call = peer_fails_at_call
+
+    def __call__(self, failure: Any) -> None:
+        self.given.append(failure)
+        if failure is not None:
+            raise failure
+        if len(self.given) == self.peer_fails_at_call:
+            raise RuntimeError("rank 1 failed")
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_a_local_stage_failure_lets_the_clocks_other_jobs_finish_then_agree_fails_the_clock(overlap: bool) -> None:
+    """Across processes, a stage without collectives that fails must not cancel the clock's
+    other jobs (the other ranks wait for their collectives): they all run, then ``agree`` gets
+    the failure and the clock fails as a stage's error would."""
+    rec, votes = Recorder(), Votes()
+    with StagedPipeline(local_stages(rec, {1: (5,)}), host_threads=2, device_threads=1, overlap=overlap,
+                        agree=votes) as pipe:
+        it, got = iter(range(20)), []
+        with pytest.raises(ValueError, match="stage 1 at batch 5") as info:
+            while True:
+                got.append(pipe.progress(it)[0])
+        # Stage 1 failed on batch 5 in the clock where stage 3 trains batch 3 and stage 0 copies 6:
+        # both ran (without the deferral, the runtime cancels jobs not started yet).
+        ran = {(stage, batch) for stage, batch, _, _ in rec.log}
+        assert {(0, 6), (2, 4), (3, 3)} <= ran, sorted(ran)
+        assert votes.given[-1] is info.value and all(v is None for v in votes.given[:-1])
+        assert got == [0, 1, 2]
+        notes = " ".join(info.value.__notes__)
+        assert "clock 6 failed in stage 's1'" in notes and "batch 3 did finish" in notes, notes
+        assert pipe.in_flight() == []
+        assert [o[0] for o in drain(pipe, iter(range(30, 34)))] == list(range(30, 34))
+
+
+def test_another_ranks_failure_raised_by_agree_fails_the_clock_and_names_agree() -> None:
+    rec, votes = Recorder(), Votes(peer_fails_at_call=5)
+    failures = []
+    with StagedPipeline(local_stages(rec, {}), host_threads=2, device_threads=1, agree=votes,
+                        on_failure=failures.append) as pipe:
+        it, got = iter(range(20)), []
+        with pytest.raises(RuntimeError, match="rank 1 failed") as info:
+            while True:
+                got.append(pipe.progress(it)[0])
+        notes = " ".join(info.value.__notes__)
+        assert "clock 4 failed in agree (another rank failed)" in notes and "batch 1 did finish" in notes, notes
+        assert got == [0] and [sorted(f.dropped) for f in failures] == [[2, 3, 4]] and pipe.in_flight() == []
+        assert [o[0] for o in drain(pipe, iter(range(30, 34)))] == list(range(30, 34))
+
+
+def test_a_check_agree_returns_is_asked_before_the_next_clock_and_drops_the_batches_in_flight() -> None:
+    """A rank whose clock went well need not wait for the others at the clock's end: ``agree``
+    returns a check, asked before the next clock or admission. An interrupt leaves it to be
+    asked again; the failure it reports drops the batches in flight, before any is admitted."""
+    asked: List[int] = []
+    pulled: List[int] = []
+    interrupt_once = [True]
+
+    def agree(failure: Any) -> Any:
+        assert failure is None
+        clock = len(asked)
+        asked.append(clock)
+
+        def check() -> None:
+            if clock == 4 and interrupt_once[0]:
+                interrupt_once[0] = False
+                raise KeyboardInterrupt
+            if clock == 4:
+                raise RuntimeError("rank 1 failed in clock 4")
+        return check
+
+    def batches(n: int):
+        for b in range(n):
+            pulled.append(b)
+            yield b
+
+    failures = []
+    with StagedPipeline(local_stages(Recorder(), {}), host_threads=2, device_threads=1, agree=agree,
+                        on_failure=failures.append) as pipe:
+        it, got = batches(20), []
+        for _ in range(2):
+            got.append(pipe.progress(it)[0])
+        assert got == [0, 1] and pulled == [0, 1, 2, 3, 4]  # clock 4 returned batch 1 here
+        with pytest.raises(KeyboardInterrupt):
+            pipe.progress(it)
+        assert pulled == [0, 1, 2, 3, 4] and pipe.in_flight() == [2, 3, 4] and failures == []
+        with pytest.raises(RuntimeError, match="rank 1 failed in clock 4") as info:
+            pipe.progress(it)
+        notes = " ".join(info.value.__notes__)
+        assert "clock 4 failed on another rank" in notes and "batches [2, 3, 4]" in notes, notes
+        assert pulled == [0, 1, 2, 3, 4], "a batch was admitted before the check"
+        assert [f.dropped for f in failures] == [[2, 3, 4]] and pipe.in_flight() == []
+        assert [o[0] for o in drain(pipe, it)] == list(range(5, 20))
+
+
+def test_what_agree_does_not_defer() -> None:
+    """A stage that is not local, any stage without ``agree``, and an interrupt cancel the clock
+    at once; an ``agree`` that lets a failure through does not lose it; two local failures in one
+    clock are both told."""
+    def run(stages: List[PipelineStage], **kw: Any) -> BaseException:
+        with StagedPipeline(stages, host_threads=2, device_threads=1, **kw) as pipe:
+            with pytest.raises(BaseException) as info:
+                drain(pipe, iter(range(20)))
+            assert pipe.in_flight() == []
+        return info.value
+
+    votes = Votes()
+    error = run(local_stages(Recorder(), {3: (2,)}), agree=votes)  # the device stage is not local
+    assert isinstance(error, ValueError) and votes.given == [None] * 5  # clocks 0-4; not clock 5
+    rec = Recorder()
+    error = run(local_stages(rec, {1: (5,)}, local=()), agree=Votes())
+    assert isinstance(error, ValueError) and "failed in stage 's1'" in " ".join(error.__notes__)
+    rec = Recorder()
+    assert isinstance(run(local_stages(rec, {1: (5,)})), ValueError)  # local, no agree: as before
+    rec, votes = Recorder(), Votes()
+    assert isinstance(run(local_stages(rec, {1: (5, KeyboardInterrupt)}), agree=votes), KeyboardInterrupt)
+    assert all(v is None for v in votes.given)
+    rec, given = Recorder(), []
+    error = run(local_stages(rec, {1: (5,)}), agree=given.append)
+    assert isinstance(error, ValueError) and given[-1] is error
+    rec = Recorder()
+    error = run(local_stages(rec, {0: (6,), 2: (4,)}), agree=Votes())
+    notes = " ".join(error.__notes__)
+    assert "injected into stage" in notes and "failed in the same clock too" in notes, notes
+    with pytest.raises(TypeError, match="stage 'a': local must be a bool, got 'yes'"):
+        PipelineStage("a", abs, local="yes")
+    with pytest.raises(TypeError, match="agree must be callable or None"):
+        StagedPipeline([PipelineStage("a", abs)], agree=5)
+
+
 def test_stop_iteration_inside_a_stage_is_not_mistaken_for_the_end() -> None:
     def bad(x: int) -> int:
         if x == 2:

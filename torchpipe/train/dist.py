@@ -204,6 +204,24 @@ class TableWiseSharding:
             raise RecInputError("the batch's per-sample weights require grad, but across processes they are sent "
                                 "as data and get no gradient back: detach them, or train in one process")
 
+    def vote(self, failed: bool) -> List[int]:
+        """The ranks that say they ``failed`` (one small all-reduce over the input group; every
+        rank must call it, in the same order as its other input-group collectives)."""
+        return self.vote_later(failed)()
+
+    def vote_later(self, failed: bool) -> Callable[[], List[int]]:
+        """`vote` without waiting for the other ranks: the returned function waits for them and
+        gives the ranks that failed. This rank's place in the group's order is taken now."""
+        votes = torch.zeros(self.world, dtype=torch.int64)
+        votes[self.rank] = int(failed)
+        work = dist.all_reduce(votes, group=self.input_group, async_op=True)
+
+        def outcome() -> List[int]:
+            work.wait()
+            return [rank for rank, vote in enumerate(votes.tolist()) if vote]
+
+        return outcome
+
     def agree(self, refusal: Optional[Exception], what: str = "batch",
               error: Callable[[str], Exception] = RecInputError) -> None:
         """Tell every rank whether any refused its ``what`` (one small all-reduce), and raise if one did.
@@ -213,10 +231,7 @@ class TableWiseSharding:
         (`RecInputError` for a batch) naming the ones that refused, so that every rank skips
         the batch together and the ranks' collectives stay in step.
         """
-        votes = torch.zeros(self.world, dtype=torch.int64)
-        votes[self.rank] = int(refusal is not None)
-        dist.all_reduce(votes, group=self.input_group)
-        refused = [rank for rank, vote in enumerate(votes.tolist()) if vote]
+        refused = self.vote(refusal is not None)
         if refusal is not None:
             add_note(refusal, f"[torchpipe.train] ranks {refused} refused their {what}; every rank skips this "
                               f"{what}, so the ranks stay in step")

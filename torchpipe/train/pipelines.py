@@ -22,7 +22,7 @@ from torchrec import KeyedJaggedTensor
 
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
-from ..grad_sync import flatten, unflatten_into
+from ..grad_sync import PeerStepFailed, flatten, unflatten_into
 from ..notes import add_note
 from ..rec import BatchPlan, CachedEmbeddingBagCollection, CacheTooSmallError
 from ..rec.batch_keys import BatchKeys, check_kjt
@@ -459,10 +459,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     """Five stages over a `CachedEmbeddingBagCollection` (host tables, device row cache):
 
     1. ``h2d`` (copy worker): the batch to the device; the host KJT is kept for planning;
-    2. ``input_dist`` (host): across processes (``sharding=`` a
-       `torchpipe.train.dist.TableWiseSharding`) the key all-to-all to the table owners;
-       then validation + dedup of the (global) batch: the global dedup level; single
-       process, input dist is the identity and this is the only dedup;
+    2. ``input_dist`` (host): in one process, validation + dedup of the batch; across
+       processes (``sharding=`` a `torchpipe.train.dist.TableWiseSharding`), the key
+       all-to-all to the table owners, and the global batch's dedup moves to ``plan``;
     3. ``plan`` (host): swap info (slots, evictions, protection, host-write ticket), in
        batch order;
     4. ``swap`` (host): gather evicted rows from their slots, write them back to the host
@@ -490,6 +489,15 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     dropped *after* their swaps are completed (swaps move rows, they never change them),
     so the host tables plus the cache hold exactly the state after `steps_done` steps,
     and `flush()` writes it back. The pipeline is empty and usable afterwards.
+
+    Across processes, a failure in ``h2d``, ``plan`` or ``swap`` on one rank (a cache too
+    small for the keys its tables get) reaches every rank: the ranks vote once per clock
+    (one small all-reduce). The failing rank raises its own error at the end of that clock;
+    the others, whose part of it went well, raise `torchpipe.grad_sync.PeerStepFailed` at
+    their next ``progress()`` or ``flush()``, before it admits a batch. All drop the same
+    batches, so they go on in step. A failure in ``input_dist`` or ``train`` (the model's
+    own code), which hold collectives, fails only its rank at once; the others fail at the
+    process group's timeout.
     """
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -560,16 +568,19 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                                            self._backend, self.device)
         # The stages reach this object weakly too: without a cycle, a pipeline dropped without
         # close() goes (and hands its batches back) at once, not when the cycle collector runs.
+        # Across processes, a failure of a stage without collectives (h2d, plan, swap) on one
+        # rank lets the clock's other stages finish (their collectives pair up with the other
+        # ranks'); then the ranks vote (`_agree_on_clock`) and all drop the same batches.
         self.pipeline = StagedPipeline(
-            [PipelineStage("h2d", _weakly(self._h2d_batch), "copy"),
+            [PipelineStage("h2d", _weakly(self._h2d_batch), "copy", local=True),
              PipelineStage("input_dist", _weakly(self._dist), "host"),
-             PipelineStage("plan", _weakly(self._plan), "host"),
-             PipelineStage("swap", _weakly(self._swap), "host"),
+             PipelineStage("plan", _weakly(self._plan), "host", local=True),
+             PipelineStage("swap", _weakly(self._swap), "host", local=True),
              PipelineStage("train", _weakly(self._train_cached), "device")],
             device=self.device, host_threads=host_threads, device_threads=device_threads, overlap=overlap,
             admit=_weakly(self._admit), on_abort=self.collection.abort, on_failure=_weakly(self._recover),
             after_clock=_weakly(self._after_clock), before_call=_weakly(self._release_leftovers),
-            keep_records=keep_records)
+            agree=_weakly(self._agree_on_clock) if sharding is not None else None, keep_records=keep_records)
         serve(self.collection, self)  # last: a constructor that failed leaves the serving pipeline as it was
 
     # -- stages ----------------------------------------------------------------------
@@ -599,14 +610,16 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
     def _dist(self, item: _Item) -> _Item:
         features = item.batch.sparse_features
-        if self._sharding is not None:
-            features, item.extra["splits"] = self._sharding.input_dist(features)
+        if self._sharding is not None:  # only the key exchange here: prepare can fail on one rank only
+            item.features, item.extra["splits"] = self._sharding.input_dist(features)
+            return item
         item.features = features
         item.keys = self.collection.prepare(features)
         return item
 
     def _plan(self, item: _Item) -> _Item:
-        assert item.keys is not None
+        if item.keys is None:  # sharded: the global batch's dedup, in this stage without collectives
+            item.keys = self.collection.prepare(item.features)
         try:
             plan = self.collection.plan(item.keys)
         except CacheTooSmallError as error:  # its advice counts this moment's batches: say what the pipeline needs
@@ -688,6 +701,30 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         item.trained = True
         self.steps_done += 1
         return output
+
+    def _agree_on_clock(self, failure: Optional[Exception]) -> Optional[Callable[[], None]]:
+        """At the end of every clock across processes, tell the other ranks whether this rank's
+        h2d, plan or swap failed (a cache too small for its tables' keys, say).
+
+        A rank that failed waits for the vote and raises. One that did not goes on at once
+        and learns the outcome before its next clock or admission (the check returned), so
+        that the vote costs a wait only where the ranks meet anyway.
+        """
+        assert self._sharding is not None
+        if failure is not None:
+            failed = self._sharding.vote(True)
+            add_note(failure, f"[torchpipe.train] ranks {failed} failed in this clock: every rank drops its "
+                              "batches in flight, so the ranks stay in step")
+            raise failure
+        outcome = self._sharding.vote_later(False)
+
+        def check() -> None:
+            failed = outcome()
+            if failed:
+                raise PeerStepFailed(f"ranks {failed} failed in a clock's h2d, plan or swap stage (see their "
+                                     "error): this rank drops its batches in flight too, so the ranks stay in step")
+
+        return check
 
     # -- bookkeeping on the caller's thread ------------------------------------------------
     def _after_clock(self, clock: Clock, outputs: Dict[int, Any]) -> None:

@@ -56,11 +56,17 @@ class PipelineStage:
     ``'copy'`` (a second device worker with its own stream, for H2D/D2H), ``'host'`` (a
     device-less host thread; host stages are spread round-robin over the host threads), or
     an int index into ``StagedPipeline.worker_names``.
+
+    ``local``: the stage issues no collective (no call on a process group). In a pipeline
+    with ``agree`` (one rank of several), a local stage's failure does not cancel its
+    clock's other jobs: they run on, so that their collectives still pair up with the other
+    ranks', and ``agree`` fails the clock on every rank at its end. Ignored without ``agree``.
     """
 
     name: str
     runnable: Callable[[Any], Any]
     worker: WorkerSpec = "device"
+    local: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -81,6 +87,7 @@ class PipelineStage:
             if index < 0:
                 raise ValueError(f"stage {self.name!r}: worker index must be >= 0, got {index}")
             object.__setattr__(self, "worker", index)  # a plain int from here on
+        check_bool(f"stage {self.name!r}: local", self.local)
 
 
 def keep_flushed_outputs(error: BaseException, outputs: List[Any]) -> None:
@@ -113,16 +120,16 @@ def _note_unreturned(exc: BaseException, clock: Clock) -> None:
 
 
 class _FirstFailure:
-    """The stage that failed first in the current clock (None: the caller was interrupted)."""
+    """Where the current clock failed first: ``"stage 'plan'"``, say (None: the caller was interrupted)."""
 
-    __slots__ = ("stage",)
+    __slots__ = ("where",)
 
     def __init__(self) -> None:
-        self.stage: Optional[str] = None
+        self.where: Optional[str] = None
 
-    def note(self, stage: str) -> None:
-        if self.stage is None:
-            self.stage = stage
+    def note(self, where: str) -> None:
+        if self.where is None:
+            self.where = where
 
 
 class _ClockRun:
@@ -130,15 +137,19 @@ class _ClockRun:
 
     On an accelerator, ``ready[s]`` is the event after which stage ``s``'s input may be
     read (recorded where it was made), and ``done[s]`` the event after stage ``s``'s work.
+
+    ``deferred`` holds the failures of local stages that wait for the clock's end (`agree`),
+    each with the stage it happened in, in the order they happened.
     """
 
-    __slots__ = ("inputs", "outputs", "ready", "done")
+    __slots__ = ("inputs", "outputs", "ready", "done", "deferred")
 
     def __init__(self, inputs: List[Any], ready: List[Any]) -> None:
         self.inputs = inputs
         self.outputs: Dict[int, Any] = {}
         self.ready = ready
         self.done: Dict[int, Any] = {}
+        self.deferred: List[Tuple[str, Exception]] = []
 
 
 def _record_streams(value: Any, stream: Any, backend: Backend, device_type: str, depth: int = 0) -> None:
@@ -194,6 +205,18 @@ class StagedPipeline:
     any batch is admitted: where bookkeeping that an interrupted ``after_clock`` left
     undone is finished (if it raises, nothing else has happened in that call).
 
+    ``agree(failure)``, for one rank of several: runs on the caller's thread after every
+    clock's jobs returned, with the first failure of a ``local`` stage in that clock (None if
+    none failed). With a failure it must tell the other ranks and raise. Without one it may
+    raise at once if another rank failed, or return a ``check`` callable instead (or None):
+    the pipeline calls ``check()`` before its next clock or admission, in this call or the
+    next, so that a rank whose clock went well does not wait for the others at every clock's
+    end. What ``agree`` raises fails the clock like a stage's error; what ``check`` raises
+    drops the batches in flight then (``on_failure`` in both cases). So the ranks drop the
+    same batches and their collectives stay in step. A failure of a stage that is not local
+    still cancels the clock at once: this rank never reaches ``agree``, and the other ranks
+    wait in their collectives until the group's timeout.
+
     ``flush()`` that fails part way keeps what it returned so far: the error's
     ``flushed_outputs`` attribute holds the outputs of the batches it finished before the
     failure, in order.
@@ -206,6 +229,7 @@ class StagedPipeline:
                  on_failure: Optional[Callable[[PipelineFailure], None]] = None,
                  after_clock: Optional[Callable[[Clock, Dict[int, Any]], None]] = None,
                  before_call: Optional[Callable[[], None]] = None,
+                 agree: Optional[Callable[[Optional[Exception]], Optional[Callable[[], Any]]]] = None,
                  name: str = "torchpipe-train", keep_records: int = 0) -> None:
         stages = list(stages)
         if not stages:
@@ -218,7 +242,7 @@ class StagedPipeline:
             raise ValueError(f"stage names must be unique, got {names}")
         check_pipeline_options(host_threads, device_threads, overlap, keep_records)
         for hook, value in (("admit", admit), ("on_abort", on_abort), ("on_failure", on_failure),
-                            ("after_clock", after_clock), ("before_call", before_call)):
+                            ("after_clock", after_clock), ("before_call", before_call), ("agree", agree)):
             if value is not None and not callable(value):
                 raise TypeError(f"{hook} must be callable or None, got {value!r}")
         self.device = usable_device(device)
@@ -231,6 +255,9 @@ class StagedPipeline:
         self.overlap = overlap
         self._admit, self._on_abort, self._on_failure, self._after_clock = admit, on_abort, on_failure, after_clock
         self._before_call = before_call
+        self._agree = agree
+        # The last clock's agree check, until it is asked (before the next clock or admission).
+        self._unsettled: Optional[Tuple[Callable[[], Any], Clock]] = None
 
         cores = available_cores()
         if device_threads is None:
@@ -335,6 +362,8 @@ class StagedPipeline:
         stage = self.stages[s]
         runnable = stage.runnable
         failure = self._failure  # not self: the cached programs hold these jobs (no cycle)
+        where = f"stage {stage.name!r}"
+        deferred = stage.local and self._agree is not None  # settled at the clock's end
 
         backend, device, streamed = self._backend, self.device, self._streamed
 
@@ -348,11 +377,20 @@ class StagedPipeline:
                 out = runnable(run.inputs[s])
             except StopIteration as exc:  # would end the caller's loop silently
                 error = RuntimeError(f"stage {stage.name!r} raised StopIteration")
-                error.__cause__ = exc
-                failure.note(stage.name)
+                if deferred:
+                    error.__cause__ = exc
+                    run.deferred.append((where, error))
+                    return None
+                failure.note(where)
                 raise error from exc
-            except BaseException:  # noqa: B902
-                failure.note(stage.name)
+            except Exception as exc:  # noqa: BLE001 - raised here, or by agree at the clock's end
+                if deferred:
+                    run.deferred.append((where, exc))
+                    return None
+                failure.note(where)
+                raise
+            except BaseException:  # noqa: B902 - an interrupt is never deferred
+                failure.note(where)
                 raise
             if streamed:
                 event = backend.new_event()
@@ -379,10 +417,12 @@ class StagedPipeline:
         run: Optional[_ClockRun] = None
         try:
             run = _ClockRun(list(self._values), list(self._ready))
-            self._failure.stage = None
+            self._failure.where = None
             program = self._program(clock.stages)
             self._runtime.run(program, run, device_types=(self.device.type,), on_abort=self._wake,
                               owner=self._call_owner)
+            if self._agree is not None:
+                self._settle(clock, run)
             outputs = run.outputs
             if self._streamed and self.depth - 1 in outputs:
                 # The caller reads the last output on its own stream: after the last stage's work.
@@ -407,27 +447,70 @@ class StagedPipeline:
             raise
         return outputs
 
+    def _settle(self, clock: Clock, run: _ClockRun) -> None:
+        """``agree`` on this clock's deferred failures; raise the first if agree did not raise, and
+        keep the check agree may return for the next clock."""
+        assert self._agree is not None
+        first: Optional[Exception] = None
+        if run.deferred:
+            where, first = run.deferred[0]
+            self._failure.note(where)
+            for later_where, later in run.deferred[1:]:
+                add_note(first, f"[torchpipe.train] {later_where} failed in the same clock too: "
+                                f"{type(later).__name__}: {later}")
+        try:
+            check = self._agree(first)
+        except BaseException:  # noqa: B902 - the clock fails; say where if no stage of ours did
+            self._failure.note("agree (another rank failed)")
+            raise
+        if first is not None:  # an agree that let a failure through: it is still this clock's
+            raise first
+        if check is not None:
+            self._unsettled = (check, clock)
+
+    def _settle_unsettled(self) -> None:
+        """Before anything else runs: ask the last clock's ``agree`` check whether another rank
+        failed in it; if one did, drop every in-flight batch and raise its error."""
+        unsettled = self._unsettled
+        if unsettled is None:
+            return
+        check, clock = unsettled
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - an interrupt leaves it to be asked again
+            self._unsettled = None
+            dropped = self._schedule.in_flight()
+            self._empty(PipelineFailure(exc, clock, {}, dropped))
+            add_note(exc, f"[torchpipe.train] clock {clock.index} failed on another rank (this rank's part of it "
+                          f"finished and was handed on); batches {dropped} were in flight and dropped; the "
+                          "pipeline is empty and usable")
+            raise
+        self._unsettled = None
+
+    def _empty(self, failure: PipelineFailure) -> None:
+        """Drop every in-flight batch (``failure.dropped``) and tell ``on_failure``."""
+        self._schedule.reset()
+        self._values = [None] * self.depth
+        self._ready = [None] * self.depth
+        if self._on_failure is not None:
+            self._on_failure(failure)
+
     def _abandon_clock(self, clock: Clock, run: Optional[_ClockRun], exc: BaseException) -> None:
         """Empty the pipeline after ``clock`` failed or was interrupted before it handed its outputs on."""
         self._record()  # the clock's runtime step, if it got that far (an earlier one is counted already)
         completed = dict(run.outputs) if run is not None else {}
         dropped = [b for s, b in clock.active if not (s == self.depth - 1 and s in completed)]
-        self._schedule.reset()
-        self._values = [None] * self.depth
-        self._ready = [None] * self.depth
-        failure = PipelineFailure(exc, clock, completed, dropped)
         # A second Ctrl-C can leave the clock's step installed with its abort cut short: end it
         # before the failure hook cleans up, so its late on_abort call lands before that, too.
         try:
             self._runtime.end_left_behind()
         except BaseException:  # noqa: B902 - yet another interrupt: the clock's own error is raised anyway
             pass
-        if self._on_failure is not None:
-            self._on_failure(failure)
-        stage = self._failure.stage or "caller (interrupted)"
+        self._empty(PipelineFailure(exc, clock, completed, dropped))
+        where = self._failure.where or "the caller (interrupted)"
         finished = [b for s, b in clock.active if s == self.depth - 1 and s in completed]
         done = f"; batch {finished[0]} did finish (its output is not returned)" if finished else ""
-        add_note(exc, f"[torchpipe.train] clock {clock.index} failed in stage {stage!r}; "
+        add_note(exc, f"[torchpipe.train] clock {clock.index} failed in {where}; "
                       f"batches {dropped} were in flight and dropped{done}; the pipeline is empty and usable")
 
     def _record(self) -> None:
@@ -471,6 +554,7 @@ class StagedPipeline:
             self._before_call()
 
         def pull() -> bool:
+            self._settle_unsettled()  # before every clock, and before its batch is admitted
             if dataloader_iter is self._exhausted or dataloader_iter is _NO_BATCHES:
                 return False
             try:
