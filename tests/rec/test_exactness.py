@@ -12,7 +12,10 @@ from rec_helpers import (assert_same_tables, build_pair, cached_masks, check_pla
 from torchpipe.rec import (SGD, Adam, CachedEmbeddingBagCollection, CacheTooSmallError,
                            FullTableEmbeddingBagCollection, RowWiseAdagrad)
 
-OPTIMIZERS = {"sgd": SGD(lr=1.0), "adagrad": RowWiseAdagrad(lr=0.5), "adam": Adam(lr=0.5)}
+OPTIMIZERS = {"sgd": SGD(lr=1.0), "adagrad": RowWiseAdagrad(lr=0.5), "adam": Adam(lr=0.5),
+              "sgd-decay": SGD(lr=1.0, weight_decay=0.125),
+              "adagrad-decoupled-decay": RowWiseAdagrad(lr=0.5, weight_decay=0.25, weight_decay_mode="decoupled"),
+              "adam-decay": Adam(lr=0.5, weight_decay=0.25)}
 STEPS = 200
 
 

@@ -48,6 +48,31 @@ def _check_held_in_rows(name: str, value: float, *, below_one: bool = False) -> 
                          f"{torch.finfo(ROW_DTYPE).max:g})")
 
 
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
+
+
+def _check_weight_decay(weight_decay: float, mode: str = "l2") -> None:
+    """A weight decay as torch's optimizers take it (a finite float >= 0), and its mode."""
+    check_real("weight_decay", weight_decay, 0.0)
+    _check_held_in_rows("weight_decay", weight_decay)
+    if mode not in WEIGHT_DECAY_MODES:
+        raise ValueError(f"weight_decay_mode must be one of {WEIGHT_DECAY_MODES} ('l2' adds weight_decay * w to "
+                         f"the gradient, as torch.optim.Adam; 'decoupled' scales w by 1 - lr * weight_decay, as "
+                         f"AdamW), got {mode!r}")
+
+
+def _decay(w: torch.Tensor, grad: torch.Tensor, lr: float, weight_decay: float,
+           mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights and gradient a rule goes on with after weight decay: ``'l2'`` adds
+    ``weight_decay * w`` to the gradient (torch.optim's ``weight_decay``), ``'decoupled'``
+    scales the weights by ``1 - lr * weight_decay`` first (AdamW's). Zero decay changes nothing."""
+    if not weight_decay:
+        return w, grad
+    if mode == "l2":
+        return w, grad.add(w, alpha=weight_decay)  # torch.optim's op: the same rounding (an FMA on some CPUs)
+    return w * (1 - lr * weight_decay), grad
+
+
 class RowOptimizer:
     """A sparse optimizer that updates whole rows ``[emb | state]`` in one fused step."""
 
@@ -70,20 +95,27 @@ class RowOptimizer:
 
 @dataclass(frozen=True)
 class SGD(RowOptimizer):
-    """Plain SGD: ``w -= lr * g``. No state."""
+    """Plain SGD: ``w -= lr * g``. No state.
+
+    ``weight_decay`` as torch.optim.SGD's: ``g += weight_decay * w`` first, on the rows in the
+    batch only (lazily, as FBGEMM's fused optimizers decay).
+    """
 
     lr: float = 0.01
+    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         check_real("lr", self.lr, 0.0)
         _check_held_in_rows("lr", self.lr)
+        _check_weight_decay(self.weight_decay)
 
     def state_names(self, dim: int) -> list[str]:
         return []
 
     def apply(self, rows: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
         out = rows.clone()
-        out[:, :dim] = rows[:, :dim] - grad * self.lr
+        w, grad = _decay(rows[:, :dim], grad, self.lr, self.weight_decay, "l2")
+        out[:, :dim] = w - grad * self.lr
         return out
 
 
@@ -92,25 +124,33 @@ class RowWiseAdagrad(RowOptimizer):
     """Row-wise Adagrad as FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row.
 
     ``G += mean(g * g)``; ``w -= g * (lr / (sqrt(G) + eps))``. State: ``[G]``.
+
+    ``weight_decay`` (rows in the batch only): ``weight_decay_mode='l2'`` adds
+    ``weight_decay * w`` to ``g`` before it is accumulated, as torch.optim.Adagrad does;
+    ``'decoupled'`` scales ``w`` by ``1 - lr * weight_decay`` before the update.
     """
 
     lr: float = 0.01
     eps: float = 1e-8
+    weight_decay: float = 0.0
+    weight_decay_mode: str = "l2"
 
     def __post_init__(self) -> None:
         check_real("lr", self.lr, 0.0)
         check_real("eps", self.eps, 0.0)
         _check_held_in_rows("lr", self.lr)
         _check_held_in_rows("eps", self.eps)
+        _check_weight_decay(self.weight_decay, self.weight_decay_mode)
 
     def state_names(self, dim: int) -> list[str]:
         return ["sum_sq_mean"]
 
     def apply(self, rows: torch.Tensor, grad: torch.Tensor, dim: int) -> torch.Tensor:
         out = rows.clone()
+        w, grad = _decay(rows[:, :dim], grad, self.lr, self.weight_decay, self.weight_decay_mode)
         acc = rows[:, dim:dim + 1] + (grad * grad).mean(dim=1, keepdim=True)
         multiplier = self.lr / (torch.sqrt(acc) + self.eps)
-        out[:, :dim] = rows[:, :dim] - grad * multiplier
+        out[:, :dim] = w - grad * multiplier
         out[:, dim:dim + 1] = acc
         return out
 
@@ -128,12 +168,18 @@ class Adam(RowOptimizer):
 
     ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``; ``w -= lr * (m/(1-b1**t)) /
     (sqrt(v/(1-b2**t)) + eps)``.
+
+    ``weight_decay`` (rows in the batch only): ``weight_decay_mode='l2'`` adds
+    ``weight_decay * w`` to ``g`` first, as torch.optim.Adam; ``'decoupled'`` scales ``w`` by
+    ``1 - lr * weight_decay`` first, as torch.optim.AdamW.
     """
 
     lr: float = 0.001
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    weight_decay: float = 0.0
+    weight_decay_mode: str = "l2"
 
     def __post_init__(self) -> None:
         # torch.optim.Adam's ranges; beta == 1 would divide by 1 - beta**t == 0 (NaN rows).
@@ -145,6 +191,7 @@ class Adam(RowOptimizer):
         _check_held_in_rows("beta1", self.beta1, below_one=True)
         _check_held_in_rows("beta2", self.beta2, below_one=True)
         _check_held_in_rows("eps", self.eps)
+        _check_weight_decay(self.weight_decay, self.weight_decay_mode)
 
     @cached_property
     def _held_betas(self) -> tuple[float, float]:
@@ -165,7 +212,7 @@ class Adam(RowOptimizer):
         # (a first step of 1.09 lr instead of lr for beta2 = 0.9999999).
         beta1, beta2 = self._held_betas
         out = rows.clone()
-        w = rows[:, :dim]
+        w, grad = _decay(rows[:, :dim], grad, self.lr, self.weight_decay, self.weight_decay_mode)
         m = rows[:, dim:2 * dim] * beta1 + grad * (1.0 - beta1)
         v = rows[:, 2 * dim:3 * dim] * beta2 + (grad * grad) * (1.0 - beta2)
         b1_pow = rows[:, 3 * dim:3 * dim + 1] * beta1
