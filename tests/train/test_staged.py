@@ -320,6 +320,41 @@ def test_a_check_agree_returns_is_asked_before_the_next_clock_and_drops_the_batc
         assert [o[0] for o in drain(pipe, it)] == list(range(5, 20))
 
 
+@pytest.mark.parametrize("check_raises", [True, False], ids=["check-raises", "check-lets-it-through"])
+def test_a_local_failure_with_a_check_hands_the_clock_on_and_raises_before_the_next_admission(
+        check_raises: bool) -> None:
+    """Every rank raises in the same call: the failing one too returns the clock's finished
+    batch, then raises its own error (its check's) before the next batch is admitted."""
+    pulled: List[int] = []
+    told: List[Any] = []
+
+    def agree(failure: Any) -> Any:
+        told.append(failure)
+
+        def check() -> None:
+            if failure is not None and check_raises:
+                raise failure
+        return check
+
+    def batches(n: int):
+        for b in range(n):
+            pulled.append(b)
+            yield b
+
+    with StagedPipeline(local_stages(Recorder(), {1: (5,)}), host_threads=2, device_threads=1,
+                        agree=agree) as pipe:
+        it, got = batches(20), []
+        for _ in range(4):  # clock 6 (stage 1 on batch 5) returns batch 3
+            got.append(pipe.progress(it)[0])
+        assert got == [0, 1, 2, 3] and pulled == list(range(7)) and told[-1] is not None
+        with pytest.raises(ValueError, match="stage 1 at batch 5") as info:
+            pipe.progress(it)
+        notes = " ".join(info.value.__notes__)
+        assert "clock 6 failed in stage 's1' (its finished batch, if any, was handed on)" in notes, notes
+        assert "batches [4, 5, 6]" in notes and pulled == list(range(7)) and pipe.in_flight() == []
+        assert [o[0] for o in drain(pipe, it)] == list(range(7, 20))
+
+
 def test_what_agree_does_not_defer() -> None:
     """A stage that is not local, any stage without ``agree``, and an interrupt cancel the clock
     at once; an ``agree`` that lets a failure through does not lose it; two local failures in one
@@ -342,9 +377,10 @@ def test_what_agree_does_not_defer() -> None:
     rec, votes = Recorder(), Votes()
     assert isinstance(run(local_stages(rec, {1: (5, KeyboardInterrupt)}), agree=votes), KeyboardInterrupt)
     assert all(v is None for v in votes.given)
-    rec, given = Recorder(), []
+    rec, given = Recorder(), []  # an agree that returns no check fails the clock at once
     error = run(local_stages(rec, {1: (5,)}), agree=given.append)
     assert isinstance(error, ValueError) and given[-1] is error
+    assert "clock 6 failed in stage 's1'" in " ".join(error.__notes__)
     rec = Recorder()
     error = run(local_stages(rec, {0: (6,), 2: (4,)}), agree=Votes())
     notes = " ".join(error.__notes__)

@@ -492,12 +492,13 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
     Across processes, a failure in ``h2d``, ``plan`` or ``swap`` on one rank (a cache too
     small for the keys its tables get) reaches every rank: the ranks vote once per clock
-    (one small all-reduce). The failing rank raises its own error at the end of that clock;
-    the others, whose part of it went well, raise `torchpipe.grad_sync.PeerStepFailed` at
-    their next ``progress()`` or ``flush()``, before it admits a batch. All drop the same
-    batches, so they go on in step. A failure in ``input_dist`` or ``train`` (the model's
-    own code), which hold collectives, fails only its rank at once; the others fail at the
-    process group's timeout.
+    (one small all-reduce, which no rank waits for at the clock's end). The clock's finished
+    batch, if any, is returned on every rank; then, before the next clock admits a batch (in
+    the same call while the pipeline fills, else the next ``progress()`` or ``flush()``),
+    the failing rank raises its own error and the others `torchpipe.grad_sync.PeerStepFailed`.
+    All drop the same batches and return the same outputs, so they go on in step. A failure
+    in ``input_dist`` or ``train`` (the model's own code), which hold collectives, fails
+    only its rank at once; the others fail at the process group's timeout.
     """
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -702,24 +703,42 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self.steps_done += 1
         return output
 
-    def _agree_on_clock(self, failure: Optional[Exception]) -> Optional[Callable[[], None]]:
+    def _agree_on_clock(self, failure: Optional[Exception]) -> Callable[[], None]:
         """At the end of every clock across processes, tell the other ranks whether this rank's
         h2d, plan or swap failed (a cache too small for its tables' keys, say).
 
-        A rank that failed waits for the vote and raises. One that did not goes on at once
-        and learns the outcome before its next clock or admission (the check returned), so
-        that the vote costs a wait only where the ranks meet anyway.
+        No rank waits here: each starts the vote and reads it before its next clock or
+        admission (the check returned), so every rank raises in the same call, the failing
+        one its own error and the others `PeerStepFailed`.
         """
         assert self._sharding is not None
-        if failure is not None:
-            failed = self._sharding.vote(True)
-            add_note(failure, f"[torchpipe.train] ranks {failed} failed in this clock: every rank drops its "
-                              "batches in flight, so the ranks stay in step")
+        try:
+            outcome = self._sharding.vote_later(failure is not None)
+        except Exception as error:  # noqa: BLE001 - this rank's own failure is the one to raise
+            if failure is None:
+                raise
+            add_note(failure, f"[torchpipe.train] telling the other ranks of it failed too "
+                              f"({type(error).__name__}: {error})")
             raise failure
-        outcome = self._sharding.vote_later(False)
 
         def check() -> None:
-            failed = outcome()
+            nonlocal failure
+            try:
+                failed = outcome()
+            except Exception as error:  # noqa: BLE001 - as above
+                if failure is None:
+                    raise
+                add_note(failure, f"[torchpipe.train] telling the other ranks of it failed too "
+                                  f"({type(error).__name__}: {error})")
+                failed = None
+            if failure is not None:
+                if failed is not None:
+                    add_note(failure, f"[torchpipe.train] ranks {failed} failed in this clock: every rank drops "
+                                      "its batches in flight, so the ranks stay in step")
+                try:
+                    raise failure
+                finally:  # no cycle through this closure: the failure's traceback holds its frame
+                    failure = None
             if failed:
                 raise PeerStepFailed(f"ranks {failed} failed in a clock's h2d, plan or swap stage (see their "
                                      "error): this rank drops its batches in flight too, so the ranks stay in step")

@@ -207,15 +207,15 @@ class StagedPipeline:
 
     ``agree(failure)``, for one rank of several: runs on the caller's thread after every
     clock's jobs returned, with the first failure of a ``local`` stage in that clock (None if
-    none failed). With a failure it must tell the other ranks and raise. Without one it may
-    raise at once if another rank failed, or return a ``check`` callable instead (or None):
-    the pipeline calls ``check()`` before its next clock or admission, in this call or the
-    next, so that a rank whose clock went well does not wait for the others at every clock's
-    end. What ``agree`` raises fails the clock like a stage's error; what ``check`` raises
-    drops the batches in flight then (``on_failure`` in both cases). So the ranks drop the
-    same batches and their collectives stay in step. A failure of a stage that is not local
-    still cancels the clock at once: this rank never reaches ``agree``, and the other ranks
-    wait in their collectives until the group's timeout.
+    none failed). It tells the other ranks, and returns a ``check`` callable that raises if
+    any rank failed in that clock (this rank's ``failure`` too). The clock is handed on (its
+    finished batch returned), and the pipeline calls ``check()`` before its next clock or
+    admission, in this call or the next: then every rank raises in the same call, before
+    any batch is admitted, drops the same batches (``on_failure``) and returns the same
+    outputs, and no rank waits for the others at a clock's end. (An ``agree`` that raises,
+    or returns None for a failure, fails the clock at once instead.) A failure of a stage
+    that is not local still cancels the clock at once: this rank never reaches ``agree``,
+    and the other ranks wait in their collectives until the group's timeout.
 
     ``flush()`` that fails part way keeps what it returned so far: the error's
     ``flushed_outputs`` attribute holds the outputs of the batches it finished before the
@@ -257,7 +257,7 @@ class StagedPipeline:
         self._before_call = before_call
         self._agree = agree
         # The last clock's agree check, until it is asked (before the next clock or admission).
-        self._unsettled: Optional[Tuple[Callable[[], Any], Clock]] = None
+        self._unsettled: Optional[Tuple[Callable[[], Any], Clock, Optional[Exception], str]] = None
 
         cores = available_cores()
         if device_threads is None:
@@ -448,44 +448,58 @@ class StagedPipeline:
         return outputs
 
     def _settle(self, clock: Clock, run: _ClockRun) -> None:
-        """``agree`` on this clock's deferred failures; raise the first if agree did not raise, and
-        keep the check agree may return for the next clock."""
+        """``agree`` on this clock's deferred failures, and keep the check it returns for the
+        next clock (or raise the first failure at once if it returned none)."""
         assert self._agree is not None
         first: Optional[Exception] = None
-        if run.deferred:
-            where, first = run.deferred[0]
-            self._failure.note(where)
-            for later_where, later in run.deferred[1:]:
-                add_note(first, f"[torchpipe.train] {later_where} failed in the same clock too: "
-                                f"{type(later).__name__}: {later}")
+        where = ""
         try:
-            check = self._agree(first)
-        except BaseException:  # noqa: B902 - the clock fails; say where if no stage of ours did
-            self._failure.note("agree (another rank failed)")
-            raise
-        if first is not None:  # an agree that let a failure through: it is still this clock's
-            raise first
-        if check is not None:
-            self._unsettled = (check, clock)
+            if run.deferred:
+                where, first = run.deferred[0]
+                for later_where, later in run.deferred[1:]:
+                    add_note(first, f"[torchpipe.train] {later_where} failed in the same clock too: "
+                                    f"{type(later).__name__}: {later}")
+            try:
+                check = self._agree(first)
+            except BaseException:  # noqa: B902 - the clock fails here; say where
+                self._failure.note(where or "agree (another rank failed)")
+                raise
+            if check is not None:
+                self._unsettled = (check, clock, first, where)
+            elif first is not None:  # told the others at once: this clock fails here
+                self._failure.note(where)
+                raise first
+        finally:  # no cycle: the failures' tracebacks hold this frame and the jobs' (which hold run)
+            run.deferred = []
+            first = None
 
     def _settle_unsettled(self) -> None:
-        """Before anything else runs: ask the last clock's ``agree`` check whether another rank
-        failed in it; if one did, drop every in-flight batch and raise its error."""
+        """Before anything else runs: ask the last clock's ``agree`` check whether a rank (this
+        one too) failed in it; if one did, drop every in-flight batch and raise the error."""
         unsettled = self._unsettled
         if unsettled is None:
             return
-        check, clock = unsettled
+        check, clock, own, where = unsettled
+        error: Optional[BaseException] = None
         try:
             check()
+            error = own  # a check that let this rank's own failure through: still raised
         except Exception as exc:  # noqa: BLE001 - an interrupt leaves it to be asked again
-            self._unsettled = None
+            error = exc
+        try:
+            if error is None:
+                self._unsettled = None
+                return
             dropped = self._schedule.in_flight()
-            self._empty(PipelineFailure(exc, clock, {}, dropped))
-            add_note(exc, f"[torchpipe.train] clock {clock.index} failed on another rank (this rank's part of it "
-                          f"finished and was handed on); batches {dropped} were in flight and dropped; the "
-                          "pipeline is empty and usable")
-            raise
-        self._unsettled = None
+            self._empty(PipelineFailure(error, clock, {}, dropped))
+            cause = f"in {where}" if own is not None else "on another rank"
+            add_note(error, f"[torchpipe.train] clock {clock.index} failed {cause} (its finished batch, if any, "
+                            f"was handed on); batches {dropped} were in flight and dropped; the pipeline is empty "
+                            "and usable")
+            self._unsettled = None  # only now: an interrupt above leaves it all to be done again
+            raise error
+        finally:
+            error = own = check = unsettled = None  # no cycle through this frame
 
     def _empty(self, failure: PipelineFailure) -> None:
         """Drop every in-flight batch (``failure.dropped``) and tell ``on_failure``."""
