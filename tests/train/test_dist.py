@@ -550,3 +550,29 @@ def agreement_worker(rank: int, init_file: str, tests_dir: str) -> None:
 
 def test_ranks_set_up_differently_all_raise_instead_of_waiting_for_each_other(tmp_path) -> None:
     run_ranks(agreement_worker, tmp_path)
+
+
+@pytest.mark.parametrize("when", ["starting", "reading"])
+def test_a_vote_that_fails_keeps_the_ranks_own_failure(when: str) -> None:
+    """The per-clock vote itself can fail (a peer gone, the group's timeout): a rank that failed
+    raises its own error with that noted, one that did not raises the vote's error."""
+    from types import SimpleNamespace
+
+    from torchpipe.train import EmbCacheTrainPipeline
+
+    def vote_later(failed: bool):
+        if when == "starting":
+            raise RuntimeError("gloo: connection closed by peer")
+
+        def outcome():
+            raise RuntimeError("gloo: connection closed by peer")
+        return outcome
+
+    pipeline = SimpleNamespace(_sharding=SimpleNamespace(vote_later=vote_later))
+    own = ValueError("cache too small")
+    with pytest.raises(ValueError, match="cache too small") as info:
+        EmbCacheTrainPipeline._agree_on_clock(pipeline, own)()
+    assert "telling the other ranks of it failed too (RuntimeError: gloo: connection closed by peer)" in \
+        " ".join(info.value.__notes__)
+    with pytest.raises(RuntimeError, match="connection closed by peer"):
+        EmbCacheTrainPipeline._agree_on_clock(pipeline, None)()

@@ -712,24 +712,27 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         one its own error and the others `PeerStepFailed`.
         """
         assert self._sharding is not None
-        try:
-            outcome = self._sharding.vote_later(failure is not None)
-        except Exception as error:  # noqa: BLE001 - this rank's own failure is the one to raise
-            if failure is None:
-                raise
+
+        def note_the_vote_failed(error: Exception) -> None:  # this rank's own failure is still the one raised
             add_note(failure, f"[torchpipe.train] telling the other ranks of it failed too "
                               f"({type(error).__name__}: {error})")
+
+        try:
+            outcome = self._sharding.vote_later(failure is not None)
+        except Exception as error:  # noqa: BLE001
+            if failure is None:
+                raise
+            note_the_vote_failed(error)
             raise failure
 
         def check() -> None:
             nonlocal failure
             try:
                 failed = outcome()
-            except Exception as error:  # noqa: BLE001 - as above
+            except Exception as error:  # noqa: BLE001
                 if failure is None:
                     raise
-                add_note(failure, f"[torchpipe.train] telling the other ranks of it failed too "
-                                  f"({type(error).__name__}: {error})")
+                note_the_vote_failed(error)
                 failed = None
             if failure is not None:
                 if failed is not None:
