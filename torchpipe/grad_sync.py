@@ -76,6 +76,53 @@ def _by_dtype(tensors: Sequence[Tensor]) -> List[List[Tensor]]:
     return list(groups.values())
 
 
+def grad_buckets(parameters: Sequence[Tensor], extra: Optional[Tensor] = None) -> List[Tuple[Tensor, List[Tensor]]]:
+    """``parameters``' gradients as flat buffers to all-reduce, one per dtype (as DDP's buckets),
+    with the parameters each holds.
+
+    A buffer holds its parameters' gradients (zeros where one is ``None``), then one
+    has-a-gradient flag per parameter, so that a parameter no rank gave a gradient can keep
+    ``None`` (`write_back_grads`) and every rank's buffers have the same size whichever
+    gradients it has. ``extra`` (small counts, such as a flag per rank) is appended to the
+    first buffer, or makes a float32 buffer of its own without parameters: it then travels in
+    the same collective.
+    """
+    buckets = []
+    for group in _by_dtype(parameters):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
+        flags = torch.tensor([float(p.grad is not None) for p in group], dtype=group[0].dtype, device=group[0].device)
+        buckets.append((flatten(grads + [flags]), group))
+    if extra is not None:
+        if buckets:
+            flat, group = buckets[0]
+            buckets[0] = (torch.cat([flat, extra.to(flat)]), group)
+        else:
+            buckets.append((extra.to(torch.float32), []))
+    return buckets
+
+
+def write_back_grads(flat: Tensor, parameters: Sequence[Tensor], divisor: int) -> None:
+    """Set each parameter's ``.grad`` from its all-reduced `grad_buckets` buffer, divided by
+    ``divisor`` (the world size for an average, 1 for a sum). A parameter no rank gave a
+    gradient keeps ``None``, as in the plain model; one only some ranks gave gets it on every
+    rank."""
+    if divisor != 1:
+        flat /= divisor
+    offset = 0
+    reduced: List[Tensor] = []
+    for parameter in parameters:
+        reduced.append(flat[offset:offset + parameter.numel()].view_as(parameter))
+        offset += parameter.numel()
+    given = flat[offset:offset + len(parameters)]  # how many ranks gave each parameter a gradient (/ divisor)
+    for parameter, value, count in zip(parameters, reduced, given.tolist()):
+        if count == 0:
+            continue  # no rank gave one: it stays None
+        if parameter.grad is None:
+            parameter.grad = value.clone()
+        else:
+            parameter.grad.copy_(value)
+
+
 class _Round:
     """One step's collectives: started by the workers, finished by the caller.
 
@@ -114,10 +161,7 @@ class _Round:
         keeps ``None``, as in the plain model)."""
         import torch.distributed as dist
 
-        for parameters in _by_dtype(self.parameters[index]):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-            flags = torch.tensor([float(p.grad is not None) for p in parameters], dtype=parameters[0].dtype)
-            flat = flatten(grads + [flags])
+        for flat, parameters in grad_buckets(self.parameters[index]):
             work = dist.all_reduce(flat, group=self.sync.process_group, async_op=True)
             self.started.append((work, flat, parameters))
 
@@ -153,22 +197,8 @@ class _Round:
             raise PeerStepFailed("another rank's step failed, so no gradient was averaged: this rank's gradients "
                                  "are its own and the ranks are out of step; rebuild the process group (as after "
                                  "a failed DDP step)")
-        world = self.sync.world_size
         for _, flat, parameters in self.started:
-            flat /= world
-            offset = 0
-            averaged: List[Tensor] = []
-            for parameter in parameters:
-                averaged.append(flat[offset:offset + parameter.numel()].view_as(parameter))
-                offset += parameter.numel()
-            given = flat[offset:]  # how many ranks gave each parameter a gradient, / world
-            for parameter, average, count in zip(parameters, averaged, given.tolist()):
-                if count == 0:
-                    continue  # no rank gave one: it stays None
-                if parameter.grad is None:
-                    parameter.grad = average.clone()
-                else:
-                    parameter.grad.copy_(average)
+            write_back_grads(flat, parameters, self.sync.world_size)
 
 
 class GradientSync:

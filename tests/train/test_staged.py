@@ -355,6 +355,51 @@ def test_a_local_failure_with_a_check_hands_the_clock_on_and_raises_before_the_n
         assert [o[0] for o in drain(pipe, it)] == list(range(7, 20))
 
 
+def test_a_failed_local_last_stage_fails_its_own_clock_after_the_check_and_prefers_this_ranks_error() -> None:
+    """A last stage that is local (it pairs its collectives, failing) has no finished batch to
+    hand on when it fails: the clock still lets its other jobs finish and tells ``agree``, then
+    fails at its end, in this call, with the check's error. A failure saying that another rank
+    failed (``PeerStepFailed``) yields to this rank's own in the same clock."""
+    from torchpipe.grad_sync import PeerStepFailed
+
+    told: List[Any] = []
+    checked: List[Any] = []
+
+    def agree(failure: Any) -> Any:
+        told.append(failure)
+
+        def check() -> None:
+            checked.append(failure)
+            if failure is not None:
+                raise failure
+        return check
+
+    rec = Recorder()
+    stages = local_stages(rec, {1: (5,), 3: (3, PeerStepFailed)}, local=(0, 1, 2, 3))
+    with StagedPipeline(stages, host_threads=2, device_threads=1, agree=agree) as pipe:
+        it, got = iter(range(20)), []
+        for _ in range(3):
+            got.append(pipe.progress(it)[0])
+        with pytest.raises(ValueError, match="stage 1 at batch 5") as info:  # clock 6: stage 3 on 3, stage 1 on 5
+            got.append(pipe.progress(it)[0])
+        assert got == [0, 1, 2] and checked[-1] is info.value and told[-1] is info.value and len(told) == 7
+        notes = " ".join(info.value.__notes__)
+        assert "stage 's3' failed in the same clock too: PeerStepFailed" in notes, notes
+        assert "clock 6 failed in stage 's1'" in notes and "batches [6, 5, 4, 3]" in notes, notes
+        ran = {(stage, batch) for stage, batch, _, _ in rec.log}
+        assert {(0, 6), (2, 4)} <= ran, sorted(ran)  # the clock's other jobs ran
+        assert pipe.in_flight() == [] and [o[0] for o in drain(pipe, it)] == list(range(7, 20))
+    rec, told = Recorder(), []
+    with StagedPipeline(local_stages(rec, {3: (3,)}, local=(0, 1, 2, 3)), host_threads=2, device_threads=1,
+                        agree=agree) as pipe:
+        it, got = iter(range(20)), []
+        with pytest.raises(ValueError, match="stage 3 at batch 3") as info:
+            while True:
+                got.append(pipe.progress(it)[0])
+        assert got == [0, 1, 2] and "clock 6 failed in stage 's3'" in " ".join(info.value.__notes__)
+        assert {(0, 6), (1, 5), (2, 4)} <= {(stage, batch) for stage, batch, _, _ in rec.log}
+
+
 def test_what_agree_does_not_defer() -> None:
     """A stage that is not local, any stage without ``agree``, and an interrupt cancel the clock
     at once; an ``agree`` that lets a failure through does not lose it; two local failures in one

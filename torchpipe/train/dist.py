@@ -41,7 +41,7 @@ from ..rec.batch_keys import TABLE_DTYPE, check_kjt, embedding_names_by_table, t
 from ..notes import add_note
 from ..rec.errors import RecInputError
 
-__all__ = ["TableWiseSharding", "DistSplits", "all_to_all"]
+__all__ = ["TableWiseSharding", "DistSplits", "ExchangeRecord", "all_to_all"]
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,28 @@ class DistSplits:
     local_batch_size: int
 
 
+@dataclass
+class ExchangeRecord:
+    """Which of one batch's output exchanges this rank has issued: the forward all-to-all of
+    the pooled rows, and the backward one of their gradients.
+
+    A train step that fails on one rank issues the ones it missed (`complete_exchange`), so
+    that the other ranks' exchanges pair up at once instead of at the group's timeout.
+    """
+
+    forward: bool = False
+    backward: bool = False
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x: torch.Tensor, out_splits: List[int], in_splits: List[int], group,
+                record: Optional[ExchangeRecord]) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.record = (out_splits, in_splits), group, record
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        if record is not None:
+            record.forward = True
         return out
 
     @staticmethod
@@ -65,12 +81,16 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+        if ctx.record is not None:
+            ctx.record.backward = True
+        return back, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group=None) -> torch.Tensor:
-    """``all_to_all_single`` along dim 0 with autograd (backward sends the grads back)."""
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group=None,
+               record: Optional[ExchangeRecord] = None) -> torch.Tensor:
+    """``all_to_all_single`` along dim 0 with autograd (backward sends the grads back);
+    ``record`` notes each direction once it has gone out."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group, record)
 
 
 class TableWiseSharding:
@@ -204,17 +224,20 @@ class TableWiseSharding:
             raise RecInputError("the batch's per-sample weights require grad, but across processes they are sent "
                                 "as data and get no gradient back: detach them, or train in one process")
 
-    def vote(self, failed: bool) -> List[int]:
-        """The ranks that say they ``failed`` (one small all-reduce over the input group; every
-        rank must call it, in the same order as its other input-group collectives)."""
-        return self.vote_later(failed)()
+    def vote(self, failed: bool, *, on_output_group: bool = False, device: Optional[torch.device] = None) -> List[int]:
+        """The ranks that say they ``failed`` (one small all-reduce over the input group, or the
+        output group, of a tensor on ``device``, the CPU by default; every rank must call it, in
+        the same order as its other collectives of that group)."""
+        return self.vote_later(failed, on_output_group=on_output_group, device=device)()
 
-    def vote_later(self, failed: bool) -> Callable[[], List[int]]:
+    def vote_later(self, failed: bool, *, on_output_group: bool = False,
+                   device: Optional[torch.device] = None) -> Callable[[], List[int]]:
         """`vote` without waiting for the other ranks: the returned function waits for them and
         gives the ranks that failed. This rank's place in the group's order is taken now."""
-        votes = torch.zeros(self.world, dtype=torch.int64)
+        votes = torch.zeros(self.world, dtype=torch.int64, device=device)
         votes[self.rank] = int(failed)
-        work = dist.all_reduce(votes, group=self.input_group, async_op=True)
+        group = self.output_group if on_output_group else self.input_group
+        work = dist.all_reduce(votes, group=group, async_op=True)
 
         def outcome() -> List[int]:
             work.wait()
@@ -292,11 +315,19 @@ class TableWiseSharding:
                                                          stride=sum(splits.batch_sizes))
         return global_kjt, splits
 
-    def output_dist(self, pooled: KeyedTensor, splits: DistSplits) -> KeyedTensor:
+    def _output_splits(self, splits: DistSplits) -> Tuple[List[int], List[int]]:
+        """The forward output exchange's sizes: what this rank gets from each rank (its samples'
+        rows of that rank's tables) and what it sends to each (that rank's samples' rows of its
+        own tables), in elements."""
+        width = sum(self.dims[name] for name in self.outputs_of_rank[self.rank])
+        widths = [sum(self.dims[name] for name in self.outputs_of_rank[r]) for r in range(self.world)]
+        return [splits.local_batch_size * w for w in widths], [b * width for b in splits.batch_sizes]
+
+    def output_dist(self, pooled: KeyedTensor, splits: DistSplits,
+                    record: Optional[ExchangeRecord] = None) -> KeyedTensor:
         """Each source's rows of ``pooled`` (global batch, this rank's outputs) back to it, as a local KT
-        keyed like the unsharded collection's output."""
+        keyed like the unsharded collection's output. ``record`` notes the exchanges as they go out."""
         mine = self.outputs_of_rank[self.rank]
-        width = sum(self.dims[name] for name in mine)
         values = pooled.values() if mine else torch.zeros(sum(splits.batch_sizes), 0)
         expected = self.local_keys_of_rank[self.rank]
         if mine and list(pooled.keys()) != expected:
@@ -304,8 +335,8 @@ class TableWiseSharding:
                              "(build it from local_tables)")
         widths = [sum(self.dims[name] for name in self.outputs_of_rank[r]) for r in range(self.world)]
         flat = values.reshape(-1)
-        got = all_to_all(flat, [splits.local_batch_size * w for w in widths],
-                         [b * width for b in splits.batch_sizes], self.output_group)
+        received, sent = self._output_splits(splits)
+        got = all_to_all(flat, received, sent, self.output_group, record)
         blocks: Dict[str, torch.Tensor] = {}
         for r, part in enumerate(torch.split(got, [splits.local_batch_size * w for w in widths])):
             part = part.view(splits.local_batch_size, widths[r])
@@ -315,6 +346,30 @@ class TableWiseSharding:
         keys = self.all_outputs
         return KeyedTensor(keys=keys, length_per_key=[self.dims[name] for name in keys],
                            values=torch.cat([blocks[name] for name in keys], dim=1))
+
+    def complete_exchange(self, record: ExchangeRecord, splits: DistSplits, *, backward: bool,
+                          device: torch.device) -> None:
+        """Issue the output exchanges of one batch that this rank has not (``record``), with
+        zeros and no autograd: the forward one, and the backward one too when ``backward``.
+
+        For a step that failed on this rank: the other ranks' exchanges of the batch pair up
+        with these, and the ranks then agree that the step failed (what the zeros carried is
+        undone with it).
+        """
+        received, sent = self._output_splits(splits)
+
+        def exchange(into: List[int], out_of: List[int]) -> None:
+            got = torch.empty(sum(into), dtype=TABLE_DTYPE, device=device)
+            dist.all_to_all_single(got, torch.zeros(sum(out_of), dtype=TABLE_DTYPE, device=device), into, out_of,
+                                   group=self.output_group)
+
+        with torch.no_grad():
+            if not record.forward:
+                exchange(received, sent)
+                record.forward = True
+            if backward and not record.backward:
+                exchange(sent, received)
+                record.backward = True
 
     def lookup(self, collection: torch.nn.Module, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Synchronous sharded lookup: input dist, the owner's collection, output dist.

@@ -22,14 +22,14 @@ from torchrec import KeyedJaggedTensor
 
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
-from ..grad_sync import PeerStepFailed, flatten, unflatten_into
+from ..grad_sync import PeerStepFailed, grad_buckets, write_back_grads
 from ..notes import add_note
 from ..rec import BatchPlan, CachedEmbeddingBagCollection, CacheTooSmallError
 from ..rec.batch_keys import BatchKeys, check_kjt
 from ..rec.collection import mark_pipeline_hook
 from ..thread_state import records_graphs
 from .schedule import Clock
-from .dist import TableWiseSharding
+from .dist import ExchangeRecord, TableWiseSharding
 from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, keep_flushed_outputs
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
@@ -93,18 +93,30 @@ def broadcast_from_first_rank(parameters: List[torch.Tensor], group: Any) -> Non
             dist.broadcast(p.data, src=source, group=group)
 
 
-def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: bool) -> None:
-    """Sum (or average) the dense gradients over ``group`` in one flat all-reduce, like DDP."""
+def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: bool, failed: bool,
+                           device: torch.device) -> List[int]:
+    """Sum (or average, as DDP) the dense gradients over ``group``, and learn which ranks' steps
+    ``failed``: the ranks that did, in the order of ``group``.
+
+    One all-reduce per dtype; the first carries one failure flag per rank too, so agreeing on
+    the step costs no collective of its own. Every rank, a failed one too, issues the same
+    collectives (its buffers have the same size whichever gradients it has). The gradients
+    are written back only when no rank failed; otherwise each rank's stay its own.
+    """
     import torch.distributed as dist
 
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return
-    flat = flatten(grads)
-    dist.all_reduce(flat, group=group)
-    if average:
-        flat /= dist.get_world_size(group)
-    unflatten_into(flat, grads)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    votes = torch.zeros(world, device=device)  # where the group reduces (with no dense parameter to go by)
+    votes[rank] = float(failed)
+    buckets = grad_buckets(parameters, extra=votes)
+    works = [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in buckets]
+    for work in works:
+        work.wait()
+    failed_ranks = [r for r, vote in enumerate(buckets[0][0][-world:].tolist()) if vote]
+    if not failed_ranks:
+        for flat, bucket in buckets:
+            write_back_grads(flat, bucket, world if average else 1)
+    return failed_ranks
 
 
 @dataclass(eq=False)
@@ -299,6 +311,11 @@ class TrainPipelineSparseDist(_ReadyPipeline):
         return item
 
 
+def _note_telling_the_others_failed(failure: Exception, error: Exception) -> None:
+    """Say on this rank's ``failure`` (still the error raised) that telling the other ranks of it failed too."""
+    add_note(failure, f"[torchpipe.train] telling the other ranks of it failed too ({type(error).__name__}: {error})")
+
+
 @dataclass(eq=False)
 class _Armed:
     features: Any
@@ -306,6 +323,7 @@ class _Armed:
     thread: int
     item: Any = None
     used: bool = False
+    exchange: ExchangeRecord = field(default_factory=ExchangeRecord)  # across processes: the output exchanges
 
 
 def _call_if_alive(pipeline: "weakref.ref[Any]", method: str, *args: Any) -> Any:
@@ -496,9 +514,17 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     batch, if any, is returned on every rank; then, before the next clock admits a batch (in
     the same call while the pipeline fills, else the next ``progress()`` or ``flush()``),
     the failing rank raises its own error and the others `torchpipe.grad_sync.PeerStepFailed`.
-    All drop the same batches and return the same outputs, so they go on in step. A failure
-    in ``input_dist`` or ``train`` (the model's own code), which hold collectives, fails
-    only its rank at once; the others fail at the process group's timeout.
+    All drop the same batches and return the same outputs, so they go on in step.
+
+    A failure in the train stage on one rank (the model's forward, the loss, backward) fails
+    that step on every rank, in the same call: the failing rank still issues the batch's
+    output exchanges it missed (zeros) and the dense all-reduce, which carries a failure
+    flag per rank, so no rank takes the dense optimizer step, every rank puts the batch's
+    rows back, and every rank drops its batches in flight. An error in the dense optimizer's
+    own ``step()`` comes after the ranks agreed: that rank fails at once, the others in their
+    next call (`PeerStepFailed`), and the dense replicas may differ from then on. A failure in
+    ``input_dist`` is one of its collectives (a batch is checked at admission): the process
+    group's own error, on the ranks it reaches.
     """
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -542,12 +568,13 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self._sharding = sharding
         # Across processes the dense part is replicated: its gradients are all-reduced over the
         # sharding's output group before the dense optimizer steps ('mean' like DDP, or 'sum').
-        self._dense_sync: Optional[Callable[[], None]] = None
+        self._dense_sync: Optional[Callable[[bool], List[int]]] = None
         if sharding is not None:
             dense = [p for p in model.parameters() if p.requires_grad]
             group, average = sharding.output_group, dense_grads == "mean"
             broadcast_from_first_rank(dense, group)  # every replica starts equal, as DDP does
-            self._dense_sync = lambda: all_reduce_dense_grads(dense, group, average)
+            device = self.device
+            self._dense_sync = lambda failed: all_reduce_dense_grads(dense, group, average, failed, device)
         # Swaps run on host threads but move rows in device memory: on an accelerator they get
         # their own stream, ordered after the train steps that last updated the evicted rows
         # and before the train step of their batch (events; no-ops on the CPU).
@@ -569,15 +596,17 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                                            self._backend, self.device)
         # The stages reach this object weakly too: without a cycle, a pipeline dropped without
         # close() goes (and hands its batches back) at once, not when the cycle collector runs.
-        # Across processes, a failure of a stage without collectives (h2d, plan, swap) on one
-        # rank lets the clock's other stages finish (their collectives pair up with the other
-        # ranks'); then the ranks vote (`_agree_on_clock`) and all drop the same batches.
+        # Across processes, a failure of a stage without collectives (h2d, plan, swap), or of
+        # the train stage (which issues the collectives it missed and agrees with the other
+        # ranks within the step), lets the clock's other stages finish (their collectives pair
+        # up with the other ranks'); then the ranks vote (`_agree_on_clock`) and all drop the
+        # same batches.
         self.pipeline = StagedPipeline(
             [PipelineStage("h2d", _weakly(self._h2d_batch), "copy", local=True),
              PipelineStage("input_dist", _weakly(self._dist), "host"),
              PipelineStage("plan", _weakly(self._plan), "host", local=True),
              PipelineStage("swap", _weakly(self._swap), "host", local=True),
-             PipelineStage("train", _weakly(self._train_cached), "device")],
+             PipelineStage("train", _weakly(self._train_cached), "device", local=True)],
             device=self.device, host_threads=host_threads, device_threads=device_threads, overlap=overlap,
             admit=_weakly(self._admit), on_abort=self.collection.abort, on_failure=_weakly(self._recover),
             after_clock=_weakly(self._after_clock), before_call=_weakly(self._release_leftovers),
@@ -667,7 +696,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         armed = self._armed
         if armed is None or armed.thread != threading.get_ident():
             return None
-        return self._sharding.output_dist(output, armed.item.extra["splits"])
+        return self._sharding.output_dist(output, armed.item.extra["splits"], armed.exchange)
 
     def _train_cached(self, item: _Item) -> Any:
         assert item.plan is not None
@@ -683,11 +712,12 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         def before_step() -> None:  # before the dense optimizer: a refused step must change nothing
             if not armed.used:
                 raise RuntimeError("the model did not call the cached collection with batch.sparse_features")
-            if self._dense_sync is not None:
-                self._dense_sync()
 
         try:
-            output = train_step(self.model, self.optimizer, item.device_batch, before_step)
+            if self._sharding is None:
+                output = train_step(self.model, self.optimizer, item.device_batch, before_step)
+            else:
+                output = self._train_step_with_every_rank(item, armed)
             if not armed.used:  # a forward-only step skips before_step; it changed nothing
                 raise RuntimeError("the model did not call the cached collection with batch.sparse_features")
         except BaseException:
@@ -703,6 +733,58 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self.steps_done += 1
         return output
 
+    def _train_step_with_every_rank(self, item: _Item, armed: _Armed) -> Any:
+        """`train_step` across processes, failing on every rank when it fails on one.
+
+        A rank whose step fails (the model's forward, the loss, backward) still issues what the
+        other ranks wait for: the batch's output exchanges it missed (`complete_exchange`,
+        zeros), then the dense gradient all-reduce, which carries one failure flag per rank
+        (in eval mode, a vote on the output group instead). If any rank failed, no rank takes
+        its dense optimizer step and every rank raises, the failing one its own error and the
+        others `PeerStepFailed`; the caller puts the rows back. So the ranks fail together, at
+        once, instead of the others waiting in the exchange for the group's timeout.
+        """
+        assert self._sharding is not None and self._dense_sync is not None
+        training = is_training(self.model)
+        failure: Optional[Exception] = None
+        output: Any = None
+        try:
+            if training and self.optimizer is not None:
+                self.optimizer.zero_grad()
+            losses, output = self.model(item.device_batch)
+            if not armed.used:
+                raise RuntimeError("the model did not call the cached collection with batch.sparse_features")
+            if training:
+                torch.sum(losses).backward()
+        except Exception as exc:  # noqa: BLE001 - agreed on with the other ranks, then raised
+            failure = exc
+        try:
+            try:
+                self._sharding.complete_exchange(armed.exchange, item.extra["splits"], backward=training,
+                                                 device=self.device)
+                if training:
+                    failed = self._dense_sync(failure is not None)
+                else:
+                    failed = self._sharding.vote(failure is not None, on_output_group=True, device=self.device)
+            except Exception as error:  # noqa: BLE001 - this rank's own failure is still the one raised
+                if failure is None:
+                    raise
+                _note_telling_the_others_failed(failure, error)
+                raise failure
+            if failure is not None:
+                add_note(failure, f"[torchpipe.train] ranks {failed} failed this batch's train step: every rank "
+                                  "undoes it (rows put back, no dense optimizer step), so the ranks stay in step")
+                raise failure
+            if failed:
+                raise PeerStepFailed(f"ranks {failed} failed this batch's train step (see their error): this rank "
+                                     "undoes it too (rows put back, no dense optimizer step), so the ranks stay "
+                                     "in step")
+        finally:  # no cycle: the failure's traceback holds this frame
+            failure = None
+        if training and self.optimizer is not None:
+            self.optimizer.step()
+        return output
+
     def _agree_on_clock(self, failure: Optional[Exception]) -> Callable[[], None]:
         """At the end of every clock across processes, tell the other ranks whether this rank's
         h2d, plan or swap failed (a cache too small for its tables' keys, say).
@@ -713,16 +795,13 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         """
         assert self._sharding is not None
 
-        def note_the_vote_failed(error: Exception) -> None:  # this rank's own failure is still the one raised
-            add_note(failure, f"[torchpipe.train] telling the other ranks of it failed too "
-                              f"({type(error).__name__}: {error})")
-
+        own = failure is not None and not isinstance(failure, PeerStepFailed)  # a peer's is voted by the peer
         try:
-            outcome = self._sharding.vote_later(failure is not None)
+            outcome = self._sharding.vote_later(own)
         except Exception as error:  # noqa: BLE001
             if failure is None:
                 raise
-            note_the_vote_failed(error)
+            _note_telling_the_others_failed(failure, error)
             raise failure
 
         def check() -> None:
@@ -732,7 +811,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             except Exception as error:  # noqa: BLE001
                 if failure is None:
                     raise
-                note_the_vote_failed(error)
+                _note_telling_the_others_failed(failure, error)
                 failed = None
             if failure is not None:
                 if failed is not None:
@@ -743,8 +822,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                 finally:  # no cycle through this closure: the failure's traceback holds its frame
                     failure = None
             if failed:
-                raise PeerStepFailed(f"ranks {failed} failed in a clock's h2d, plan or swap stage (see their "
-                                     "error): this rank drops its batches in flight too, so the ranks stay in step")
+                raise PeerStepFailed(f"ranks {failed} failed in this clock's h2d, plan or swap stage, or in the dense "
+                                     "optimizer's step (see their error): this rank drops its batches in flight "
+                                     "too, so the ranks stay in step")
 
         return check
 

@@ -35,6 +35,7 @@ from ..checks import as_int, check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
 from ..thread_state import refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only
 from ..workers import STOP_TIMEOUT_S, Worker, available_cores, check_intra_op_threads, stop_workers
+from ..grad_sync import PeerStepFailed
 from ..notes import add_note
 from .schedule import Clock, ClockSchedule, schedule_table
 
@@ -57,10 +58,12 @@ class PipelineStage:
     device-less host thread; host stages are spread round-robin over the host threads), or
     an int index into ``StagedPipeline.worker_names``.
 
-    ``local``: the stage issues no collective (no call on a process group). In a pipeline
-    with ``agree`` (one rank of several), a local stage's failure does not cancel its
-    clock's other jobs: they run on, so that their collectives still pair up with the other
-    ranks', and ``agree`` fails the clock on every rank at its end. Ignored without ``agree``.
+    ``local``: a failure of the stage leaves no collective (no call on a process group) of
+    this rank unissued: the stage issues none, or, failing, still issues the ones the other
+    ranks wait for. In a pipeline with ``agree`` (one rank of several), a local stage's
+    failure does not cancel its clock's other jobs: they run on, so that their collectives
+    still pair up with the other ranks', and ``agree`` fails the clock on every rank at its
+    end. Ignored without ``agree``.
     """
 
     name: str
@@ -139,7 +142,8 @@ class _ClockRun:
     read (recorded where it was made), and ``done[s]`` the event after stage ``s``'s work.
 
     ``deferred`` holds the failures of local stages that wait for the clock's end (`agree`),
-    each with the stage it happened in, in the order they happened.
+    each with the stage (index, and where for the notes) it happened in, in the order they
+    happened.
     """
 
     __slots__ = ("inputs", "outputs", "ready", "done", "deferred")
@@ -149,7 +153,7 @@ class _ClockRun:
         self.outputs: Dict[int, Any] = {}
         self.ready = ready
         self.done: Dict[int, Any] = {}
-        self.deferred: List[Tuple[str, Exception]] = []
+        self.deferred: List[Tuple[int, str, Exception]] = []
 
 
 def _record_streams(value: Any, stream: Any, backend: Backend, device_type: str, depth: int = 0) -> None:
@@ -213,9 +217,12 @@ class StagedPipeline:
     admission, in this call or the next: then every rank raises in the same call, before
     any batch is admitted, drops the same batches (``on_failure``) and returns the same
     outputs, and no rank waits for the others at a clock's end. (An ``agree`` that raises,
-    or returns None for a failure, fails the clock at once instead.) A failure of a stage
-    that is not local still cancels the clock at once: this rank never reaches ``agree``,
-    and the other ranks wait in their collectives until the group's timeout.
+    or returns None for a failure, fails the clock at once instead.) When the failed stage is
+    the last one, the clock has no finished batch to hand on: it fails at its end, after
+    ``check()``; a last stage that fails on every rank together (it agrees within itself, as
+    `EmbCacheTrainPipeline`'s train stage does) so fails the same clock on every rank. A
+    failure of a stage that is not local still cancels the clock at once: this rank never
+    reaches ``agree``, and the other ranks wait in their collectives until the group's timeout.
 
     ``flush()`` that fails part way keeps what it returned so far: the error's
     ``flushed_outputs`` attribute holds the outputs of the batches it finished before the
@@ -379,13 +386,13 @@ class StagedPipeline:
                 error = RuntimeError(f"stage {stage.name!r} raised StopIteration")
                 if deferred:
                     error.__cause__ = exc
-                    run.deferred.append((where, error))
+                    run.deferred.append((s, where, error))
                     return None
                 failure.note(where)
                 raise error from exc
             except Exception as exc:  # noqa: BLE001 - raised here, or by agree at the clock's end
                 if deferred:
-                    run.deferred.append((where, exc))
+                    run.deferred.append((s, where, exc))
                     return None
                 failure.note(where)
                 raise
@@ -455,8 +462,11 @@ class StagedPipeline:
         where = ""
         try:
             if run.deferred:
-                where, first = run.deferred[0]
-                for later_where, later in run.deferred[1:]:
+                # This rank's own failure first: one saying that another rank failed (a stage
+                # that agreed within itself) yields to it.
+                ordered = sorted(run.deferred, key=lambda failed: isinstance(failed[2], PeerStepFailed))
+                _, where, first = ordered[0]
+                for _, later_where, later in ordered[1:]:
                     add_note(first, f"[torchpipe.train] {later_where} failed in the same clock too: "
                                     f"{type(later).__name__}: {later}")
             try:
@@ -464,14 +474,17 @@ class StagedPipeline:
             except BaseException:  # noqa: B902 - the clock fails here; say where
                 self._failure.note(where or "agree (another rank failed)")
                 raise
-            if check is not None:
+            last_failed = any(s == self.depth - 1 for s, _, _ in run.deferred)
+            if check is not None and not last_failed:
                 self._unsettled = (check, clock, first, where)
-            elif first is not None:  # told the others at once: this clock fails here
+            elif first is not None:  # told the others, or no finished batch to hand on: this clock fails here
                 self._failure.note(where)
+                if check is not None:
+                    check()  # raises this rank's failure, noted with the ranks that failed
                 raise first
         finally:  # no cycle: the failures' tracebacks hold this frame and the jobs' (which hold run)
             run.deferred = []
-            first = None
+            first = check = None
 
     def _settle_unsettled(self) -> None:
         """Before anything else runs: ask the last clock's ``agree`` check whether a rank (this
