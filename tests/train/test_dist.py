@@ -276,7 +276,8 @@ class FailingOnRankZero(SparseAndDense):
         return loss, score.detach()
 
 
-TRAIN_FAILURES = ["before the lookup", "in the lookup", "after the exchange", "in backward", "in eval mode"]
+TRAIN_FAILURES = ["before the step", "before the lookup", "in the lookup", "after the exchange", "in backward",
+                  "in eval mode"]
 
 
 def train_failure_worker(rank: int, init_file: str, tests_dir: str, where: str) -> None:
@@ -314,6 +315,16 @@ def train_failure_worker(rank: int, init_file: str, tests_dir: str, where: str) 
         outputs, error = [], None
         with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
                                    device_threads=1, dense_grads="sum") as pipe:
+            if where == "before the step":  # the rows' snapshot, before the model runs
+                snapshot_rows, snapshots = ebc.snapshot_rows, [0]
+
+                def failing_snapshot(plan):
+                    snapshots[0] += 1
+                    if snapshots[0] == fail_call:
+                        raise ValueError("injected on rank 0 before the step")
+                    return snapshot_rows(plan)
+
+                ebc.snapshot_rows = failing_snapshot
             if where == "in the lookup":
                 lookups = [0]
 
@@ -404,13 +415,15 @@ class FailingStep(torch.optim.SGD):
 def optimizer_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
     """The dense optimizer's own step() fails on rank 0 after the ranks agreed on the train step
     (documented): rank 0 raises in that call, rank 1, which took the step, raises PeerStepFailed
-    in its next one, before admitting a batch. Neither waits for the group's timeout, and both
-    then train on in step (the clock vote keeps their collectives paired)."""
+    in its next one, before admitting a batch. Neither waits for the group's timeout. The step
+    is every rank's: rank 0 keeps its rows and counts it too, so the tables on both ranks equal
+    single-process training of the 5 batches (rank 0's dense replica missed one step). Both then
+    train on in step (the clock vote keeps their collectives paired)."""
     join(rank, init_file, tests_dir, timeout_s=20)
     from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
 
     from torchpipe.grad_sync import PeerStepFailed
-    from torchpipe.rec import SGD, CachedEmbeddingBagCollection
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
     from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
 
     try:
@@ -421,13 +434,14 @@ def optimizer_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
         after = [make_batches(tables, 6, batch_size=3 + r, seed=80 + r) for r in range(WORLD)]
         everything = [concat_samples([batches[r][i] for r in range(WORLD)])
                       for batches in (before, after) for i in range(len(batches[0]))]
+        weights = integer_weights(tables)
         ebc = CachedEmbeddingBagCollection(mine, window_minimum(mine, everything), optimizer=SGD(lr=1.0),
-                                           weights=integer_weights(tables))
+                                           weights=weights)
         model = SparseAndDense(ebc, DENSE_IN)
         opt = FailingStep(model.dense.parameters(), 2.0 ** -6, 5 if rank == 0 else None)
         outputs, error = [], None
         with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
-                                   device_threads=1) as pipe:
+                                   device_threads=1, dense_grads="sum") as pipe:
             it = iter(before[rank])
             while error is None:
                 try:
@@ -438,12 +452,27 @@ def optimizer_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
             if rank == 0:
                 assert isinstance(error, ValueError) and "dense optimizer's step" in str(error), repr(error)
                 assert "ranks [0] failed in this clock" in notes and "failed in stage 'train'" in notes, notes
-                assert (pipe.steps_done, len(outputs)) == (4, 4), (pipe.steps_done, len(outputs))
+                assert "its rows are kept and it counts in steps_done" in notes, notes
+                assert (pipe.steps_done, len(outputs)) == (5, 4), (pipe.steps_done, len(outputs))
             else:
                 assert isinstance(error, PeerStepFailed), repr(error)
                 assert "or in the dense optimizer's step" in str(error), str(error)
                 assert (pipe.steps_done, len(outputs)) == (5, 5), (pipe.steps_done, len(outputs))
             assert pipe.pipeline.in_flight() == [], pipe.pipeline.in_flight()
+            reference = SparseAndDense(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0),
+                                                                       weights=weights), DENSE_IN)
+            ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=2.0 ** -6)
+            dense_after = []
+            for batch in everything[:5]:
+                ref_opt.zero_grad()
+                reference(batch)[0].backward()
+                ref_opt.step()
+                dense_after.append([p.detach().clone() for p in reference.dense.parameters()])
+            for t in mine:  # every rank kept the agreed step's rows
+                assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name)), f"rank {rank}: {t.name}"
+            dense_steps = 4 if rank == 0 else 5
+            for got, want in zip(model.dense.parameters(), dense_after[dense_steps - 1]):
+                assert torch.equal(got, want), f"rank {rank}: dense parameters differ"
             steps = pipe.steps_done
             it = iter(after[rank])
             while True:
@@ -459,6 +488,55 @@ def optimizer_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
 
 def test_a_dense_optimizer_that_fails_on_one_rank_fails_every_rank_without_a_timeout(tmp_path) -> None:
     run_ranks(optimizer_failure_worker, tmp_path)
+
+
+def broken_group_worker(rank: int, init_file: str, tests_dir: str) -> None:
+    """Rank 1 stalls longer than the groups' 4 s timeout before its 5th lookup: rank 0's output
+    exchange itself fails. That error fails rank 0's clock at once (nothing to pair up with, and
+    a vote would only wait for the same peer again): no second collective is tried."""
+    join(rank, init_file, tests_dir, timeout_s=4)
+    import time
+
+    from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection
+    from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
+
+    try:
+        tables = make_tables()
+        sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD)),
+                                                                         timeout=datetime.timedelta(seconds=4)))
+        mine = sharding.local_tables
+        batches = [make_batches(tables, 10, batch_size=3 + r, seed=70 + r) for r in range(WORLD)]
+        everything = [concat_samples([batches[r][i] for r in range(WORLD)]) for i in range(10)]
+        ebc = CachedEmbeddingBagCollection(mine, window_minimum(mine, everything), optimizer=SGD(lr=1.0),
+                                           weights=integer_weights(tables))
+        model = FailingOnRankZero(ebc, DENSE_IN, "nowhere", None)
+        forward = model.forward
+
+        def stalling(batch):
+            if rank == 1 and model.calls == 4:
+                time.sleep(10)
+            return forward(batch)
+
+        model.forward = stalling
+        opt = torch.optim.SGD(model.dense.parameters(), lr=2.0 ** -6)
+        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
+                                   device_threads=1) as pipe:
+            with pytest.raises(RuntimeError) as info:
+                for _ in range(10):
+                    pipe.progress(iter(batches[rank]))
+            assert pipe.steps_done == 4, pipe.steps_done
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "failed in stage 'train'" in notes, notes
+        # Failed at once: not deferred to the clock's vote, no exchange or all-reduce tried after it.
+        assert "failed in this clock" not in notes and "telling the other ranks" not in notes, notes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_train_step_whose_exchange_itself_fails_fails_its_clock_at_once(tmp_path) -> None:
+    run_ranks(broken_group_worker, tmp_path)
 
 
 def plan_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:

@@ -30,8 +30,9 @@ each used by one thread in batch order.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,21 @@ class ExchangeRecord:
 
     forward: bool = False
     backward: bool = False
+    failed: bool = False  # one of them raised: the group itself failed (a call that raised is never issued again)
+
+
+@contextlib.contextmanager
+def _noted(record: Optional[ExchangeRecord], direction: str) -> Iterator[None]:
+    """Note in ``record`` that the exchange of ``direction`` went out, also when it raised (then
+    the group failed, and it is never issued again)."""
+    if record is not None:
+        setattr(record, direction, True)
+    try:
+        yield
+    except BaseException:
+        if record is not None:
+            record.failed = True
+        raise
 
 
 class _AllToAll(torch.autograd.Function):
@@ -71,18 +87,16 @@ class _AllToAll(torch.autograd.Function):
                 record: Optional[ExchangeRecord]) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.record = (out_splits, in_splits), group, record
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        if record is not None:
-            record.forward = True
+        with _noted(record, "forward"):
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        if ctx.record is not None:
-            ctx.record.backward = True
+        with _noted(ctx.record, "backward"):
+            dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return back, None, None, None, None
 
 
@@ -365,11 +379,11 @@ class TableWiseSharding:
 
         with torch.no_grad():
             if not record.forward:
-                exchange(received, sent)
-                record.forward = True
+                with _noted(record, "forward"):
+                    exchange(received, sent)
             if backward and not record.backward:
-                exchange(sent, received)
-                record.backward = True
+                with _noted(record, "backward"):
+                    exchange(sent, received)
 
     def lookup(self, collection: torch.nn.Module, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """Synchronous sharded lookup: input dist, the owner's collection, output dist.

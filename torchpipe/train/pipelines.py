@@ -30,7 +30,8 @@ from ..rec.collection import mark_pipeline_hook
 from ..thread_state import records_graphs
 from .schedule import Clock
 from .dist import ExchangeRecord, TableWiseSharding
-from .staged import PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, keep_flushed_outputs
+from .staged import (PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, fail_clock_now,
+                     keep_flushed_outputs)
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
 
@@ -324,6 +325,7 @@ class _Armed:
     item: Any = None
     used: bool = False
     exchange: ExchangeRecord = field(default_factory=ExchangeRecord)  # across processes: the output exchanges
+    agreed: bool = False  # across processes: every rank's step got as far as the dense optimizer's
 
 
 def _call_if_alive(pipeline: "weakref.ref[Any]", method: str, *args: Any) -> Any:
@@ -521,10 +523,11 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     output exchanges it missed (zeros) and the dense all-reduce, which carries a failure
     flag per rank, so no rank takes the dense optimizer step, every rank puts the batch's
     rows back, and every rank drops its batches in flight. An error in the dense optimizer's
-    own ``step()`` comes after the ranks agreed: that rank fails at once, the others in their
-    next call (`PeerStepFailed`), and the dense replicas may differ from then on. A failure in
-    ``input_dist`` is one of its collectives (a batch is checked at admission): the process
-    group's own error, on the ranks it reaches.
+    own ``step()`` comes after the ranks agreed: every rank keeps the step (rows, and
+    ``steps_done``), that rank fails at once, the others in their next call
+    (`PeerStepFailed`), and its dense replica may differ from then on. A collective that
+    fails itself (a peer gone, the group's timeout), in ``input_dist`` or ``train``, is the
+    process group's own error, on the ranks it reaches.
     """
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -700,14 +703,18 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
     def _train_cached(self, item: _Item) -> Any:
         assert item.plan is not None
-        self._wait_h2d(item)
-        swapped = item.extra.get("swapped")
-        if swapped is not None:
-            self._backend.wait_event(self._backend.current_stream(self.device), swapped)
         armed = _Armed(item.device_batch.sparse_features, item.plan, threading.get_ident(), item)
         self._armed = armed
-        # A forward-only step (eval mode) updates no row: nothing to put back.
-        before = self.collection.snapshot_rows(item.plan) if is_training(self.model) else None
+        training = is_training(self.model)
+        snapshots: List[Any] = []  # the batch's rows before the step (a forward-only step updates none)
+
+        def prepare() -> None:
+            self._wait_h2d(item)
+            swapped = item.extra.get("swapped")
+            if swapped is not None:
+                self._backend.wait_event(self._backend.current_stream(self.device), swapped)
+            if training:
+                snapshots.append(self.collection.snapshot_rows(item.plan))
 
         def before_step() -> None:  # before the dense optimizer: a refused step must change nothing
             if not armed.used:
@@ -715,40 +722,54 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
         try:
             if self._sharding is None:
+                prepare()
                 output = train_step(self.model, self.optimizer, item.device_batch, before_step)
             else:
-                output = self._train_step_with_every_rank(item, armed)
+                output = self._train_step_with_every_rank(item, armed, prepare)
             if not armed.used:  # a forward-only step skips before_step; it changed nothing
                 raise RuntimeError("the model did not call the cached collection with batch.sparse_features")
-        except BaseException:
-            # Rows may already carry this step's fused update: put them back (nothing lost,
-            # nothing half-applied).
-            if before is not None:
-                self.collection.restore_rows(item.plan, before)
+        except BaseException as exc:
+            if armed.agreed:  # every rank keeps this step (see _train_step_with_every_rank)
+                add_note(exc, "[torchpipe.train] the ranks had agreed on this train step before the dense "
+                              "optimizer's step() failed: as on the other ranks, its rows are kept and it counts in "
+                              "steps_done; the dense parameters are as that step() left them")
+                item.trained = True
+                self.steps_done += 1
+            elif snapshots:
+                # Rows may already carry this step's fused update: put them back (nothing lost,
+                # nothing half-applied).
+                self.collection.restore_rows(item.plan, snapshots[0])
             raise
         finally:
             self._armed = None
             self._trained_event = mark_ready(self._backend, self._backend.current_stream(self.device))
+            snapshots.clear()
         item.trained = True
         self.steps_done += 1
         return output
 
-    def _train_step_with_every_rank(self, item: _Item, armed: _Armed) -> Any:
+    def _train_step_with_every_rank(self, item: _Item, armed: _Armed, prepare: Callable[[], None]) -> Any:
         """`train_step` across processes, failing on every rank when it fails on one.
 
-        A rank whose step fails (the model's forward, the loss, backward) still issues what the
-        other ranks wait for: the batch's output exchanges it missed (`complete_exchange`,
-        zeros), then the dense gradient all-reduce, which carries one failure flag per rank
-        (in eval mode, a vote on the output group instead). If any rank failed, no rank takes
-        its dense optimizer step and every rank raises, the failing one its own error and the
-        others `PeerStepFailed`; the caller puts the rows back. So the ranks fail together, at
-        once, instead of the others waiting in the exchange for the group's timeout.
+        A rank whose step fails (waiting for its batch, the model's forward, the loss,
+        backward) still issues what the other ranks wait for: the batch's output exchanges it
+        missed (`complete_exchange`, zeros), then the dense gradient all-reduce, which carries
+        one failure flag per rank (in eval mode, a vote on the output group instead). If any
+        rank failed, no rank takes its dense optimizer step and every rank raises, the failing
+        one its own error and the others `PeerStepFailed`; the caller puts the rows back. So
+        the ranks fail together, at once, instead of the others waiting in the exchange for the
+        group's timeout. Once they agreed (``armed.agreed``), the step is every rank's: an
+        error in the dense optimizer's step() then keeps the rows, as the other ranks do.
+
+        A collective that fails itself (a peer gone, the group's timeout) leaves nothing to
+        pair up and nobody to agree with: that error fails the clock at once (`fail_clock_now`).
         """
         assert self._sharding is not None and self._dense_sync is not None
         training = is_training(self.model)
         failure: Optional[Exception] = None
         output: Any = None
         try:
+            prepare()
             if training and self.optimizer is not None:
                 self.optimizer.zero_grad()
             losses, output = self.model(item.device_batch)
@@ -759,6 +780,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         except Exception as exc:  # noqa: BLE001 - agreed on with the other ranks, then raised
             failure = exc
         try:
+            if armed.exchange.failed:  # the exchange itself failed: nothing to pair, nobody to agree with
+                assert failure is not None
+                raise fail_clock_now(failure)
             try:
                 self._sharding.complete_exchange(armed.exchange, item.extra["splits"], backward=training,
                                                  device=self.device)
@@ -768,9 +792,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                     failed = self._sharding.vote(failure is not None, on_output_group=True, device=self.device)
             except Exception as error:  # noqa: BLE001 - this rank's own failure is still the one raised
                 if failure is None:
-                    raise
+                    raise fail_clock_now(error)
                 _note_telling_the_others_failed(failure, error)
-                raise failure
+                raise fail_clock_now(failure)
             if failure is not None:
                 add_note(failure, f"[torchpipe.train] ranks {failed} failed this batch's train step: every rank "
                                   "undoes it (rows put back, no dense optimizer step), so the ranks stay in step")
@@ -781,6 +805,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                                      "in step")
         finally:  # no cycle: the failure's traceback holds this frame
             failure = None
+        armed.agreed = True
         if training and self.optimizer is not None:
             self.optimizer.step()
         return output

@@ -63,7 +63,8 @@ class PipelineStage:
     ranks wait for. In a pipeline with ``agree`` (one rank of several), a local stage's
     failure does not cancel its clock's other jobs: they run on, so that their collectives
     still pair up with the other ranks', and ``agree`` fails the clock on every rank at its
-    end. Ignored without ``agree``.
+    end. Ignored without ``agree``. An error marked with `fail_clock_now` (a collective that
+    failed itself) cancels the clock at once, as a stage that is not local does.
     """
 
     name: str
@@ -91,6 +92,17 @@ class PipelineStage:
                 raise ValueError(f"stage {self.name!r}: worker index must be >= 0, got {index}")
             object.__setattr__(self, "worker", index)  # a plain int from here on
         check_bool(f"stage {self.name!r}: local", self.local)
+
+
+_FAIL_CLOCK_NOW = "_torchpipe_fail_clock_now"
+
+
+def fail_clock_now(error: Exception) -> Exception:
+    """Mark ``error``, raised by a ``local`` stage, to fail its clock at once instead of at the
+    clock's end: what failed is a collective itself (a peer gone, the group's timeout), so no
+    rank is left to pair up with, and a vote would only wait for the same peer. Returns it."""
+    setattr(error, _FAIL_CLOCK_NOW, True)
+    return error
 
 
 def keep_flushed_outputs(error: BaseException, outputs: List[Any]) -> None:
@@ -391,7 +403,7 @@ class StagedPipeline:
                 failure.note(where)
                 raise error from exc
             except Exception as exc:  # noqa: BLE001 - raised here, or by agree at the clock's end
-                if deferred:
+                if deferred and not getattr(exc, _FAIL_CLOCK_NOW, False):
                     run.deferred.append((s, where, exc))
                     return None
                 failure.note(where)
@@ -484,7 +496,7 @@ class StagedPipeline:
                 raise first
         finally:  # no cycle: the failures' tracebacks hold this frame and the jobs' (which hold run)
             run.deferred = []
-            first = check = None
+            first = check = ordered = later = None
 
     def _settle_unsettled(self) -> None:
         """Before anything else runs: ask the last clock's ``agree`` check whether a rank (this
