@@ -8,6 +8,7 @@ import datetime
 import os
 import re
 import sys
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -76,6 +77,86 @@ def own_samples(rank: int) -> slice:
     """This rank's samples in the global batch: rank r's batches hold 3 + r, in rank order."""
     lo = sum(3 + r for r in range(rank))
     return slice(lo, lo + 3 + rank)
+
+
+def rank_batches(tables, steps: int, seed: int):
+    """Every rank's ``steps`` batches (rank r's of 3 + r samples), and the global batches they make."""
+    from train_helpers import make_batches
+    per_rank = [make_batches(tables, steps, batch_size=3 + r, seed=seed + r) for r in range(WORLD)]
+    return per_rank, [concat_samples([per_rank[r][i] for r in range(WORLD)]) for i in range(steps)]
+
+
+def reference_training(tables, weights, batches, rank: int, evaluating: bool = False):
+    """Single-process full-table training of the global ``batches`` (row SGD at lr 1, dense SGD at
+    2**-6 on summed gradients: exact with the integer data), as the failure tests' pipelines train:
+    the reference model, this rank's samples' output of every step, and the dense parameters after
+    every step. ``evaluating``: forward-only steps of the model in eval mode."""
+    from train_helpers import DENSE_IN
+
+    from torchpipe.rec import SGD, FullTableEmbeddingBagCollection
+
+    reference = SparseAndDense(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights),
+                               DENSE_IN)
+    ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=2.0 ** -6)
+    reference.train(not evaluating)
+    scores, dense = [], []
+    for batch in batches:
+        if evaluating:
+            with torch.no_grad():
+                score = reference(batch)[1]
+        else:
+            ref_opt.zero_grad()
+            loss, score = reference(batch)
+            loss.backward()
+            ref_opt.step()
+        scores.append(score[own_samples(rank)])
+        dense.append([p.detach().clone() for p in reference.dense.parameters()])
+    return reference, scores, dense
+
+
+def failure_test_setup(output_timeout_s: Optional[float] = None) -> SimpleNamespace:
+    """What the train-failure tests share: tables, a sharding with an output group of its own
+    (``output_timeout_s``: that group's timeout), every rank's 10 batches and 6 more (``before``,
+    ``after``, and the global batches they make), integer weights, and this rank's collection,
+    its cache as small as 3 consecutive global batches allow."""
+    from train_helpers import integer_weights, make_tables, window_minimum
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection
+    from torchpipe.train import TableWiseSharding
+
+    timeout = {} if output_timeout_s is None else {"timeout": datetime.timedelta(seconds=output_timeout_s)}
+    tables = make_tables()
+    sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD)), **timeout))
+    mine = sharding.local_tables
+    before, global_before = rank_batches(tables, 10, seed=70)
+    after, global_after = rank_batches(tables, 6, seed=80)
+    weights = integer_weights(tables)
+    ebc = CachedEmbeddingBagCollection(mine, window_minimum(mine, global_before + global_after),
+                                       optimizer=SGD(lr=1.0), weights=weights)
+    return SimpleNamespace(tables=tables, sharding=sharding, mine=mine, before=before, after=after,
+                           global_before=global_before, global_after=global_after, weights=weights, ebc=ebc)
+
+
+def progress_until_it_fails(pipe, batches, outputs: list) -> Optional[Exception]:
+    """``pipe.progress`` over ``batches``, each output appended to ``outputs``, until a call
+    raises: that error (None if the batches ran out first)."""
+    it = iter(batches)
+    while True:
+        try:
+            outputs.append(pipe.progress(it))
+        except StopIteration:
+            return None
+        except Exception as exc:  # noqa: BLE001 - the caller checks it
+            return exc
+
+
+def assert_same_state(rank: int, ebc, model, reference) -> None:
+    """This rank's tables (flushed) and dense replica equal the reference's, bitwise."""
+    ebc.flush()
+    for name in ebc.hosts:
+        assert torch.equal(ebc.full_weight(name), reference.ebc.full_weight(name)), f"rank {rank}: {name} differs"
+    for got, want in zip(model.dense.parameters(), reference.dense.parameters()):
+        assert torch.equal(got, want), f"rank {rank}: dense parameters differ"
 
 
 def lookups_train_as_in_one_process(rank: int, sharding, ebc, full, local_kjts, global_kjts,
@@ -288,23 +369,15 @@ def train_failure_worker(rank: int, init_file: str, tests_dir: str, where: str) 
     trained before the failure and of every batch after it (in eval mode: nothing changes, and
     the outputs are the reference's)."""
     join(rank, init_file, tests_dir, timeout_s=20)
-    from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
+    from train_helpers import DENSE_IN, drain
 
     from torchpipe.grad_sync import PeerStepFailed
-    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
-    from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
+    from torchpipe.train import EmbCacheTrainPipeline
 
     try:
-        tables = make_tables()
-        sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD))))
-        mine = sharding.local_tables
-        before = [make_batches(tables, 10, batch_size=3 + r, seed=70 + r) for r in range(WORLD)]
-        after = [make_batches(tables, 6, batch_size=3 + r, seed=80 + r) for r in range(WORLD)]
-        global_before = [concat_samples([before[r][i] for r in range(WORLD)]) for i in range(10)]
-        global_after = [concat_samples([after[r][i] for r in range(WORLD)]) for i in range(6)]
-        weights = integer_weights(tables)
-        ebc = CachedEmbeddingBagCollection(mine, window_minimum(mine, global_before + global_after),
-                                           optimizer=SGD(lr=1.0), weights=weights)
+        setup = failure_test_setup()
+        ebc, before, after, global_before, global_after = (setup.ebc, setup.before, setup.after, setup.global_before,
+                                                           setup.global_after)
         fail_call = 5 if rank == 0 else None
         model = FailingOnRankZero(ebc, DENSE_IN, where, fail_call)
         evaluating = where == "in eval mode"
@@ -312,8 +385,8 @@ def train_failure_worker(rank: int, init_file: str, tests_dir: str, where: str) 
             model.eval()
             model.where = "after the exchange"
         opt = torch.optim.SGD(model.dense.parameters(), lr=2.0 ** -6)
-        outputs, error = [], None
-        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
+        outputs: list = []
+        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=setup.sharding, host_threads=2,
                                    device_threads=1, dense_grads="sum") as pipe:
             if where == "before the step":  # the rows' snapshot, before the model runs
                 snapshot_rows, snapshots = ebc.snapshot_rows, [0]
@@ -334,14 +407,7 @@ def train_failure_worker(rank: int, init_file: str, tests_dir: str, where: str) 
                         raise ValueError("injected on rank 0 in the lookup")
 
                 ebc.register_forward_pre_hook(fail_in_the_lookup)  # after the pipeline's: the plan is armed
-            it = iter(before[rank])
-            while error is None:
-                try:
-                    outputs.append(pipe.progress(it))
-                except StopIteration:
-                    break
-                except Exception as exc:  # noqa: BLE001 - checked below
-                    error = exc
+            error = progress_until_it_fails(pipe, before[rank], outputs)
             steps_before, returned_before = pipe.steps_done, len(outputs)
             assert pipe.pipeline.in_flight() == [], pipe.pipeline.in_flight()
             notes = "\n".join(getattr(error, "__notes__", []))
@@ -356,38 +422,15 @@ def train_failure_worker(rank: int, init_file: str, tests_dir: str, where: str) 
             counts = [None] * WORLD
             dist.all_gather_object(counts, (steps_before, returned_before))
             assert counts[0] == counts[1] == (4, 4), counts
-            it = iter(after[rank])
-            while True:
-                try:
-                    outputs.append(pipe.progress(it))
-                except StopIteration:
-                    break
+            outputs += drain(pipe, iter(after[rank]))
             assert pipe.steps_done == steps_before + len(global_after)
 
-        reference = SparseAndDense(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights),
-                                   DENSE_IN)
-        ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=2.0 ** -6)
-        if evaluating:
-            reference.eval()
-        expected = []
-        for batch in global_before[:steps_before] + global_after:
-            if evaluating:
-                with torch.no_grad():
-                    expected.append(reference(batch)[1][own_samples(rank)])
-                continue
-            ref_opt.zero_grad()
-            loss, score = reference(batch)
-            loss.backward()
-            ref_opt.step()
-            expected.append(score[own_samples(rank)])
+        reference, expected, _ = reference_training(setup.tables, setup.weights,
+                                                    global_before[:steps_before] + global_after, rank, evaluating)
         assert len(expected) == len(outputs)
         for step, (got, want) in enumerate(zip(outputs, expected)):
             assert torch.equal(got, want), f"rank {rank}: output {step} differs"
-        ebc.flush()
-        for t in mine:
-            assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name)), f"rank {rank}: {t.name}"
-        for got, want in zip(model.dense.parameters(), reference.dense.parameters()):
-            assert torch.equal(got, want), f"rank {rank}: dense parameters differ"
+        assert_same_state(rank, ebc, model, reference)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -420,34 +463,20 @@ def optimizer_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
     single-process training of the 5 batches (rank 0's dense replica missed one step). Both then
     train on in step (the clock vote keeps their collectives paired)."""
     join(rank, init_file, tests_dir, timeout_s=20)
-    from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
+    from train_helpers import DENSE_IN, drain
 
     from torchpipe.grad_sync import PeerStepFailed
-    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection
-    from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
+    from torchpipe.train import EmbCacheTrainPipeline
 
     try:
-        tables = make_tables()
-        sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD))))
-        mine = sharding.local_tables
-        before = [make_batches(tables, 10, batch_size=3 + r, seed=70 + r) for r in range(WORLD)]
-        after = [make_batches(tables, 6, batch_size=3 + r, seed=80 + r) for r in range(WORLD)]
-        everything = [concat_samples([batches[r][i] for r in range(WORLD)])
-                      for batches in (before, after) for i in range(len(batches[0]))]
-        weights = integer_weights(tables)
-        ebc = CachedEmbeddingBagCollection(mine, window_minimum(mine, everything), optimizer=SGD(lr=1.0),
-                                           weights=weights)
+        setup = failure_test_setup()
+        ebc, before, after = setup.ebc, setup.before, setup.after
         model = SparseAndDense(ebc, DENSE_IN)
         opt = FailingStep(model.dense.parameters(), 2.0 ** -6, 5 if rank == 0 else None)
-        outputs, error = [], None
-        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
+        outputs: list = []
+        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=setup.sharding, host_threads=2,
                                    device_threads=1, dense_grads="sum") as pipe:
-            it = iter(before[rank])
-            while error is None:
-                try:
-                    outputs.append(pipe.progress(it))
-                except Exception as exc:  # noqa: BLE001 - checked below
-                    error = exc
+            error = progress_until_it_fails(pipe, before[rank], outputs)
             notes = "\n".join(getattr(error, "__notes__", []))
             if rank == 0:
                 assert isinstance(error, ValueError) and "dense optimizer's step" in str(error), repr(error)
@@ -459,27 +488,14 @@ def optimizer_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
                 assert "or in the dense optimizer's step" in str(error), str(error)
                 assert (pipe.steps_done, len(outputs)) == (5, 5), (pipe.steps_done, len(outputs))
             assert pipe.pipeline.in_flight() == [], pipe.pipeline.in_flight()
-            reference = SparseAndDense(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0),
-                                                                       weights=weights), DENSE_IN)
-            ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=2.0 ** -6)
-            dense_after = []
-            for batch in everything[:5]:
-                ref_opt.zero_grad()
-                reference(batch)[0].backward()
-                ref_opt.step()
-                dense_after.append([p.detach().clone() for p in reference.dense.parameters()])
-            for t in mine:  # every rank kept the agreed step's rows
+            reference, _, dense_after = reference_training(setup.tables, setup.weights, setup.global_before[:5], rank)
+            for t in setup.mine:  # every rank kept the agreed step's rows
                 assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name)), f"rank {rank}: {t.name}"
             dense_steps = 4 if rank == 0 else 5
             for got, want in zip(model.dense.parameters(), dense_after[dense_steps - 1]):
                 assert torch.equal(got, want), f"rank {rank}: dense parameters differ"
             steps = pipe.steps_done
-            it = iter(after[rank])
-            while True:
-                try:
-                    pipe.progress(it)
-                except StopIteration:
-                    break
+            drain(pipe, iter(after[rank]))
             assert pipe.steps_done == steps + 6
         dist.barrier()
     finally:
@@ -491,26 +507,21 @@ def test_a_dense_optimizer_that_fails_on_one_rank_fails_every_rank_without_a_tim
 
 
 def broken_group_worker(rank: int, init_file: str, tests_dir: str) -> None:
-    """Rank 1 stalls longer than the groups' 4 s timeout before its 5th lookup: rank 0's output
-    exchange itself fails. That error fails rank 0's clock at once (nothing to pair up with, and
-    a vote would only wait for the same peer again): no second collective is tried."""
-    join(rank, init_file, tests_dir, timeout_s=4)
+    """Rank 1 stalls longer than the output group's 4 s timeout before its 5th lookup: rank 0's
+    output exchange itself fails. That error fails rank 0's clock at once (nothing to pair up
+    with, and a vote would only wait for the same peer again): no second collective is tried.
+    (The default group, which the set-up uses while the ranks import at different speeds, keeps
+    a long timeout.)"""
+    join(rank, init_file, tests_dir, timeout_s=60)
     import time
 
-    from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
+    from train_helpers import DENSE_IN
 
-    from torchpipe.rec import SGD, CachedEmbeddingBagCollection
-    from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
+    from torchpipe.train import EmbCacheTrainPipeline
 
     try:
-        tables = make_tables()
-        sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD)),
-                                                                         timeout=datetime.timedelta(seconds=4)))
-        mine = sharding.local_tables
-        batches = [make_batches(tables, 10, batch_size=3 + r, seed=70 + r) for r in range(WORLD)]
-        everything = [concat_samples([batches[r][i] for r in range(WORLD)]) for i in range(10)]
-        ebc = CachedEmbeddingBagCollection(mine, window_minimum(mine, everything), optimizer=SGD(lr=1.0),
-                                           weights=integer_weights(tables))
+        setup = failure_test_setup(output_timeout_s=4)
+        ebc, batches, sharding = setup.ebc, setup.before, setup.sharding
         model = FailingOnRankZero(ebc, DENSE_IN, "nowhere", None)
         forward = model.forward
 
@@ -547,21 +558,19 @@ def plan_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
     single-process training of the batches trained before the failure and of every batch after
     it."""
     join(rank, init_file, tests_dir, timeout_s=20)
-    from train_helpers import DENSE_IN, integer_weights, make_batches, make_tables, window_minimum
+    from train_helpers import DENSE_IN, drain, integer_weights, make_tables, window_minimum
     from torchrec import KeyedJaggedTensor
 
     from torchpipe.grad_sync import PeerStepFailed
-    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, CacheTooSmallError, FullTableEmbeddingBagCollection
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection, CacheTooSmallError
     from torchpipe.train import EmbCacheTrainPipeline, RecBatch, TableWiseSharding
 
     try:
         tables = make_tables(num_rows=(200, 24))
         sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD))))
         mine = sharding.local_tables
-        before = [make_batches(tables, 10, batch_size=3 + r, seed=50 + r) for r in range(WORLD)]
-        after = [make_batches(tables, 6, batch_size=3 + r, seed=60 + r) for r in range(WORLD)]
-        global_before = [concat_samples([before[r][i] for r in range(WORLD)]) for i in range(10)]
-        global_after = [concat_samples([after[r][i] for r in range(WORLD)]) for i in range(6)]
+        before, global_before = rank_batches(tables, 10, seed=50)
+        after, global_after = rank_batches(tables, 6, seed=60)
         cache_rows = window_minimum(mine, global_before + global_after)
         assert cache_rows < tables[0].num_embeddings, cache_rows
         batches = list(before[rank])
@@ -578,17 +587,10 @@ def plan_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
         ebc = CachedEmbeddingBagCollection(mine, cache_rows, optimizer=SGD(lr=1.0), weights=weights)
         model = SparseAndDense(ebc, DENSE_IN)
         opt = torch.optim.SGD(model.dense.parameters(), lr=2.0 ** -6)
-        outputs, error = [], None
+        outputs: list = []
         with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
                                    device_threads=1, dense_grads="sum") as pipe:
-            it = iter(batches)
-            while error is None:
-                try:
-                    outputs.append(pipe.progress(it))
-                except StopIteration:
-                    break
-                except Exception as exc:  # noqa: BLE001 - checked below
-                    error = exc
+            error = progress_until_it_fails(pipe, batches, outputs)
             trained_before = pipe.steps_done
             assert pipe.pipeline.in_flight() == [], pipe.pipeline.in_flight()
             notes = "\n".join(getattr(error, "__notes__", []))
@@ -605,34 +607,16 @@ def plan_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
             dist.all_gather_object(counts, (trained_before, len(outputs)))
             assert counts[0] == counts[1] == (trained_before, trained_before) and 0 < trained_before < 6, counts
             # The ranks go on in step with new batches.
-            it = iter(after[rank])
-            while True:
-                try:
-                    outputs.append(pipe.progress(it))
-                except StopIteration:
-                    break
+            outputs += drain(pipe, iter(after[rank]))
             assert pipe.steps_done == trained_before + len(global_after)
 
-        reference = SparseAndDense(FullTableEmbeddingBagCollection(tables, optimizer=SGD(lr=1.0), weights=weights),
-                                   DENSE_IN)
-        ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=2.0 ** -6)
+        reference, scores, _ = reference_training(tables, weights, global_before[:trained_before] + global_after, rank)
         returned_before = len(outputs) - len(global_after)
-        expected = []
-        for step, batch in enumerate(global_before[:trained_before] + global_after):
-            ref_opt.zero_grad()
-            loss, score = reference(batch)
-            loss.backward()
-            ref_opt.step()
-            if step < returned_before or step >= trained_before:
-                expected.append(score[own_samples(rank)])
+        expected = [score for step, score in enumerate(scores) if step < returned_before or step >= trained_before]
         assert len(expected) == len(outputs)
         for step, (got, want) in enumerate(zip(outputs, expected)):
             assert torch.equal(got, want), f"rank {rank}: output {step} differs"
-        ebc.flush()
-        for t in mine:
-            assert torch.equal(ebc.full_weight(t.name), reference.ebc.full_weight(t.name)), f"rank {rank}: {t.name}"
-        for got, want in zip(model.dense.parameters(), reference.dense.parameters()):
-            assert torch.equal(got, want), f"rank {rank}: dense parameters differ"
+        assert_same_state(rank, ebc, model, reference)
         dist.barrier()
     finally:
         dist.destroy_process_group()
