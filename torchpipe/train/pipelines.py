@@ -781,8 +781,8 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             failure = exc
         try:
             if armed.exchange.failed:  # the exchange itself failed: nothing to pair, nobody to agree with
-                assert failure is not None
-                raise fail_clock_now(failure)
+                raise fail_clock_now(failure if failure is not None else RuntimeError(
+                    "the batch's output exchange failed, and the model went on past its error"))
             try:
                 self._sharding.complete_exchange(armed.exchange, item.extra["splits"], backward=training,
                                                  device=self.device)
