@@ -26,6 +26,7 @@ from torchpipe.devices import (
     register_backend,
     use_backend,
 )
+from torchpipe.microbatch import Batch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -598,3 +599,78 @@ def test_host_random_numbers_of_an_accelerator_partition_are_replayed(fake):
         assert len(forward) == len(recompute) == 2
         for again in recompute:
             assert any(torch.equal(again, first) for first in forward), "the recompute drew other host numbers"
+
+
+# ------------------------------------------------------------------ tensors nested in a batch
+class ForkNested(nn.Module):
+    """``x -> (x, (2x, [x + 1]), 'tag')``: an LSTM-like output whose state sits in a tuple and a list."""
+
+    def forward(self, x):
+        return x, (x * 2, [x + 1]), "tag"
+
+
+class ReadNested(nn.Module):
+    """Records where the nested tensors arrived (and on which worker), then uses all of them."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.backend = backend
+        self.seen = []
+
+    def forward(self, batch):
+        x, (doubled, [plus_one]), tag = batch
+        self.seen.append((threading.current_thread().name, tag, type(batch[1][1]),
+                          [t.device for t in (x, doubled, plus_one)]))
+        return x + doubled + plus_one
+
+
+def _records_by(fake, thread, stream):
+    return [c for c in fake.of("record_stream") if c[0] == thread and c[3] is stream]
+
+
+def test_tensors_nested_in_a_tuple_are_copied_to_the_next_device_and_fenced(fake, no_cpu_record_stream):
+    """Regression: only the tuple's top-level tensors were copied; the next partition got its
+    LSTM-style state still on the producer's device."""
+    reader = ReadNested(fake)
+    model = nn.Sequential(ForkNested(), reader)
+    with Pipe(model, [1, 1], devices=["cpu", "meta"], chunks=2, checkpoint="never") as pipe:
+        consumer = pipe._workers[1]
+        out = pipe(torch.randn(6, 4))
+    assert out.device == META and out.shape == (6, 4)
+    assert reader.seen == [(consumer.name, "tag", list, [META] * 3)] * 2
+    # Each of the three tensors of each micro-batch is record_stream'ed on the consumer's stream.
+    assert len(_records_by(fake, consumer.name, consumer.stream)) == 3 * 2
+
+
+def test_tensors_nested_in_a_tuple_are_fenced_on_the_consumers_stream_on_one_device(fake, no_cpu_record_stream):
+    """On one device nothing is copied, but the consumer's stream reads the nested tensors too:
+    without record_stream the allocator could hand their memory to the producer's stream while
+    the consumer's kernels still read it."""
+    reader = ReadNested(fake)
+    model = nn.Sequential(nn.Linear(4, 4), ForkNested(), reader)
+    with Pipe(model, [2, 1], devices=["meta", "meta"], chunks=3, checkpoint="never") as pipe:
+        consumer = pipe._workers[1]
+        pipe(torch.randn(6, 4, device="meta"))
+    assert reader.seen == [(consumer.name, "tag", list, [META] * 3)] * 3
+    assert len(_records_by(fake, consumer.name, consumer.stream)) == 3 * 3
+
+
+def test_tensors_nested_in_the_output_are_fenced_on_the_callers_stream(fake, no_cpu_record_stream):
+    model = nn.Sequential(nn.Linear(4, 4), ForkNested())
+    caller = threading.current_thread().name
+    with Pipe(model, [1, 1], devices=["meta", "meta"], chunks=1, checkpoint="never") as pipe:
+        out, (doubled, [plus_one]), tag = pipe(torch.randn(2, 4, device="meta"))
+    assert tag == "tag" and doubled.device == plus_one.device == META
+    assert len(_records_by(fake, caller, fake.default_stream)) == 3
+
+
+def test_a_cpu_partition_receives_nested_accelerator_tensors_through_a_copy(fake, no_cpu_record_stream):
+    """A CPU stage skips ``receive`` when nothing needs moving; a nested accelerator tensor does."""
+    from torchpipe.lowering import needs_receive
+
+    class CPUStage:
+        on_cpu = True
+
+    nested = Batch((torch.randn(2), (torch.randn(2, device="meta"),)))
+    assert needs_receive(CPUStage(), nested, None)
+    assert not needs_receive(CPUStage(), Batch((torch.randn(2), (torch.randn(2),), "tag")), None)

@@ -13,7 +13,7 @@ from torch import nn
 
 import torchpipe.step as step_module
 from torchpipe import Pipe
-from torchpipe.microbatch import Batch
+from torchpipe.microbatch import Batch, map_nested
 
 WIDTH = 8
 SCHEDULES = [
@@ -40,20 +40,20 @@ def copying_handoffs(monkeypatch):
     """Every hand-off between stages copies, as it does between two devices."""
 
     def clone(batch: Batch, event, device, stream, copy_stream_for) -> Batch:
-        return batch.map_tensors(lambda tensor: tensor.detach().clone())
+        return Batch(map_nested(batch.value, lambda tensor: tensor.detach().clone()))
 
     monkeypatch.setattr(step_module, "_copies_between", lambda producer, consumer: True)
     monkeypatch.setattr(step_module, "needs_receive", lambda stage, batch, event: True)
     monkeypatch.setattr(step_module, "receive", clone)
 
 
-def run_and_compare(model, stages, chunks, schedule, options, checkpoint="never"):
+def run_and_compare(model, stages, chunks, schedule, options, checkpoint="never", balance=None):
     reference = copy.deepcopy(model)
     x, y = torch.randn(4 * chunks, WIDTH), torch.randn(4 * chunks, WIDTH)
     loss_fn = nn.MSELoss()
     expected_loss = loss_fn(reference(x), y)
     expected_loss.backward()
-    with Pipe(model, [2] * stages, chunks=chunks, checkpoint=checkpoint) as pipe:
+    with Pipe(model, balance or [2] * stages, chunks=chunks, checkpoint=checkpoint) as pipe:
         loss = pipe.step(x, y, loss_fn, schedule=schedule, **options)
         memory = pipe.last_memory
     torch.testing.assert_close(loss, expected_loss.detach(), rtol=1e-5, atol=1e-6)
@@ -72,6 +72,46 @@ def test_each_copied_output_is_freed_at_the_handoff_and_gradients_stay_exact(
     # Every stage but the last handed each micro-batch on, and its output storage died right
     # then (counted only if the storage was gone when the next stage had copied it).
     assert memory.freed_output_bytes == [chunks * output_bytes] * (stages - 1) + [0]
+
+
+class Fork(nn.Module):
+    """``x -> (a(x), (b(x),))``: an LSTM-like output, its state nested in a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.a(x), (self.b(x),)
+
+
+class Carry(nn.Module):
+    """``(y, (h,)) -> (f(y + h), (g(h),))``: Linear outputs, which autograd does not save."""
+
+    def __init__(self):
+        super().__init__()
+        self.f, self.g = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, batch):
+        y, (h,) = batch
+        return self.f(y + h), (self.g(h),)
+
+
+class Join(nn.Module):
+    def forward(self, batch):
+        y, (h,) = batch
+        return y * h
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_tensors_nested_in_a_tuple_are_freed_at_the_handoff_too(copying_handoffs, schedule):
+    torch.manual_seed(0)
+    model = nn.Sequential(Fork(), Carry(), Carry(), nn.Sequential(Carry(), Join()))
+    chunks = 4
+    memory = run_and_compare(model, 4, chunks, schedule, {}, balance=[1, 1, 1, 1])
+    output_bytes = 4 * WIDTH * 4
+    # Both the top-level output and the state nested in its tuple died at each hand-off.
+    assert memory.freed_output_bytes == [chunks * 2 * output_bytes] * 3 + [0]
 
 
 def test_an_output_that_autograd_saved_stays_alive_and_is_not_counted(copying_handoffs):

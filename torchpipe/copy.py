@@ -6,6 +6,10 @@ for that event instead of the whole producer stream, copies on the copy stream, 
 every tensor with ``record_stream`` so that the caching allocator does not reuse memory that
 another stream still reads. On the CPU all of this is a no-op and tensors pass unchanged.
 Copies use ``Tensor.to``, so autograd routes gradients back to the producer's device.
+
+"Every tensor" includes those nested in the batch's tuples, lists and dicts (an LSTM's
+``(out, (h_n, c_n))``): the consumer reads them as much as the top-level ones, so they are
+moved and fenced the same way.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .devices import Backend, get_backend
-from .microbatch import Batch
+from .microbatch import Batch, map_nested, nested_tensors
 
 __all__ = ["mark_ready", "receive", "streams_wait_for_caller", "caller_waits_for_streams"]
 
@@ -43,17 +47,18 @@ def receive(
     of both devices current, as PyTorch's device-to-device copy uses both.
     """
     backend = get_backend(device)
-    if all(t.device == device for t in batch.tensors()):
+    tensors = list(nested_tensors(batch.values))
+    if all(t.device == device for t in tensors):
         if ready_event is not None:
             backend.wait_event(stream, ready_event)
         if backend.type != "cpu":
-            for tensor in batch.tensors():
+            for tensor in tensors:
                 backend.record_stream(tensor, stream)
         return batch
 
     target_copy = copy_stream_for(device)
     waited = False
-    if ready_event is not None and any(t.device == device for t in batch.tensors()):
+    if ready_event is not None and any(t.device == device for t in tensors):
         # The tensors already here are used as they are: wait for their producer too.
         backend.wait_event(stream, ready_event)
 
@@ -77,10 +82,10 @@ def receive(
         source_backend.record_stream(tensor, source_copy)
         return moved
 
-    moved_batch = batch.map_tensors(copy)
+    moved_batch = Batch(map_nested(batch.value, copy))
     backend.wait_stream(stream, target_copy)
     if backend.type != "cpu":
-        for tensor in moved_batch.tensors():
+        for tensor in nested_tensors(moved_batch.values):
             backend.record_stream(tensor, stream)
     return moved_batch
 

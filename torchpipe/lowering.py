@@ -190,7 +190,10 @@ def needs_receive(stage: StageRunner, batch: Batch, event: Any) -> bool:
     """Whether a batch must go through :func:`receive` (streams or devices differ)."""
     if stage.on_cpu and event is None:
         for value in batch.values:
-            if isinstance(value, Tensor) and not value.is_cpu:
+            if isinstance(value, Tensor):
+                if not value.is_cpu:
+                    return True
+            elif isinstance(value, (tuple, list, dict)) and any(not t.is_cpu for t in nested_tensors(value)):
                 return True
         return False
     return True

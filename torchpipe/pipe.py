@@ -24,7 +24,7 @@ from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward
 from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
-                         samples, scatter)
+                         nested_tensors, samples, scatter)
 from .partition import (BalanceError, SpreadingSequential, as_positive_int, infer_placement, split_module,
                         verify_balance, verify_module)
 from .runtime import Program, Runtime, StepRecord
@@ -889,20 +889,20 @@ class Pipe(nn.Module):
 
     def _input_events(self, batches: List[Batch]) -> List[Any]:
         """Per micro-batch, the event its first stage waits for (None for host tensors)."""
-        if all(t.is_cpu for t in batches[0].tensors()):  # micro-batches are chunks of one input
+        if all(t.is_cpu for t in nested_tensors(batches[0].values)):  # micro-batches are chunks of one input
             return [None] * len(batches)
         # The first stage's copy streams for these inputs exist before the step fences the
         # workers' streams against the caller's: an input on a second accelerator is copied
         # on one of them, after the caller's work on that device.
         first = self._stages[0]
-        for tensor in batches[0].tensors():
+        for tensor in nested_tensors(batches[0].values):
             if not tensor.is_cpu and tensor.device != first.device:
                 first.copy_stream_for(tensor.device)
                 first.copy_stream_for(first.device)
         return [self._input_event(b) for b in batches]
 
     def _input_event(self, batch: Batch) -> Any:
-        for tensor in batch.tensors():
+        for tensor in nested_tensors(batch.values):
             if tensor.is_cpu:
                 continue
             backend = get_backend(tensor.device)
@@ -919,7 +919,7 @@ class Pipe(nn.Module):
             if event is not None:
                 current = backend.current_stream(device)
                 backend.wait_event(current, event)
-                for tensor in batch.tensors():
+                for tensor in nested_tensors(batch.values):
                     backend.record_stream(tensor, current)
             outputs.append(batch)
         return outputs

@@ -338,8 +338,10 @@ def _free_sent_outputs(handoff: _Handoff, received: Batch) -> int:
     handoff.batch = None  # the producer's own backward reads only ``saved``
     stashed = {id(tensor) for _, tensor in handoff.saved.skips.stashed}
     freed = 0
-    for old, new in zip(sent.values, received.values):
-        if (not isinstance(old, Tensor) or new is old or old.grad_fn is None or old._base is not None
+    sent_tensors = (tensor for _, tensor in nested_tensor_paths(sent.values))
+    received_tensors = (tensor for _, tensor in nested_tensor_paths(received.values))
+    for old, new in zip(sent_tensors, received_tensors):  # receive keeps the structure: one for one
+        if (new is old or old.grad_fn is None or old._base is not None
                 or id(old) in stashed or old.numel() <= 1):
             continue
         freed += _drop_storage(old)
