@@ -118,3 +118,26 @@ def test_loss_kwargs_reach_every_micro_batchs_loss():
     with pytest.raises(TypeError, match="loss_kwargs must be a dict"):
         pipe.evaluate(x, y, nn.functional.cross_entropy, loss_kwargs=["label_smoothing"])
     pipe.close()
+
+
+class NestsItsOutput(nn.Module):
+    """``x -> ((x, 2x),)``: the output tuple's only tensors sit inside a nested tuple."""
+
+    def forward(self, x):
+        return ((x, x * 2),)
+
+
+def test_an_output_whose_tensors_are_all_nested_gets_its_loss():
+    """Regression: the target was moved to the device of the output's first top-level
+    tensor, and an output with none raised a bare StopIteration."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), NestsItsOutput()).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+
+    def loss_fn(output, target):
+        (first, second), = output
+        return ((first + second - target) ** 2).mean()
+
+    with Pipe(model, [1, 1], chunks=3) as pipe:
+        loss = pipe.evaluate(x, y, loss_fn)
+    torch.testing.assert_close(loss, loss_fn(model(x), y), rtol=1e-12, atol=0)

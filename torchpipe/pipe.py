@@ -637,8 +637,8 @@ class Pipe(nn.Module):
             loss_call = _loss_call(loss_fn, loss_kwargs)
             each = []
             for output, part in zip(outputs, targets):
-                if isinstance(part, Tensor):
-                    part = part.to(next(output.tensors()).device)
+                if isinstance(part, Tensor):  # where the output is (nested in it, or else the last stage's device)
+                    part = part.to(next((t.device for t in nested_tensors(output.values)), self.devices[-1]))
                 each.append(scalar_loss(loss_call(output.value, part)).detach())
         total = _weighted_total(each, scales)
         gathered = gather(outputs, output_dim, sizes) if return_outputs else None  # may fail: before losses
