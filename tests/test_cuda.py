@@ -374,16 +374,17 @@ def test_a_replicated_mask_reaches_every_micro_batch_on_its_device(layout):
 from test_step import SequenceHead  # noqa: E402 - reads an LSTM's (out, (h_n, c_n))
 
 
-@pytest.mark.parametrize("devices", [["cpu", "cuda:0"], ["cuda:0", "cuda:0"]], ids=["copied", "one device"])
+@pytest.mark.parametrize("devices", [["cuda:0", "cpu"], ["cuda:0", "cuda:0"]], ids=["copied", "one device"])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_an_lstms_nested_state_reaches_the_next_partition_on_its_device(devices, checkpoint):
-    """The LSTM's ``(h_n, c_n)`` sits inside the output tuple: it is copied to the next
-    device with the output (and fenced on its stream), in pipe(x) and in Pipe.step."""
+    """The LSTM's ``(h_n, c_n)`` sits inside the output tuple, on the GPU: it is copied to the
+    next device with the output after its producer's stream (or, on one device, fenced on the
+    consumer's stream), in pipe(x) and in Pipe.step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.LSTM(5, 8, batch_first=True), SequenceHead()).double()
     reference = copy.deepcopy(model).to(CUDA)
     x = torch.randn(6, 7, 3, dtype=torch.double)
-    y = torch.randn(6, 1, dtype=torch.double, device=CUDA)
+    y = torch.randn(6, 1, dtype=torch.double, device=devices[-1])
     with Pipe(model, [2, 1], devices=devices, chunks=3, checkpoint=checkpoint) as pipe:
         out = pipe(x.to(devices[0]))
         expected = reference(x.to(CUDA))
@@ -395,7 +396,7 @@ def test_an_lstms_nested_state_reaches_the_next_partition_on_its_device(devices,
         pipe.zero_grad()
         reference.zero_grad()
         loss = pipe.step(x.to(devices[0]), y, nn.MSELoss())
-        expected_loss = nn.MSELoss()(reference(x.to(CUDA)), y)
+        expected_loss = nn.MSELoss()(reference(x.to(CUDA)), y.to(CUDA))
         expected_loss.backward()
         seq_close(loss, expected_loss)
         same_grads_on_cpu(pipe, reference)

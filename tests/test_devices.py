@@ -610,43 +610,44 @@ class ForkNested(nn.Module):
 
 
 class ReadNested(nn.Module):
-    """Records where the nested tensors arrived (and on which worker), then uses all of them."""
+    """Records where the nested tensors arrived (and on which worker); returns the sum of the
+    tensors on the top-level one's device."""
 
-    def __init__(self, backend):
+    def __init__(self):
         super().__init__()
-        self.backend = backend
         self.seen = []
 
     def forward(self, batch):
         x, (doubled, [plus_one]), tag = batch
         self.seen.append((threading.current_thread().name, tag, type(batch[1][1]),
                           [t.device for t in (x, doubled, plus_one)]))
-        return x + doubled + plus_one
+        return x + doubled.to(x.device) + plus_one.to(x.device)
 
 
 def _records_by(fake, thread, stream):
     return [c for c in fake.of("record_stream") if c[0] == thread and c[3] is stream]
 
 
-def test_tensors_nested_in_a_tuple_are_copied_to_the_next_device_and_fenced(fake, no_cpu_record_stream):
-    """Regression: only the tuple's top-level tensors were copied; the next partition got its
-    LSTM-style state still on the producer's device."""
-    reader = ReadNested(fake)
-    model = nn.Sequential(ForkNested(), reader)
-    with Pipe(model, [1, 1], devices=["cpu", "meta"], chunks=2, checkpoint="never") as pipe:
+def test_tensors_nested_on_the_cpu_stay_there_when_the_batch_moves(fake, no_cpu_record_stream):
+    """Only the top-level tensor goes to the accelerator: a nested CPU tensor may have to stay
+    (pack_padded_sequence's lengths), and the consumer can move one itself safely."""
+    reader = ReadNested()
+    with Pipe(nn.Sequential(ForkNested(), reader), [1, 1], devices=["cpu", "meta"], chunks=2,
+              checkpoint="never") as pipe:
         consumer = pipe._workers[1]
         out = pipe(torch.randn(6, 4))
     assert out.device == META and out.shape == (6, 4)
-    assert reader.seen == [(consumer.name, "tag", list, [META] * 3)] * 2
-    # Each of the three tensors of each micro-batch is record_stream'ed on the consumer's stream.
-    assert len(_records_by(fake, consumer.name, consumer.stream)) == 3 * 2
+    cpu = torch.device("cpu")
+    assert reader.seen == [(consumer.name, "tag", list, [META, cpu, cpu])] * 2
+    assert len(_records_by(fake, consumer.name, consumer.stream)) == 2  # the top-level tensor, never a CPU one
 
 
 def test_tensors_nested_in_a_tuple_are_fenced_on_the_consumers_stream_on_one_device(fake, no_cpu_record_stream):
-    """On one device nothing is copied, but the consumer's stream reads the nested tensors too:
-    without record_stream the allocator could hand their memory to the producer's stream while
-    the consumer's kernels still read it."""
-    reader = ReadNested(fake)
+    """Regression: only top-level tensors were record_stream'ed. On one device nothing is
+    copied, but the consumer's stream reads the nested tensors too: without record_stream the
+    allocator could hand their memory to the producer's stream while the consumer's kernels
+    still read it."""
+    reader = ReadNested()
     model = nn.Sequential(nn.Linear(4, 4), ForkNested(), reader)
     with Pipe(model, [2, 1], devices=["meta", "meta"], chunks=3, checkpoint="never") as pipe:
         consumer = pipe._workers[1]
@@ -662,6 +663,50 @@ def test_tensors_nested_in_the_output_are_fenced_on_the_callers_stream(fake, no_
         out, (doubled, [plus_one]), tag = pipe(torch.randn(2, 4, device="meta"))
     assert tag == "tag" and doubled.device == plus_one.device == META
     assert len(_records_by(fake, caller, fake.default_stream)) == 3
+
+
+def test_a_nested_accelerator_tensor_is_copied_after_its_producer(fake, monkeypatch):
+    """Regression: a nested tensor on an accelerator reached a partition on another device as
+    it was. The consumer could only move it on its own thread's streams, unordered with the
+    producer's stream; ``receive`` copies it on the copy stream that waited for the producer."""
+    from torchpipe.copy import receive
+
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # meta has no data to copy out: stand in zeros of its shape
+        target = torch.device(args[0] if args else kwargs["device"])
+        if self.device == META and target.type == "cpu":
+            return torch.zeros(self.shape, dtype=self.dtype)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    source_copy, event = FakeStream("source copy"), FakeEvent("ready")
+    lengths = torch.tensor([3, 2])
+    kept = [torch.randn(2)]  # nothing to move in it: the consumer gets this very list
+    batch = Batch((torch.randn(2, 4, device="meta"), (torch.randn(1, 2, 4, device="meta"), lengths), kept))
+    moved = receive(batch, event, torch.device("cpu"), None, lambda device: source_copy)
+    out, (h, lengths_after), kept_after = moved.value
+    assert out.device.type == h.device.type == "cpu" and h.shape == (1, 2, 4)
+    assert lengths_after is lengths and kept_after is kept
+    assert ("wait_event", source_copy, event) in [c[1:] for c in fake.calls]
+    assert len([c for c in fake.of("record_stream") if c[3] is source_copy]) == 2  # what the copies read
+
+
+def test_a_list_handed_on_without_tensors_to_move_is_the_same_list(fake):
+    """Regression: a cross-device hand-off rebuilt every nested container, so a list the next
+    partition appended to was a copy, and the caller never saw the appends."""
+
+    class Appends(nn.Module):
+        def forward(self, batch):
+            x, log = batch
+            log.append("ran")
+            return x
+
+    log = []
+    with Pipe(nn.Sequential(nn.Identity(), Appends()), [1, 1], devices=["cpu", "meta"], chunks=2,
+              checkpoint="never", batch_dim=(0, None), output_batch_dim=0) as pipe:
+        pipe((torch.randn(4, 4), log))
+    assert log == ["ran", "ran"]
 
 
 def test_a_cpu_partition_receives_nested_accelerator_tensors_through_a_copy(fake, no_cpu_record_stream):

@@ -94,3 +94,27 @@ def test_an_output_that_does_not_fit_its_spec_is_refused_naming_what():
     scalars = [Batch((torch.randn(2), torch.tensor(1.0))) for _ in range(2)]
     with pytest.raises(TypeError, match="give it None in output_batch_dim"):
         gather(scalars, 0)
+
+
+def test_map_nested_keeps_unchanged_containers_and_the_kind_of_changed_ones():
+    """A container with nothing to change is handed on itself (a later layer may append to a
+    list it got); a changed dict or list subclass stays its kind (a defaultdict keeps its factory)."""
+    from collections import Counter, OrderedDict, defaultdict
+
+    from torchpipe.microbatch import map_nested
+
+    class Tagged(list):
+        pass
+
+    t = torch.ones(2)
+    untouched = [1, "a", (2, None)]
+    factory = defaultdict(list, {"h": t})
+    values = (t, untouched, factory, Counter({"n": 3}), OrderedDict(h=t), Tagged([t]))
+    doubled = map_nested(values, lambda tensor: tensor * 2)
+    assert doubled[1] is untouched and doubled[3] is values[3]
+    assert type(doubled[2]) is defaultdict and doubled[2].default_factory is list and doubled[2] is not factory
+    assert type(doubled[4]) is OrderedDict and type(doubled[5]) is Tagged
+    assert all(torch.equal(x, t * 2) for x in (doubled[0], doubled[2]["h"], doubled[4]["h"], doubled[5][0]))
+    assert torch.equal(factory["h"], t)  # the input's containers are not changed
+    same = map_nested(values, lambda tensor: tensor)
+    assert same is values

@@ -86,15 +86,18 @@ class Fork(nn.Module):
 
 
 class Carry(nn.Module):
-    """``(y, (h,)) -> (f(y + h), (g(h),))``: Linear outputs, which autograd does not save."""
+    """``(y, (h,)) -> (f(y + h), (g(h),))``, keeping its last state as stateful RNN code does."""
 
     def __init__(self):
         super().__init__()
         self.f, self.g = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.kept = []
 
     def forward(self, batch):
         y, (h,) = batch
-        return self.f(y + h), (self.g(h),)
+        state = self.g(h)
+        self.kept.append(state)
+        return self.f(y + h), (state,)
 
 
 class Join(nn.Module):
@@ -104,14 +107,21 @@ class Join(nn.Module):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_tensors_nested_in_a_tuple_are_freed_at_the_handoff_too(copying_handoffs, schedule):
+def test_state_nested_in_a_tuple_is_not_freed_at_the_handoff(copying_handoffs, schedule):
+    """Only top-level outputs are freed: a layer that keeps its nested state (an RNN carrying
+    it to its next call) must find it intact. (Freeing nested outputs too wiped it.)"""
     torch.manual_seed(0)
     model = nn.Sequential(Fork(), Carry(), Carry(), nn.Sequential(Carry(), Join()))
+    reference = copy.deepcopy(model)
     chunks = 4
+    torch.manual_seed(1)
     memory = run_and_compare(model, 4, chunks, schedule, {}, balance=[1, 1, 1, 1])
-    output_bytes = 4 * WIDTH * 4
-    # Both the top-level output and the state nested in its tuple died at each hand-off.
-    assert memory.freed_output_bytes == [chunks * 2 * output_bytes] * 3 + [0]
+    assert memory.freed_output_bytes == [chunks * 4 * WIDTH * 4] * 3 + [0]  # the top-level output only
+    torch.manual_seed(1)
+    reference(torch.randn(4 * chunks, WIDTH))  # the x run_and_compare drew
+    for carry, expected in zip([model[1], model[2]], [reference[1], reference[2]]):
+        assert len(carry.kept) == chunks
+        torch.testing.assert_close(torch.cat(carry.kept), expected.kept[0], rtol=1e-5, atol=1e-6)
 
 
 def test_an_output_that_autograd_saved_stays_alive_and_is_not_counted(copying_handoffs):

@@ -71,3 +71,25 @@ def test_return_outputs_must_be_a_bool():
     with Pipe(nn.Sequential(nn.Linear(4, 4)), [1], chunks=1) as pipe:
         with pytest.raises(TypeError, match="return_outputs must be a bool, got 'yes'"):
             pipe.step(torch.randn(2, 4), torch.randn(2, 4), nn.MSELoss(), return_outputs="yes")
+
+
+class WithState(nn.Module):
+    """``x -> (y, (2y,))``: the nested item is the same in every micro-batch's place (kept from the first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y, (y * 2,)
+
+
+def test_returned_outputs_nested_in_a_tuple_are_detached_too():
+    """Regression: only top-level outputs were detached; a nested one came back holding the last
+    stage's graph (and its activations) with requires_grad=True."""
+    torch.manual_seed(0)
+    with Pipe(nn.Sequential(nn.Linear(4, 4), WithState()), [1, 1], chunks=2, output_batch_dim=(0, None)) as pipe:
+        _, (y, (state,)) = pipe.step(torch.randn(4, 4), torch.randn(4, 4),
+                                     lambda output, target: ((output[0] - target) ** 2).mean(), return_outputs=True)
+    assert not y.requires_grad and not state.requires_grad and state.grad_fn is None

@@ -7,19 +7,21 @@ every tensor with ``record_stream`` so that the caching allocator does not reuse
 another stream still reads. On the CPU all of this is a no-op and tensors pass unchanged.
 Copies use ``Tensor.to``, so autograd routes gradients back to the producer's device.
 
-"Every tensor" includes those nested in the batch's tuples, lists and dicts (an LSTM's
-``(out, (h_n, c_n))``): the consumer reads them as much as the top-level ones, so they are
-moved and fenced the same way.
+Tensors nested in the batch's tuples, lists and dicts (an LSTM's ``(out, (h_n, c_n))``) are
+fenced the same way, and those on an accelerator are moved too: only the pipeline can copy
+them in order with their producer's stream. Nested CPU tensors stay on the CPU, where some
+must be (``pack_padded_sequence``'s lengths), and where the consumer may move them itself
+safely; top-level tensors always go to the consumer's device.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Tuple
+from typing import Any, Callable, Iterable, Iterator, Tuple
 
 import torch
 from torch import Tensor
 
 from .devices import Backend, get_backend
-from .microbatch import Batch, map_nested, nested_tensors
+from .microbatch import Batch, map_nested, nested_tensors, rebuild
 
 __all__ = ["mark_ready", "receive", "streams_wait_for_caller", "caller_waits_for_streams"]
 
@@ -47,18 +49,15 @@ def receive(
     of both devices current, as PyTorch's device-to-device copy uses both.
     """
     backend = get_backend(device)
-    tensors = list(nested_tensors(batch.values))
-    if all(t.device == device for t in tensors):
+    if all(t.device == device for t in _bound_for_the_device(batch)):
         if ready_event is not None:
             backend.wait_event(stream, ready_event)
-        if backend.type != "cpu":
-            for tensor in tensors:
-                backend.record_stream(tensor, stream)
+        _record_on(backend, batch, device, stream)
         return batch
 
     target_copy = copy_stream_for(device)
     waited = False
-    if ready_event is not None and any(t.device == device for t in tensors):
+    if ready_event is not None and any(t.device == device for t in nested_tensors(batch.values)):
         # The tensors already here are used as they are: wait for their producer too.
         backend.wait_event(stream, ready_event)
 
@@ -82,12 +81,32 @@ def receive(
         source_backend.record_stream(tensor, source_copy)
         return moved
 
-    moved_batch = Batch(map_nested(batch.value, copy))
+    def copy_nested(tensor: Tensor) -> Tensor:
+        return tensor if tensor.is_cpu else copy(tensor)
+
+    moved = [copy(value) if isinstance(value, Tensor) else map_nested(value, copy_nested) for value in batch.values]
+    moved_batch = Batch(moved[0] if batch.atomic else rebuild(batch.values, moved))
     backend.wait_stream(stream, target_copy)
-    if backend.type != "cpu":
-        for tensor in nested_tensors(moved_batch.values):
-            backend.record_stream(tensor, stream)
+    _record_on(backend, moved_batch, device, stream)
     return moved_batch
+
+
+def _bound_for_the_device(batch: Batch) -> Iterator[Tensor]:
+    """The tensors of ``batch`` that ``receive`` puts on the consumer's device: the top-level
+    ones, and those nested on an accelerator."""
+    for value in batch.values:
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, (tuple, list, dict)):
+            yield from (tensor for tensor in nested_tensors(value) if not tensor.is_cpu)
+
+
+def _record_on(backend: Backend, batch: Batch, device: torch.device, stream: Any) -> None:
+    """``record_stream`` every tensor of ``batch`` on ``device`` (nested ones too) for ``stream``."""
+    if backend.type != "cpu":
+        for tensor in nested_tensors(batch.values):
+            if tensor.device == device:
+                backend.record_stream(tensor, stream)
 
 
 def streams_wait_for_caller(streams: Iterable[Tuple[torch.device, Any]]) -> None:

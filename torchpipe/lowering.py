@@ -194,7 +194,7 @@ def needs_receive(stage: StageRunner, batch: Batch, event: Any) -> bool:
                 if not value.is_cpu:
                     return True
             elif isinstance(value, (tuple, list, dict)) and any(not t.is_cpu for t in nested_tensors(value)):
-                return True
+                return True  # moved to the CPU by receive (a nested CPU tensor stays where it is)
         return False
     return True
 

@@ -10,6 +10,8 @@ TypeError rather than silently turned into a tuple of its items or keys.
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -119,20 +121,42 @@ def rebuild(template: Tuple[Any, ...], items: Sequence[Any]) -> Tuple[Any, ...]:
 
 def map_nested(values: Any, function: Callable[[Tensor], Any]) -> Any:
     """``values`` with ``function`` applied to every tensor, also inside nested tuples, lists
-    and dicts; each container is rebuilt of its kind (see :func:`rebuild`), other items kept."""
+    and dicts; other items kept.
+
+    A container in which nothing changed is returned itself, not a copy: a later layer may
+    append to a list it was handed, or compare it by identity. One that changed is rebuilt
+    of its kind: a tuple as :func:`rebuild` does, a list or dict subclass as a shallow copy
+    with the new items (a ``defaultdict`` keeps its factory, a ``Counter`` stays one).
+    """
     if isinstance(values, Tensor):
         return function(values)
-    if isinstance(values, tuple):
-        return rebuild(values, [map_nested(value, function) for value in values])
-    if isinstance(values, list):
-        return [map_nested(value, function) for value in values]
+    if isinstance(values, (tuple, list)):
+        items = [map_nested(value, function) for value in values]
+        if all(new is old for new, old in zip(items, values)):
+            return values
+        if isinstance(values, tuple):
+            return rebuild(values, items)
+        return _copy_with(values, list(enumerate(items)), list)
     if isinstance(values, dict):
-        items = [(key, map_nested(value, function)) for key, value in values.items()]
-        try:  # an OrderedDict stays one; a dict subclass with a constructor of its own becomes a dict
-            return type(values)(items)
-        except Exception:  # noqa: BLE001
-            return dict(items)
+        pairs = [(key, map_nested(value, function)) for key, value in values.items()]
+        if all(new is old for (_, new), old in zip(pairs, values.values())):
+            return values
+        return _copy_with(values, pairs, dict)
     return values
+
+
+def _copy_with(container: Any, items: List[Tuple[Any, Any]], plain: type) -> Any:
+    """A shallow copy of a list or dict ``container`` with ``items`` ((index or key, value)
+    pairs) set in it; a subclass that cannot be copied that way gives a ``plain`` one."""
+    if type(container) is not plain:
+        try:
+            copied = copy.copy(container)
+            for key, value in items:
+                copied[key] = value
+            return copied
+        except Exception:  # noqa: BLE001 - a subclass of its own making: the plain container
+            pass
+    return [value for _, value in items] if plain is list else dict(items)
 
 
 BatchDim = Union[int, Tuple[Optional[int], ...]]

@@ -920,7 +920,8 @@ class Pipe(nn.Module):
                 current = backend.current_stream(device)
                 backend.wait_event(current, event)
                 for tensor in nested_tensors(batch.values):
-                    backend.record_stream(tensor, current)
+                    if tensor.device == device:
+                        backend.record_stream(tensor, current)
             outputs.append(batch)
         return outputs
 

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from . import engine
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
-from .microbatch import Batch, BatchDim, check_joins, items_of, nested_tensor_paths, rebuild, why_not_gatherable
+from .microbatch import (Batch, BatchDim, check_joins, items_of, map_nested, nested_tensor_paths, rebuild,
+                         why_not_gatherable)
 from .runtime import Program
 from .saved_versions import check_unchanged
 from .skip.portal import SkipStore, StageSkips
@@ -307,7 +308,7 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                         first = next((kept for kept in ctx.outputs if kept is not None), None)
                         expected = None if ctx.output_samples is None else ctx.output_samples[microbatch]
                         check_joins(output, ctx.output_batch_dim, first, expected)
-                    ctx.outputs[microbatch] = output.map_tensors(Tensor.detach)
+                    ctx.outputs[microbatch] = Batch(map_nested(output.value, Tensor.detach))
         grad_positions = () if last else _grad_positions(output)
         outputs = [loss] if last else [_value_at(output.values, path) for path in grad_positions]
         outputs += [tensor for _, tensor in skips.stashed]
@@ -329,7 +330,9 @@ def _free_sent_outputs(handoff: _Handoff, received: Batch) -> int:
     back to the allocator (on an accelerator after the copy stream is done with it: ``receive``
     called ``record_stream``). Skipped: leaves and views (their storage belongs to someone
     else), tensors stashed for a skip connection, and anything not copied. On one device the
-    consumer's input *is* the producer's output, so there is nothing to free.
+    consumer's input *is* the producer's output, so there is nothing to free. Tensors nested
+    in the output's containers (an RNN's ``(h_n, c_n)``) are left alone too: a layer often
+    keeps its state for its next call, and freeing it would wipe what the layer kept.
     """
     sent = handoff.batch
     assert sent is not None and handoff.saved is not None
@@ -338,10 +341,8 @@ def _free_sent_outputs(handoff: _Handoff, received: Batch) -> int:
     handoff.batch = None  # the producer's own backward reads only ``saved``
     stashed = {id(tensor) for _, tensor in handoff.saved.skips.stashed}
     freed = 0
-    sent_tensors = (tensor for _, tensor in nested_tensor_paths(sent.values))
-    received_tensors = (tensor for _, tensor in nested_tensor_paths(received.values))
-    for old, new in zip(sent_tensors, received_tensors):  # receive keeps the structure: one for one
-        if (new is old or old.grad_fn is None or old._base is not None
+    for old, new in zip(sent.values, received.values):
+        if (not isinstance(old, Tensor) or new is old or old.grad_fn is None or old._base is not None
                 or id(old) in stashed or old.numel() <= 1):
             continue
         freed += _drop_storage(old)
