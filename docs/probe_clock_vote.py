@@ -2,11 +2,16 @@
 EmbCacheTrainPipeline over TableWiseSharding, with the vote on and off in alternating rounds.
 
     .venv/bin/python docs/probe_clock_vote.py [rounds] [steps]
+    .venv/bin/python docs/probe_clock_vote.py [rounds] [steps] eval
 
 "Off" builds the pipeline, then takes `agree` out of its StagedPipeline before any clock
 runs: a rank's plan failure then fails only that rank (the behaviour before the vote).
 Prints the median milliseconds per progress() call of each variant, and also times the
 vote's all-reduce alone.
+
+``eval`` runs the model in eval mode (no backward, no dense all-reduce) and measures the
+per-step vote on the output group instead, which eval mode pays in place of the all-reduce's
+failure flags: "off" answers that vote with "nobody failed" without communicating.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ sys.path[:0] = [os.path.join(HERE, "..", "tests", "train"), os.path.join(HERE, "
                 os.path.join(HERE, "..", "tests")]
 
 
-def one_run(rank: int, vote: bool, steps: int, batches, tables, sharding) -> float:
+def one_run(rank: int, vote: bool, steps: int, batches, tables, sharding, evaluating: bool = False) -> float:
     from train_helpers import DENSE_IN, TinyDLRM, emb_width, integer_weights
     from torchpipe.rec import SGD, CachedEmbeddingBagCollection
     from torchpipe.train import EmbCacheTrainPipeline
@@ -34,25 +39,34 @@ def one_run(rank: int, vote: bool, steps: int, batches, tables, sharding) -> flo
     mine = sharding.local_tables
     ebc = CachedEmbeddingBagCollection(mine, 400, optimizer=SGD(lr=0.01), weights=integer_weights(tables))
     model = TinyDLRM(ebc, emb_width(tables))
-    with EmbCacheTrainPipeline(model, torch.optim.SGD(model.parameters(), lr=0.01), collection=ebc,
-                               sharding=sharding, host_threads=2, device_threads=1) as pipe:
-        if not vote:
-            pipe.pipeline._agree = None  # jobs are built on the first clock: none defers, none votes
-        it = iter(batches[:steps])
-        for _ in range(5):
-            pipe.progress(it)
-        start = time.perf_counter()
-        done = 0
-        while True:
-            try:
+    if evaluating:
+        model.eval()
+    try:
+        with EmbCacheTrainPipeline(model, torch.optim.SGD(model.parameters(), lr=0.01), collection=ebc,
+                                   sharding=sharding, host_threads=2, device_threads=1) as pipe:
+            if not vote and evaluating:  # an instance attribute, removed again below
+                voting = type(sharding).vote
+                sharding.vote = lambda failed, on_output_group=False, device=None: (
+                    [] if on_output_group else voting(sharding, failed, on_output_group=on_output_group, device=device))
+            elif not vote:
+                pipe.pipeline._agree = None  # jobs are built on the first clock: none defers, none votes
+            it = iter(batches[:steps])
+            for _ in range(5):
                 pipe.progress(it)
-            except StopIteration:
-                break
-            done += 1
-        return (time.perf_counter() - start) / done * 1e3
+            start = time.perf_counter()
+            done = 0
+            while True:
+                try:
+                    pipe.progress(it)
+                except StopIteration:
+                    break
+                done += 1
+            return (time.perf_counter() - start) / done * 1e3
+    finally:
+        sharding.__dict__.pop("vote", None)
 
 
-def worker(rank: int, init: str, rounds: int, steps: int) -> None:
+def worker(rank: int, init: str, rounds: int, steps: int, evaluating: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     from train_helpers import make_batches, make_tables
@@ -64,7 +78,7 @@ def worker(rank: int, init: str, rounds: int, steps: int) -> None:
     times = {True: [], False: []}
     for r in range(rounds):
         for vote in ((True, False) if r % 2 == 0 else (False, True)):
-            times[vote].append(one_run(rank, vote, steps, batches, tables, sharding))
+            times[vote].append(one_run(rank, vote, steps, batches, tables, sharding, evaluating))
     alone = []
     for _ in range(500):
         start = time.perf_counter()
@@ -72,6 +86,8 @@ def worker(rank: int, init: str, rounds: int, steps: int) -> None:
         alone.append(time.perf_counter() - start)
     if rank == 0:
         on, off = statistics.median(times[True]), statistics.median(times[False])
+        print("eval mode, the per-step vote on the output group" if evaluating else
+              "train mode, the per-clock vote on the input group")
         print(f"ms per progress(): vote on {on:.3f}, off {off:.3f}, on - off {on - off:.3f} "
               f"({rounds} rounds of {steps} batches of 32 per rank)")
         print("rounds on:", [round(t, 1) for t in times[True]], "off:", [round(t, 1) for t in times[False]])
@@ -82,5 +98,6 @@ def worker(rank: int, init: str, rounds: int, steps: int) -> None:
 if __name__ == "__main__":
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
+    evaluating = len(sys.argv) > 3 and sys.argv[3] == "eval"
     init = os.path.join(tempfile.mkdtemp(), "init")
-    mp.spawn(worker, args=(init, rounds, steps), nprocs=2)
+    mp.spawn(worker, args=(init, rounds, steps, evaluating), nprocs=2)
