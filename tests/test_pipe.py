@@ -537,6 +537,68 @@ def test_every_checkpointed_forward_is_recomputed_to_the_partition_end(step):
             assert scale.pending == []
 
 
+class NestedSource(nn.Module):
+    """``x -> (x without a graph, (linear(x),))``: the only tensor that carries a gradient is nested."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x.detach(), (self.linear(x),)
+
+
+class NestedMiddle(nn.Module):
+    """Records its flags; with ``bias`` it saves nothing for backward (an add), without it it has
+    no parameter and its only input that requires grad is nested."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(4)) if bias else None
+        self.flags = []
+
+    def forward(self, batch):
+        self.flags.append("checkpointing" if is_checkpointing() else "recomputing" if is_recomputing() else "plain")
+        x, (h,) = batch
+        if self.bias is not None:
+            return x, (h + self.bias,)
+        return x + torch.tanh(h)  # tanh saves its output: an activation the checkpoint drops
+
+
+class NestedSink(nn.Module):
+    def forward(self, batch):
+        if isinstance(batch, torch.Tensor):
+            return batch
+        x, (h,) = batch
+        return x + h
+
+
+@pytest.mark.parametrize("step", [False, True])
+@pytest.mark.parametrize("bias", [True, False], ids=["saves nothing", "no parameter"])
+def test_a_partition_whose_only_gradient_is_nested_is_checkpointed_and_recomputed(step, bias):
+    """Regression: the checks for "backward can reach this partition" looked at top-level
+    tensors only. A partition whose only grad-carrying input or output sits in a nested tuple
+    ran unpaired (checkpointed, never recomputed) or not checkpointed at all."""
+    torch.manual_seed(0)
+    middle = NestedMiddle(bias)
+    model = nn.Sequential(NestedSource(), middle, NestedSink()).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4, 4, dtype=torch.double), torch.randn(4, 4, dtype=torch.double)
+    with Pipe(model, [1, 1, 1], chunks=2, checkpoint="always") as pipe:
+        if step:
+            loss = pipe.step(x, y, nn.MSELoss())
+            expected = nn.MSELoss()(reference(x), y)
+        else:
+            loss = pipe(x).sum()
+            loss.backward()
+            expected = reference(x).sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert middle.flags == ["checkpointing"] * 2 + ["recomputing"] * 2
+    for (name, param), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, want.grad, msg=name)
+
+
 class PairedState(nn.Module):
     """Hands a token from each checkpointed forward to its recompute, as torchgpipe allows.
 

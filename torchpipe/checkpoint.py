@@ -54,7 +54,7 @@ import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
 
 from .call_chain import RNGSection, enter_rng_section, leave_rng_section  # noqa: E402
 from .devices import get_backend  # noqa: E402
-from .microbatch import Batch, rebuild  # noqa: E402
+from .microbatch import Batch, map_nested, nested_tensors, rebuild  # noqa: E402
 from .saved_versions import CheckpointVersions  # noqa: E402
 from .thread_state import CHECKPOINT_HOOK_MARK, current_saved_tensors_hooks  # noqa: E402
 
@@ -484,20 +484,23 @@ class _KeepOne(torch.autograd.Function):
 
 
 def _with_kept_tensor(output: Any) -> Any:
-    """``output`` with every tensor that requires grad passed through one :class:`_KeepOne`."""
+    """``output`` with every tensor that requires grad, nested ones too (an LSTM's state),
+    passed through one :class:`_KeepOne`; a tensor found twice gets one copy, in both places."""
     if isinstance(output, torch.Tensor):
         return _KeepOne.apply(output)[0]
-    values = list(output)
-    positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad]
-    for i, kept in zip(positions, _KeepOne.apply(*[values[i] for i in positions])):
-        values[i] = kept
-    return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)  # namedtuple
+    carrying: Dict[int, torch.Tensor] = {}
+    for tensor in nested_tensors(output):
+        if tensor.requires_grad:
+            carrying.setdefault(id(tensor), tensor)
+    kept = dict(zip(carrying, _KeepOne.apply(*carrying.values())))
+    return map_nested(output, lambda tensor: kept.get(id(tensor), tensor))
 
 
 def _requires_grad(output: Any) -> bool:
+    """Whether backward can reach ``output``: a tensor of it, nested ones too, requires grad."""
     if isinstance(output, torch.Tensor):
         return output.requires_grad
-    return isinstance(output, tuple) and any(isinstance(v, torch.Tensor) and v.requires_grad for v in output)
+    return isinstance(output, tuple) and any(t.requires_grad for t in nested_tensors(output))
 
 
 class _CountingHooks:

@@ -240,7 +240,7 @@ def _builds_a_graph(partition: nn.Module, batch: Batch) -> bool:
     (preprocessing in front of the first trained layer) runs plainly, neither checkpointing
     nor recomputing, which keeps ``is_checkpointing()`` and ``is_recomputing()`` paired.
     """
-    if any(t.requires_grad for t in batch.tensors()):
+    if any(t.requires_grad for t in nested_tensors(batch.values)):  # an LSTM's state too
         return True
     return any(p.requires_grad for p in partition.parameters())
 
