@@ -417,7 +417,9 @@ def train_failure_worker(rank: int, init_file: str, tests_dir: str, where: str) 
             else:
                 assert isinstance(error, PeerStepFailed), repr(error)
                 assert "ranks [0] failed this batch's train step (see their error)" in str(error), str(error)
-            assert "failed in stage 'train'" in notes, notes
+            # In eval mode the other rank's own step went well: the clock's vote failed its clock.
+            assert ("failed in agree (another rank failed)" if evaluating and rank == 1
+                    else "failed in stage 'train'") in notes, notes
             # Both ranks raised in the call that ran the failed step: the same outputs, the same steps.
             counts = [None] * WORLD
             dist.all_gather_object(counts, (steps_before, returned_before))
@@ -550,13 +552,15 @@ def test_a_train_step_whose_exchange_itself_fails_fails_its_clock_at_once(tmp_pa
     run_ranks(broken_group_worker, tmp_path)
 
 
-def plan_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
+def plan_failure_worker(rank: int, init_file: str, tests_dir: str, mode: str) -> None:
     """Batch 6 gives table t0 (rank 0's) more keys than its cache has rows: rank 0's plan fails
     and rank 1's plan of t1 does not. Both ranks return that clock's finished batch, then raise in
     their next call (long before the group's 20 s timeout), rank 0 its own error and rank 1
     PeerStepFailed; both drop the same batches and go on in step: what they trained equals
     single-process training of the batches trained before the failure and of every batch after
-    it."""
+    it. In eval mode, where the clock's vote also settles the forward-only step (and is waited
+    for at once), the same holds: the finished batch's step went well everywhere, so it counts
+    and its output is returned."""
     join(rank, init_file, tests_dir, timeout_s=20)
     from train_helpers import DENSE_IN, drain, integer_weights, make_tables, window_minimum
     from torchrec import KeyedJaggedTensor
@@ -586,6 +590,9 @@ def plan_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
         weights = integer_weights(tables)
         ebc = CachedEmbeddingBagCollection(mine, cache_rows, optimizer=SGD(lr=1.0), weights=weights)
         model = SparseAndDense(ebc, DENSE_IN)
+        evaluating = mode == "eval"
+        if evaluating:
+            model.eval()
         opt = torch.optim.SGD(model.dense.parameters(), lr=2.0 ** -6)
         outputs: list = []
         with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=2,
@@ -610,7 +617,8 @@ def plan_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
             outputs += drain(pipe, iter(after[rank]))
             assert pipe.steps_done == trained_before + len(global_after)
 
-        reference, scores, _ = reference_training(tables, weights, global_before[:trained_before] + global_after, rank)
+        reference, scores, _ = reference_training(tables, weights, global_before[:trained_before] + global_after, rank,
+                                                  evaluating)
         returned_before = len(outputs) - len(global_after)
         expected = [score for step, score in enumerate(scores) if step < returned_before or step >= trained_before]
         assert len(expected) == len(outputs)
@@ -622,8 +630,9 @@ def plan_failure_worker(rank: int, init_file: str, tests_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_a_plan_that_fails_on_one_rank_fails_that_clock_on_every_rank_and_they_go_on_in_step(tmp_path) -> None:
-    run_ranks(plan_failure_worker, tmp_path)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_plan_that_fails_on_one_rank_fails_that_clock_on_every_rank_and_they_go_on_in_step(tmp_path, mode) -> None:
+    run_ranks(plan_failure_worker, tmp_path, mode)
 
 
 def shared_feature_worker(rank: int, init_file: str, tests_dir: str) -> None:
@@ -767,15 +776,17 @@ def test_ranks_set_up_differently_all_raise_instead_of_waiting_for_each_other(tm
     run_ranks(agreement_worker, tmp_path)
 
 
+@pytest.mark.parametrize("eval_step", [False, True], ids=["train mode", "eval mode"])
 @pytest.mark.parametrize("when", ["starting", "reading"])
-def test_a_vote_that_fails_keeps_the_ranks_own_failure(when: str) -> None:
+def test_a_vote_that_fails_keeps_the_ranks_own_failure(when: str, eval_step: bool) -> None:
     """The per-clock vote itself can fail (a peer gone, the group's timeout): a rank that failed
-    raises its own error with that noted, one that did not raises the vote's error."""
+    raises its own error with that noted, one that did not raises the vote's error. (A clock
+    that ran a forward-only step reads the vote at once, the others in the check.)"""
     from types import SimpleNamespace
 
     from torchpipe.train import EmbCacheTrainPipeline
 
-    def vote_later(failed: bool):
+    def codes_later(code: int):
         if when == "starting":
             raise RuntimeError("gloo: connection closed by peer")
 
@@ -783,11 +794,17 @@ def test_a_vote_that_fails_keeps_the_ranks_own_failure(when: str) -> None:
             raise RuntimeError("gloo: connection closed by peer")
         return outcome
 
-    pipeline = SimpleNamespace(_sharding=SimpleNamespace(vote_later=vote_later))
+    def agree_and_check(pipeline, failure) -> None:
+        pipeline._eval_step = SimpleNamespace(trained=False) if eval_step else None
+        EmbCacheTrainPipeline._agree_on_clock(pipeline, failure)()
+
+    pipeline = SimpleNamespace(_sharding=SimpleNamespace(codes_later=codes_later), steps_done=0)
+    pipeline._settle_eval_step = lambda *args: EmbCacheTrainPipeline._settle_eval_step(pipeline, *args)
     own = ValueError("cache too small")
     with pytest.raises(ValueError, match="cache too small") as info:
-        EmbCacheTrainPipeline._agree_on_clock(pipeline, own)()
+        agree_and_check(pipeline, own)
     assert "telling the other ranks of it failed too (RuntimeError: gloo: connection closed by peer)" in \
         " ".join(info.value.__notes__)
     with pytest.raises(RuntimeError, match="connection closed by peer"):
-        EmbCacheTrainPipeline._agree_on_clock(pipeline, None)()
+        agree_and_check(pipeline, None)
+    assert pipeline.steps_done == 0  # a step whose vote failed does not count

@@ -248,14 +248,21 @@ class TableWiseSharding:
                    device: Optional[torch.device] = None) -> Callable[[], List[int]]:
         """`vote` without waiting for the other ranks: the returned function waits for them and
         gives the ranks that failed. This rank's place in the group's order is taken now."""
-        votes = torch.zeros(self.world, dtype=torch.int64, device=device)
-        votes[self.rank] = int(failed)
+        codes = self.codes_later(int(failed), on_output_group=on_output_group, device=device)
+        return lambda: [rank for rank, code in enumerate(codes()) if code]
+
+    def codes_later(self, code: int, *, on_output_group: bool = False,
+                    device: Optional[torch.device] = None) -> Callable[[], List[int]]:
+        """Every rank's small integer ``code`` (0: nothing to say), in rank order: `vote_later`
+        with more than yes or no, in the same one all-reduce. The returned function waits."""
+        codes = torch.zeros(self.world, dtype=torch.int64, device=device)
+        codes[self.rank] = code
         group = self.output_group if on_output_group else self.input_group
-        work = dist.all_reduce(votes, group=group, async_op=True)
+        work = dist.all_reduce(codes, group=group, async_op=True)
 
         def outcome() -> List[int]:
             work.wait()
-            return [rank for rank, vote in enumerate(votes.tolist()) if vote]
+            return codes.tolist()
 
         return outcome
 

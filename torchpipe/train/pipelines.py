@@ -120,6 +120,13 @@ def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: 
     return failed_ranks
 
 
+_EVAL_STEP_FAILED = object()
+"""``EmbCacheTrainPipeline._eval_step`` of a clock whose forward-only step failed on this rank."""
+
+_FAILED_CODE, _EVAL_STEP_FAILED_CODE = 1, 2
+"""What a rank says in the clock's vote: its h2d, plan or swap failed; its forward-only step did."""
+
+
 @dataclass(eq=False)
 class _Item:
     """One batch on its way through the stages."""
@@ -585,6 +592,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self._trained_event: Any = None
         self._in_flight = _InFlight(self.collection)
         self._armed: Optional[_Armed] = None
+        # This clock's forward-only step across processes (eval mode), settled by the clock's
+        # vote (`_agree_on_clock`): the batch waiting to count, _EVAL_STEP_FAILED, or None.
+        self._eval_step: Any = None
         # The collection outlives the pipeline: its hooks must not keep the pipeline (and its
         # threads) alive, so they reach it through a weak reference and go with it.
         this = weakref.ref(self)
@@ -705,6 +715,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         assert item.plan is not None
         armed = _Armed(item.device_batch.sparse_features, item.plan, threading.get_ident(), item)
         self._armed = armed
+        self._eval_step = None
         training = is_training(self.model)
         snapshots: List[Any] = []  # the batch's rows before the step (a forward-only step updates none)
 
@@ -744,8 +755,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             self._armed = None
             self._trained_event = mark_ready(self._backend, self._backend.current_stream(self.device))
             snapshots.clear()
-        item.trained = True
-        self.steps_done += 1
+        if self._eval_step is not item:  # a forward-only step across processes counts once the ranks agree
+            item.trained = True
+            self.steps_done += 1
         return output
 
     def _train_step_with_every_rank(self, item: _Item, armed: _Armed, prepare: Callable[[], None]) -> Any:
@@ -754,12 +766,16 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         A rank whose step fails (waiting for its batch, the model's forward, the loss,
         backward) still issues what the other ranks wait for: the batch's output exchanges it
         missed (`complete_exchange`, zeros), then the dense gradient all-reduce, which carries
-        one failure flag per rank (in eval mode, a vote on the output group instead). If any
-        rank failed, no rank takes its dense optimizer step and every rank raises, the failing
-        one its own error and the others `PeerStepFailed`; the caller puts the rows back. So
-        the ranks fail together, at once, instead of the others waiting in the exchange for the
-        group's timeout. Once they agreed (``armed.agreed``), the step is every rank's: an
-        error in the dense optimizer's step() then keeps the rows, as the other ranks do.
+        one failure flag per rank. If any rank failed, no rank takes its dense optimizer step
+        and every rank raises, the failing one its own error and the others `PeerStepFailed`;
+        the caller puts the rows back. So the ranks fail together, at once, instead of the
+        others waiting in the exchange for the group's timeout. Once they agreed
+        (``armed.agreed``), the step is every rank's: an error in the dense optimizer's step()
+        then keeps the rows, as the other ranks do.
+
+        In eval mode there is no all-reduce to carry the flags: the step only notes how it went
+        (``_eval_step``), and the clock's own vote, which every clock takes anyway, settles it
+        before the output is handed on (`_agree_on_clock`).
 
         A collective that fails itself (a peer gone, the group's timeout) leaves nothing to
         pair up and nobody to agree with: that error fails the clock at once (`fail_clock_now`).
@@ -786,15 +802,17 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             try:
                 self._sharding.complete_exchange(armed.exchange, item.extra["splits"], backward=training,
                                                  device=self.device)
-                if training:
-                    failed = self._dense_sync(failure is not None)
-                else:
-                    failed = self._sharding.vote(failure is not None, on_output_group=True, device=self.device)
+                failed = self._dense_sync(failure is not None) if training else []
             except Exception as error:  # noqa: BLE001 - this rank's own failure is still the one raised
                 if failure is None:
                     raise fail_clock_now(error)
                 _note_telling_the_others_failed(failure, error)
                 raise fail_clock_now(failure)
+            if not training:  # settled by the clock's vote, before the output is handed on
+                self._eval_step = _EVAL_STEP_FAILED if failure is not None else item
+                if failure is not None:
+                    raise failure
+                return output
             if failure is not None:
                 add_note(failure, f"[torchpipe.train] ranks {failed} failed this batch's train step: every rank "
                                   "undoes it (rows put back, no dense optimizer step), so the ranks stay in step")
@@ -812,22 +830,32 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
     def _agree_on_clock(self, failure: Optional[Exception]) -> Callable[[], None]:
         """At the end of every clock across processes, tell the other ranks whether this rank's
-        h2d, plan or swap failed (a cache too small for its tables' keys, say).
+        h2d, plan or swap failed (a cache too small for its tables' keys, say), or its
+        forward-only step (eval mode).
 
-        No rank waits here: each starts the vote and reads it before its next clock or
-        admission (the check returned), so every rank raises in the same call, the failing
-        one its own error and the others `PeerStepFailed`.
+        No rank waits here for the h2d, plan and swap: each starts the vote and reads it before
+        its next clock or admission (the check returned), so every rank raises in the same
+        call, the failing one its own error and the others `PeerStepFailed`. A clock that ran
+        a forward-only step waits for the vote now: if that step failed on any rank, the other
+        ranks' outputs hold its zeros, so every rank drops the clock's output and raises here;
+        if not, the step counts (``steps_done``) and the output is handed on.
         """
         assert self._sharding is not None
-
+        eval_step, self._eval_step = self._eval_step, None
         own = failure is not None and not isinstance(failure, PeerStepFailed)  # a peer's is voted by the peer
+        code = (_EVAL_STEP_FAILED_CODE if eval_step is _EVAL_STEP_FAILED else _FAILED_CODE) if own else 0
         try:
-            outcome = self._sharding.vote_later(own)
+            codes = self._sharding.codes_later(code)
         except Exception as error:  # noqa: BLE001
             if failure is None:
                 raise
             _note_telling_the_others_failed(failure, error)
             raise failure
+        if eval_step is not None:
+            known = [rank for rank, code in enumerate(self._settle_eval_step(eval_step, codes, failure)) if code]
+            outcome: Callable[[], List[int]] = lambda: known  # noqa: E731 - waited for already
+        else:
+            outcome = lambda: [rank for rank, code in enumerate(codes()) if code]  # noqa: E731
 
         def check() -> None:
             nonlocal failure
@@ -853,6 +881,32 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
         return check
 
+    def _settle_eval_step(self, eval_step: Any, codes: Callable[[], List[int]],
+                          failure: Optional[Exception]) -> List[int]:
+        """Wait for the clock's vote; raise if any rank's forward-only step failed, else count
+        this one. Returns every rank's code."""
+        try:
+            said = codes()
+        except Exception as error:  # noqa: BLE001
+            if failure is None:
+                raise
+            _note_telling_the_others_failed(failure, error)
+            raise failure
+        failed = [rank for rank, code in enumerate(said) if code == _EVAL_STEP_FAILED_CODE]
+        if failed:
+            if failure is not None:
+                add_note(failure, f"[torchpipe.train] ranks {failed} failed this batch's train step (forward only, "
+                                  "in eval mode): every rank drops its output and its batches in flight, so the "
+                                  "ranks stay in step")
+                raise failure
+            raise PeerStepFailed(f"ranks {failed} failed this batch's train step (see their error), a forward-only "
+                                 "step in eval mode: this rank drops its output too, and its batches in flight, so "
+                                 "the ranks stay in step")
+        if eval_step is not _EVAL_STEP_FAILED:
+            eval_step.trained = True
+            self.steps_done += 1
+        return said
+
     # -- bookkeeping on the caller's thread ------------------------------------------------
     def _after_clock(self, clock: Clock, outputs: Dict[int, Any]) -> None:
         """Release the batches trained in this clock (their backward is done)."""
@@ -866,6 +920,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
 
     def _recover(self, failure: PipelineFailure) -> None:
         """After a failed clock: finish the swaps of dropped batches, release everything."""
+        self._eval_step = None  # a clock that failed at once never settled its step
         self.collection.clear_abort()
         backend, swap = self._backend, self._swap_stream
         others = super().streams()
