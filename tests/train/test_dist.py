@@ -808,3 +808,60 @@ def test_a_vote_that_fails_keeps_the_ranks_own_failure(when: str, eval_step: boo
     with pytest.raises(RuntimeError, match="connection closed by peer"):
         agree_and_check(pipeline, None)
     assert pipeline.steps_done == 0  # a step whose vote failed does not count
+
+
+@pytest.mark.parametrize("case", ["went well", "a peer's step failed", "own step failed", "a peer's plan failed",
+                                  "own step failed with a peer's error type"])
+def test_the_clock_vote_carries_and_settles_a_forward_only_step(case: str) -> None:
+    """Eval mode across processes: the forward-only step's outcome goes into the clock's vote
+    (code 2), which is read at once, before the check is returned, so that an output built
+    from a failing peer's zero embeddings is never handed on. The step counts only when no
+    rank's failed. (Any error of the step is its own, even one of PeerStepFailed's type.)"""
+    from types import SimpleNamespace
+
+    from torchpipe.grad_sync import PeerStepFailed
+    from torchpipe.train import EmbCacheTrainPipeline
+    from torchpipe.train.pipelines import _EVAL_STEP_FAILED
+
+    own_failed = case.startswith("own step failed")
+    replies = {"went well": [0, 0], "a peer's step failed": [0, 2], "own step failed": [2, 0],
+               "a peer's plan failed": [0, 1], "own step failed with a peer's error type": [2, 0]}
+    sent, read = [], []
+
+    def codes_later(code: int):
+        sent.append(code)
+
+        def outcome():
+            read.append(True)
+            return replies[case]
+        return outcome
+
+    item = SimpleNamespace(trained=False)
+    pipeline = SimpleNamespace(_sharding=SimpleNamespace(codes_later=codes_later), steps_done=0,
+                               _eval_step=_EVAL_STEP_FAILED if own_failed else item)
+    pipeline._settle_eval_step = lambda *args: EmbCacheTrainPipeline._settle_eval_step(pipeline, *args)
+    failure = None
+    if own_failed:
+        failure = PeerStepFailed("the model's own") if "type" in case else ValueError("the model's own")
+
+    if case in ("went well", "a peer's plan failed"):
+        check = EmbCacheTrainPipeline._agree_on_clock(pipeline, failure)
+        assert read, "the vote of a clock with a forward-only step must be read before its output is handed on"
+        assert sent == [0] and item.trained and pipeline.steps_done == 1
+        if case == "went well":
+            check()
+        else:
+            with pytest.raises(PeerStepFailed, match=r"ranks \[1\] failed in this clock's h2d, plan or swap"):
+                check()
+    else:
+        with pytest.raises(Exception) as info:
+            EmbCacheTrainPipeline._agree_on_clock(pipeline, failure)
+        if own_failed:
+            assert info.value is failure and sent == [2]
+            assert "ranks [0] failed this batch's train step (forward only, in eval mode)" in \
+                " ".join(info.value.__notes__)
+        else:
+            assert isinstance(info.value, PeerStepFailed) and sent == [0]
+            assert "ranks [1] failed this batch's train step (see their error)" in str(info.value)
+        assert not item.trained and pipeline.steps_done == 0
+    assert pipeline._eval_step is None

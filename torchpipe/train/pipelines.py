@@ -121,7 +121,9 @@ def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: 
 
 
 _EVAL_STEP_FAILED = object()
-"""``EmbCacheTrainPipeline._eval_step`` of a clock whose forward-only step failed on this rank."""
+"""``EmbCacheTrainPipeline._eval_step`` of a clock whose forward-only step failed on this rank:
+set when the step reaches the ranks' agreement, and replaced by its batch only once the train
+stage returns the output, so that an error anywhere after it still counts as the step's."""
 
 _FAILED_CODE, _EVAL_STEP_FAILED_CODE = 1, 2
 """What a rank says in the clock's vote: its h2d, plan or swap failed; its forward-only step did."""
@@ -317,6 +319,18 @@ class TrainPipelineSparseDist(_ReadyPipeline):
         if self._input_dist is not None:
             item.device_batch = self._input_dist(item.device_batch)
         return item
+
+
+def _or_own_failure(call: Callable[[], Any], failure: Optional[Exception]) -> Any:
+    """``call()`` (a vote: telling the other ranks); if it fails, this rank's own ``failure``,
+    noted with that, when it has one: the rank's own error is the one to raise."""
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001
+        if failure is None:
+            raise
+        _note_telling_the_others_failed(failure, error)
+        raise failure
 
 
 def _note_telling_the_others_failed(failure: Exception, error: Exception) -> None:
@@ -532,7 +546,10 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     rows back, and every rank drops its batches in flight. An error in the dense optimizer's
     own ``step()`` comes after the ranks agreed: every rank keeps the step (rows, and
     ``steps_done``), that rank fails at once, the others in their next call
-    (`PeerStepFailed`), and its dense replica may differ from then on. A collective that
+    (`PeerStepFailed`), and its dense replica may differ from then on. In ``eval()`` mode
+    (no all-reduce) the step's failure goes into the clock's vote, which such a clock waits
+    for before it hands its output on: every rank drops that output and raises in the same
+    call, and the step counts only once every rank's went well. A collective that
     fails itself (a peer gone, the group's timeout), in ``input_dist`` or ``train``, is the
     process group's own error, on the ranks it reaches.
     """
@@ -593,7 +610,8 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self._in_flight = _InFlight(self.collection)
         self._armed: Optional[_Armed] = None
         # This clock's forward-only step across processes (eval mode), settled by the clock's
-        # vote (`_agree_on_clock`): the batch waiting to count, _EVAL_STEP_FAILED, or None.
+        # vote (`_agree_on_clock`): the batch waiting to count, _EVAL_STEP_FAILED, or None
+        # (no such step in this clock, or a clock that failed at once).
         self._eval_step: Any = None
         # The collection outlives the pipeline: its hooks must not keep the pipeline (and its
         # threads) alive, so they reach it through a weak reference and go with it.
@@ -755,9 +773,11 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             self._armed = None
             self._trained_event = mark_ready(self._backend, self._backend.current_stream(self.device))
             snapshots.clear()
-        if self._eval_step is not item:  # a forward-only step across processes counts once the ranks agree
-            item.trained = True
-            self.steps_done += 1
+        if self._eval_step is _EVAL_STEP_FAILED:  # a forward-only step across processes: it counts once
+            self._eval_step = item                # every rank's went well (_agree_on_clock)
+            return output
+        item.trained = True
+        self.steps_done += 1
         return output
 
     def _train_step_with_every_rank(self, item: _Item, armed: _Armed, prepare: Callable[[], None]) -> Any:
@@ -809,7 +829,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                 _note_telling_the_others_failed(failure, error)
                 raise fail_clock_now(failure)
             if not training:  # settled by the clock's vote, before the output is handed on
-                self._eval_step = _EVAL_STEP_FAILED if failure is not None else item
+                self._eval_step = _EVAL_STEP_FAILED  # until the stage returns (_train_cached)
                 if failure is not None:
                     raise failure
                 return output
@@ -843,14 +863,11 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         assert self._sharding is not None
         eval_step, self._eval_step = self._eval_step, None
         own = failure is not None and not isinstance(failure, PeerStepFailed)  # a peer's is voted by the peer
-        code = (_EVAL_STEP_FAILED_CODE if eval_step is _EVAL_STEP_FAILED else _FAILED_CODE) if own else 0
-        try:
-            codes = self._sharding.codes_later(code)
-        except Exception as error:  # noqa: BLE001
-            if failure is None:
-                raise
-            _note_telling_the_others_failed(failure, error)
-            raise failure
+        if eval_step is _EVAL_STEP_FAILED:  # whatever its type: in eval mode no stage raises a peer's error
+            code = _EVAL_STEP_FAILED_CODE
+        else:
+            code = _FAILED_CODE if own else 0
+        codes = _or_own_failure(lambda: self._sharding.codes_later(code), failure)
         if eval_step is not None:
             known = [rank for rank, code in enumerate(self._settle_eval_step(eval_step, codes, failure)) if code]
             outcome: Callable[[], List[int]] = lambda: known  # noqa: E731 - waited for already
@@ -885,13 +902,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                           failure: Optional[Exception]) -> List[int]:
         """Wait for the clock's vote; raise if any rank's forward-only step failed, else count
         this one. Returns every rank's code."""
-        try:
-            said = codes()
-        except Exception as error:  # noqa: BLE001
-            if failure is None:
-                raise
-            _note_telling_the_others_failed(failure, error)
-            raise failure
+        said = _or_own_failure(codes, failure)
         failed = [rank for rank, code in enumerate(said) if code == _EVAL_STEP_FAILED_CODE]
         if failed:
             if failure is not None:
@@ -902,9 +913,8 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             raise PeerStepFailed(f"ranks {failed} failed this batch's train step (see their error), a forward-only "
                                  "step in eval mode: this rank drops its output too, and its batches in flight, so "
                                  "the ranks stay in step")
-        if eval_step is not _EVAL_STEP_FAILED:
-            eval_step.trained = True
-            self.steps_done += 1
+        eval_step.trained = True  # a batch: this rank's step went well (or the vote says otherwise above)
+        self.steps_done += 1
         return said
 
     # -- bookkeeping on the caller's thread ------------------------------------------------
