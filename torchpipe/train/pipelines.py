@@ -14,7 +14,7 @@ import gc
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -319,6 +319,15 @@ class TrainPipelineSparseDist(_ReadyPipeline):
         if self._input_dist is not None:
             item.device_batch = self._input_dist(item.device_batch)
         return item
+
+
+def _raise_own_or_peers(failure: Optional[Exception], own_note: str, peers_message: str) -> NoReturn:
+    """After a vote that some rank failed: this rank's own ``failure`` if it has one (with
+    ``own_note``, which names the failed ranks), else `PeerStepFailed` (``peers_message``)."""
+    if failure is not None:
+        add_note(failure, f"[torchpipe.train] {own_note}")
+        raise failure
+    raise PeerStepFailed(peers_message)
 
 
 def _or_own_failure(call: Callable[[], Any], failure: Optional[Exception]) -> Any:
@@ -833,14 +842,12 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
                 if failure is not None:
                     raise failure
                 return output
-            if failure is not None:
-                add_note(failure, f"[torchpipe.train] ranks {failed} failed this batch's train step: every rank "
-                                  "undoes it (rows put back, no dense optimizer step), so the ranks stay in step")
-                raise failure
-            if failed:
-                raise PeerStepFailed(f"ranks {failed} failed this batch's train step (see their error): this rank "
-                                     "undoes it too (rows put back, no dense optimizer step), so the ranks stay "
-                                     "in step")
+            if failed or failure is not None:  # (this rank's own failure is among the flags)
+                _raise_own_or_peers(failure, f"ranks {failed} failed this batch's train step: every rank undoes it "
+                                             "(rows put back, no dense optimizer step), so the ranks stay in step",
+                                    f"ranks {failed} failed this batch's train step (see their error): this rank "
+                                    "undoes it too (rows put back, no dense optimizer step), so the ranks stay in "
+                                    "step")
         finally:  # no cycle: the failure's traceback holds this frame
             failure = None
         armed.agreed = True
@@ -869,10 +876,10 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             code = _FAILED_CODE if own else 0
         codes = _or_own_failure(lambda: self._sharding.codes_later(code), failure)
         if eval_step is not None:
-            known = [rank for rank, code in enumerate(self._settle_eval_step(eval_step, codes, failure)) if code]
+            known = [rank for rank, said in enumerate(self._settle_eval_step(eval_step, codes, failure)) if said]
             outcome: Callable[[], List[int]] = lambda: known  # noqa: E731 - waited for already
         else:
-            outcome = lambda: [rank for rank, code in enumerate(codes()) if code]  # noqa: E731
+            outcome = lambda: [rank for rank, said in enumerate(codes()) if said]  # noqa: E731
 
         def check() -> None:
             nonlocal failure
@@ -905,14 +912,12 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         said = _or_own_failure(codes, failure)
         failed = [rank for rank, code in enumerate(said) if code == _EVAL_STEP_FAILED_CODE]
         if failed:
-            if failure is not None:
-                add_note(failure, f"[torchpipe.train] ranks {failed} failed this batch's train step (forward only, "
-                                  "in eval mode): every rank drops its output and its batches in flight, so the "
-                                  "ranks stay in step")
-                raise failure
-            raise PeerStepFailed(f"ranks {failed} failed this batch's train step (see their error), a forward-only "
-                                 "step in eval mode: this rank drops its output too, and its batches in flight, so "
-                                 "the ranks stay in step")
+            _raise_own_or_peers(failure, f"ranks {failed} failed this batch's train step (forward only, in eval mode): "
+                                         "every rank drops its output and its batches in flight, so the ranks stay "
+                                         "in step",
+                                f"ranks {failed} failed this batch's train step (see their error), a forward-only "
+                                "step in eval mode: this rank drops its output too, and its batches in flight, so "
+                                "the ranks stay in step")
         eval_step.trained = True  # a batch: this rank's step went well (or the vote says otherwise above)
         self.steps_done += 1
         return said
