@@ -118,3 +118,33 @@ def test_map_nested_keeps_unchanged_containers_and_the_kind_of_changed_ones():
     assert torch.equal(factory["h"], t)  # the input's containers are not changed
     same = map_nested(values, lambda tensor: tensor)
     assert same is values
+
+
+class Spread(tuple):
+    """A tuple subclass whose constructor takes its items one by one."""
+
+    def __new__(cls, *items):
+        return super().__new__(cls, items)
+
+
+class Built(tuple):
+    """A tuple subclass with a constructor of its own (neither one sequence nor the items)."""
+
+    def __new__(cls, first, second, *, tag):
+        return super().__new__(cls, (first, second))
+
+
+# Read-through (s28): a subclass built from its items one by one was handed one sequence, and
+# came back as a one-item tuple wrapping the items, silently.
+def test_rebuild_keeps_a_subclass_built_either_way_and_never_changes_the_items():
+    from torchpipe.microbatch import rebuild
+    a, b = torch.zeros(1), torch.ones(1)
+    spread = rebuild(Spread(b, a), [a, b])
+    assert type(spread) is Spread and len(spread) == 2 and spread[0] is a and spread[1] is b
+    single = rebuild(Spread(b), [a])
+    assert type(single) is Spread and len(single) == 1 and single[0] is a
+    built = rebuild(Built(b, a, tag=1), [a, b])
+    assert type(built) is tuple and built[0] is a and built[1] is b
+    max_out = torch.randn(3, 2).max(dim=1)
+    rebuilt = rebuild(max_out, [a, b])
+    assert type(rebuilt) is type(max_out) and rebuilt.values is a and rebuilt.indices is b

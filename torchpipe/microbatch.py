@@ -106,17 +106,26 @@ def rebuild(template: Tuple[Any, ...], items: Sequence[Any]) -> Tuple[Any, ...]:
 
     A namedtuple keeps its type and fields, and so does a struct sequence such as
     ``torch.return_types.max`` (what ``x.max(dim)`` returns: a later layer reads ``.values``)
-    or any other tuple subclass built from one sequence; one that is not becomes a tuple.
+    or any other tuple subclass built from one sequence or from the items one by one; one
+    that is built otherwise becomes a tuple.
     """
     kind = type(template)
     if kind is tuple:
         return tuple(items)
     if hasattr(template, "_fields"):
         return kind(*items)
-    try:  # a struct sequence, or another subclass built like tuple itself: from one sequence
-        return kind(tuple(items))
-    except Exception:  # noqa: BLE001 - a constructor of its own: the items as a plain tuple
-        return tuple(items)
+    items = tuple(items)
+    # A struct sequence, or another subclass built like tuple itself, takes one sequence; a
+    # subclass whose __new__ takes the items one by one would wrap that sequence as its only
+    # item, so each guess counts only if it holds exactly the items, in order.
+    for arguments in ((items,), items):
+        try:
+            rebuilt = kind(*arguments)
+            if len(rebuilt) == len(items) and all(new is old for new, old in zip(rebuilt, items)):
+                return rebuilt
+        except Exception:  # noqa: BLE001 - not built this way: try the next, else a plain tuple
+            pass
+    return items
 
 
 def map_nested(values: Any, function: Callable[[Tensor], Any]) -> Any:
