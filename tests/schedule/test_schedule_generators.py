@@ -241,3 +241,15 @@ def test_a_worker_the_plan_gives_nothing_is_not_counted_as_idle():
                            stage_to_worker=[0, 0])
     assert plan.simulate().bubble_ratio == 0.0
     assert build("1f1b", 2, 2).simulate().bubble_ratio == pytest.approx(1 / 3)  # every worker used: unchanged
+
+
+def test_build_takes_numpy_sizes_as_pipe_takes_a_numpy_chunks() -> None:
+    """Review (s28): build() refused a NumPy integer that Pipe(chunks=...) takes."""
+    np = pytest.importorskip("numpy")
+    plan = build("interleaved-1f1b", np.int64(4), np.int32(4), virtual_stages=np.int64(2))
+    assert plan == build("interleaved-1f1b", 4, 4, virtual_stages=2)
+    assert type(plan.num_stages) is int and type(plan.num_microbatches) is int
+    with pytest.raises(TypeError, match=r"num_stages must be an int, got np.float64\(4.0\)"):
+        build("1f1b", np.float64(4.0), 4)
+    with pytest.raises(TypeError, match="num_microbatches must be an int, got True"):
+        build("1f1b", 4, True)

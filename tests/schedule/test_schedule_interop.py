@@ -176,3 +176,24 @@ def test_a_csv_path_must_be_a_path_not_a_file_descriptor(tmp_path, path) -> None
             plan.save_csv(mine.fileno())
         mine.write("still open\n")
     assert (tmp_path / "mine.txt").read_text() == "still open\n"
+
+
+# Review (s28): torch 2.13's Schedule1F1B keeps a pipeline_order that shifts rank 1's micro-batch
+# indices by one (1F1..1F4 for 4 micro-batches). The refusal said to pass num_microbatches=,
+# which from_torch does not take, and did not say whose order was wrong.
+def test_a_schedule_whose_own_order_does_not_hold_is_refused_naming_torchs_order_and_the_way_out() -> None:
+    from torch_schedules import torch_single_schedule
+
+    schedule = torch_single_schedule("Schedule1F1B", 2, 4)
+    numbered = [int(re.search(r"\d+$", str(a)).group()) for a in schedule.pipeline_order[1]
+                if a is not None and re.fullmatch(r"\d+[FB]\d+", str(a))]
+    if max(numbered) < 4:  # a torch whose order holds together: it is taken as it is
+        assert Plan.from_torch(schedule).num_microbatches == 4
+        return
+    with pytest.raises(InvalidPlanError, match=r"Schedule1F1B\.pipeline_order cannot run as written: action 1F4 "
+                                               r"on worker 1: micro-batch 4 is out of range \(plan has 4 micro-"
+                                               r"batches\)\. .*schedule=Schedule1F1B") as caught:
+        Plan.from_torch(schedule)
+    assert "num_microbatches=" not in str(caught.value)
+    gpipe = Plan.from_torch(torch_single_schedule("ScheduleGPipe", 2, 4))  # an order that holds: as before
+    assert gpipe.num_microbatches == 4

@@ -542,7 +542,9 @@ def test_a_ctrl_c_around_a_clocks_hand_over_says_what_is_lost_and_counts_the_clo
             pipe.progress(it)
         schedule.close = close
         assert pipe.clocks_run == 4  # three to fill and return batch 0, and the interrupted one
-        assert "batch 1 did finish (its output is not returned)" in "".join(getattr(caught.value, "__notes__", []))
+        notes = "".join(getattr(caught.value, "__notes__", []))
+        assert "batch 1 did finish (its output is in this error's finished_outputs)" in notes
+        assert caught.value.finished_outputs == [1]
         if where == "after the hand-over":
             assert not failures and pipe.in_flight() == [2, 3]
             assert drain(pipe, it) == list(range(2, 10))
@@ -603,3 +605,56 @@ def test_a_clock_whose_abort_two_interrupts_cut_short_is_ended_before_the_failur
         assert len(cuts) == 2 and not aborted  # the hook ran (or not yet), then the failure hook cleared
         assert pipe.progress(it) == 4  # batches 1-3 were in flight and dropped
         assert pipe._runtime._step is None
+
+
+def failing_at(value: int):
+    def stage(batch: int) -> int:
+        if batch == value:
+            raise ValueError(f"stage b failed on batch {batch}")
+        return batch
+    return stage
+
+
+@pytest.mark.parametrize("call", ["progress", "flush"])
+def test_a_batch_finished_beside_a_failure_is_handed_on_with_the_error(call: str) -> None:
+    """Review (s28): when a clock failed in an earlier stage after its last stage had finished a
+    batch, that batch's step had happened (a train pipeline counted it) but its output was
+    only named in a note; a flush lost it the same way."""
+    stages = [PipelineStage("a", lambda b: b, "host"), PipelineStage("b", failing_at(6), "host"),
+              PipelineStage("c", lambda b: b, "host")]
+    with StagedPipeline(stages, host_threads=2) as pipe:
+        it = iter(range(10))
+        returned = [pipe.progress(it) for _ in range(4)]  # 0..3; 4 and 5 in flight
+        assert returned == [0, 1, 2, 3] and pipe.in_flight() == [4, 5]
+        if call == "progress":
+            returned.append(pipe.progress(it))  # 4; 6 enters
+            with pytest.raises(ValueError, match="batch 6") as caught:
+                pipe.progress(it)  # c finishes 5 while b fails on 6
+            assert caught.value.finished_outputs == [5]
+        else:
+            pipe.progress(iter([6]))  # 4 returned, 6 enters; the iterator is done
+            with pytest.raises(ValueError, match="batch 6") as caught:
+                pipe.flush()
+            assert caught.value.flushed_outputs == [5]
+        notes = "".join(getattr(caught.value, "__notes__", []))
+        assert "batch 5 did finish (its output is in this error's finished_outputs)" in notes
+        assert pipe.in_flight() == []
+
+
+def test_an_after_clock_hook_that_raises_hands_the_clocks_batch_on_with_the_error() -> None:
+    calls = {"n": 0}
+
+    def after_clock(clock, outputs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise ValueError("after_clock failed")
+
+    with StagedPipeline([PipelineStage("a", lambda b: b, "host"), PipelineStage("b", lambda b: b, "host")],
+                        after_clock=after_clock) as pipe:
+        it = iter(range(8))
+        returned = [pipe.progress(it) for _ in range(3)]
+        with pytest.raises(ValueError, match="after_clock failed") as caught:
+            pipe.progress(it)
+        assert caught.value.finished_outputs == [3]
+        returned += caught.value.finished_outputs + drain(pipe, it)
+    assert returned == list(range(8))

@@ -9,6 +9,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ..checks import as_int
 from .action import BACKWARD, FORWARD, INPUT_GRAD, Action
 from .greedy import fill_weight_grads, greedy_order
 from .names import resolve
@@ -18,11 +19,13 @@ __all__ = ["SCHEDULES", "build", "schedule_name", "schedule_options"]
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    """``value`` as a Python int >= 1: a NumPy integer is taken, as ``Pipe`` takes one for ``chunks``."""
+    number = as_int(value)
+    if number is None:
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
+    if number < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+    return number
 
 
 def _gpipe(p: int, m: int, *, backward: bool = True) -> Plan:

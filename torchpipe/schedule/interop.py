@@ -26,6 +26,7 @@ import re
 from typing import Any, List, Optional, Sequence, Union
 
 from .action import Action
+from .errors import InvalidPlanError
 from .plan import Plan
 
 __all__ = ["from_torch", "load_csv", "save_csv"]
@@ -59,12 +60,13 @@ def _translate(entry: Any, where: str) -> List[Action]:
         ) from None
 
 
-def _plan_from_rows(name: str, rows: Sequence[Sequence[Any]], what: str) -> Plan:
+def _plan_from_rows(name: str, rows: Sequence[Sequence[Any]], what: str, *,
+                    num_microbatches: Optional[int] = None) -> Plan:
     lists = [
         [a for position, entry in enumerate(row) for a in _translate(entry, f"{what} {worker}, entry {position}")]
         for worker, row in enumerate(rows)
     ]
-    return Plan.from_lists(name, lists)
+    return Plan.from_lists(name, lists, num_microbatches=num_microbatches)
 
 
 def from_torch(schedule: Any, name: Optional[str] = None) -> Plan:
@@ -96,7 +98,22 @@ def from_torch(schedule: Any, name: Optional[str] = None) -> Plan:
     for rank, row in enumerate(rows):
         if isinstance(row, (str, bytes)) or not isinstance(row, (list, tuple)):
             raise TypeError(f"rank {rank}'s actions must be a list, got {type(row).__name__}: {row!r}")
-    return _plan_from_rows(name, rows, "rank")
+    if order is schedule:
+        return _plan_from_rows(name, rows, "rank")
+    # A schedule object knows its micro-batch count: an order that names another one is torch's
+    # own inconsistency (torch 2.13's Schedule1F1B lists 1F1..1F4 for 4 micro-batches on rank 1,
+    # while its step() runs 1F0..1F3), not a typo the user could fix by passing a count.
+    count = getattr(schedule, "_n_microbatches", None)
+    count = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+    try:
+        return _plan_from_rows(name, rows, "rank", num_microbatches=count)
+    except InvalidPlanError as exc:
+        kind = type(schedule).__name__
+        raise InvalidPlanError(
+            f"{kind}.pipeline_order cannot run as written: {exc}. That list is torch's own, and for some of its "
+            f"schedules (Schedule1F1B in torch 2.13) it is not the order its step() runs; to run {kind} here, "
+            f"pass the class or its name, Pipe.step(..., schedule={kind}), which builds it with torchpipe's "
+            "generator") from None
 
 
 def _check_path(path: Any, what: str) -> None:

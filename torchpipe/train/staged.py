@@ -105,12 +105,27 @@ def fail_clock_now(error: Exception) -> Exception:
     return error
 
 
+def keep_unreturned_output(error: BaseException, output: Any) -> None:
+    """Hand the output of a batch that finished in a failing clock, which the failing call will
+    not return, to its caller: appended to ``error.finished_outputs``.
+
+    Why: that batch's step happened (a train pipeline counts it in ``steps_done``, its updates
+    stay), so a loop that collects outputs would otherwise be one short, silently."""
+    kept = getattr(error, "finished_outputs", None)
+    if not isinstance(kept, list):
+        kept = []
+        error.finished_outputs = kept  # type: ignore[attr-defined]
+    kept.append(output)
+
+
 def keep_flushed_outputs(error: BaseException, outputs: List[Any]) -> None:
-    """Hand the outputs a failing ``flush()`` had finished to its caller: ``error.flushed_outputs``."""
+    """Hand the outputs a failing ``flush()`` had finished to its caller: ``error.flushed_outputs``,
+    those it had returned from its steps and the failing clock's finished batch, if any."""
+    outputs = list(outputs) + list(getattr(error, "finished_outputs", None) or [])
     error.flushed_outputs = outputs  # type: ignore[attr-defined]
     if outputs:
-        add_note(error, f"[torchpipe.train] flush() finished {len(outputs)} batches before this failure: their "
-                        "outputs are in this error's flushed_outputs")
+        add_note(error, f"[torchpipe.train] flush() finished {len(outputs)} batches before or in the clock that "
+                        "failed: their outputs are in this error's flushed_outputs")
 
 
 class PipelineFailure:
@@ -127,11 +142,13 @@ class PipelineFailure:
         self.dropped = dropped
 
 
-def _note_unreturned(exc: BaseException, clock: Clock) -> None:
-    """Tell the caller that ``clock``'s finished batch, if any, is lost with ``exc`` (the rest stays in flight)."""
-    if clock.finished is not None:
-        add_note(exc, f"[torchpipe.train] after clock {clock.index}: batch {clock.finished} did finish "
-                      "(its output is not returned); the batches in flight stay in flight")
+def _keep_unreturned(exc: BaseException, clock: Clock, outputs: Dict[int, Any], last: int) -> None:
+    """``clock`` handed its outputs on, then ``exc`` was raised: its finished batch, if any,
+    goes to the caller on the error (the rest stays in flight)."""
+    if clock.finished is not None and last in outputs:
+        keep_unreturned_output(exc, outputs[last])
+        add_note(exc, f"[torchpipe.train] after clock {clock.index}: batch {clock.finished} did finish (its "
+                      "output is in this error's finished_outputs); the batches in flight stay in flight")
 
 
 class _FirstFailure:
@@ -236,9 +253,11 @@ class StagedPipeline:
     failure of a stage that is not local still cancels the clock at once: this rank never
     reaches ``agree``, and the other ranks wait in their collectives until the group's timeout.
 
-    ``flush()`` that fails part way keeps what it returned so far: the error's
-    ``flushed_outputs`` attribute holds the outputs of the batches it finished before the
-    failure, in order.
+    No finished batch is lost with an error: when a clock fails, or the call is interrupted,
+    after the last stage finished a batch, that batch's output is in the error's
+    ``finished_outputs`` list (its step happened). A ``flush()`` that fails part way keeps
+    what it had finished: the error's ``flushed_outputs`` holds the outputs of the batches it
+    finished, the failing clock's too, in order.
     """
 
     def __init__(self, stages: Sequence[PipelineStage], *, device: Union[str, torch.device] = "cpu",
@@ -443,11 +462,8 @@ class StagedPipeline:
             if self._agree is not None:
                 self._settle(clock, run)
             outputs = run.outputs
-            if self._streamed and self.depth - 1 in outputs:
-                # The caller reads the last output on its own stream: after the last stage's work.
-                caller = self._backend.current_stream(self.device)
-                self._backend.wait_event(caller, run.done[self.depth - 1])
-                _record_streams(outputs[self.depth - 1], caller, self._backend, self.device.type)
+            if self.depth - 1 in outputs:
+                self._caller_may_read(outputs[self.depth - 1], run)
             self._values = [None] + [outputs.get(s) for s in range(self.depth - 1)]
             self._ready = [None] + [run.done.get(s) for s in range(self.depth - 1)]
             self._record()
@@ -456,15 +472,23 @@ class StagedPipeline:
             if self._schedule.open is clock:
                 self._abandon_clock(clock, run, exc)
             else:  # the outputs were handed on: nothing to undo
-                _note_unreturned(exc, clock)
+                _keep_unreturned(exc, clock, outputs, self.depth - 1)
             raise
         try:
             if self._after_clock is not None:
                 self._after_clock(clock, outputs)
-        except BaseException as exc:  # noqa: B902 - the pipeline is in step; say what is lost
-            _note_unreturned(exc, clock)
+        except BaseException as exc:  # noqa: B902 - the pipeline is in step; hand on what finished
+            _keep_unreturned(exc, clock, outputs, self.depth - 1)
             raise
         return outputs
+
+    def _caller_may_read(self, output: Any, run: _ClockRun) -> None:
+        """On an accelerator, the caller reads the last stage's output on its own stream: that
+        stream waits for the last stage's work, and the output's memory is kept for it."""
+        if self._streamed:
+            caller = self._backend.current_stream(self.device)
+            self._backend.wait_event(caller, run.done[self.depth - 1])
+            _record_streams(output, caller, self._backend, self.device.type)
 
     def _settle(self, clock: Clock, run: _ClockRun) -> None:
         """``agree`` on this clock's deferred failures, and keep the check it returns for the
@@ -548,7 +572,15 @@ class StagedPipeline:
         self._empty(PipelineFailure(exc, clock, completed, dropped))
         where = self._failure.where or "the caller (interrupted)"
         finished = [b for s, b in clock.active if s == self.depth - 1 and s in completed]
-        done = f"; batch {finished[0]} did finish (its output is not returned)" if finished else ""
+        done = ""
+        if finished:  # its step happened: its output goes to the caller on the error
+            try:
+                self._caller_may_read(completed[self.depth - 1], run)  # type: ignore[arg-type]
+                keep_unreturned_output(exc, completed[self.depth - 1])
+                done = f"; batch {finished[0]} did finish (its output is in this error's finished_outputs)"
+            except BaseException as again:  # noqa: B902 - the device failed too: the output is unreadable
+                done = (f"; batch {finished[0]} did finish, but its output could not be handed on "
+                        f"({type(again).__name__}: {again})")
         add_note(exc, f"[torchpipe.train] clock {clock.index} failed in {where}; "
                       f"batches {dropped} were in flight and dropped{done}; the pipeline is empty and usable")
 
