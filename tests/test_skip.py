@@ -519,3 +519,56 @@ def test_a_namespace_compares_only_with_namespaces():
     assert (first < second) != (second < first)
     with pytest.raises(TypeError, match="not supported between instances of 'Namespace' and 'int'"):
         first < 3  # noqa: B015
+
+
+@skippable(stash=["skip"])
+class RefineStash(nn.Module):
+    """Stashes a first guess, then overwrites it with a refined one (the plain model's last stash wins)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.guess, self.refine = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        guess = self.guess(x)
+        yield stash("skip", guess)
+        yield stash("skip", self.refine(guess))
+        return torch.tanh(x)
+
+
+# Review (s28): a layer that stashes a name twice in one forward ran in the plain model (and in
+# torchgpipe's GPipe), but a Pipe raised "stashed twice" whenever the pop was in another partition.
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b", "zb-h1"])
+def test_a_layer_that_stashes_a_name_again_hands_on_its_last_stash(checkpoint, path):
+    torch.manual_seed(0)
+    model = nn.Sequential(RefineStash(8), nn.Linear(8, 8), Up(8), nn.Linear(8, 8))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    expected_out = reference(x)
+    expected = nn.MSELoss()(expected_out, y)
+    expected.backward()
+    with Pipe(model, [1, 1, 2], chunks=3, checkpoint=checkpoint) as pipe:
+        if path == "forward":
+            out = pipe(x)
+            torch.testing.assert_close(out, expected_out)
+            loss = nn.MSELoss()(out, y)
+            loss.backward()
+        else:
+            loss = pipe.step(x, y, nn.MSELoss(), schedule=path)
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    guess = next(p for name, p in model.named_parameters() if name.endswith("guess.weight"))
+    assert guess.grad is not None and guess.grad.abs().sum() > 0  # through the refined stash
+    for (name, got), want in zip(model.named_parameters(), grads(reference)):
+        torch.testing.assert_close(got.grad, want, msg=name)
+
+
+def test_two_partitions_that_stash_one_name_for_one_micro_batch_are_still_refused():
+    from torchpipe.skip.portal import SkipStore
+    store, key = SkipStore(), (None, "skip")
+    assert store.put(key, 0, torch.zeros(1), None, partition=0) is None
+    first = torch.ones(1)
+    store.put(key, 1, first, None, partition=0)
+    assert store.put(key, 1, torch.ones(1), None, partition=0) is first  # the same partition again: replaced
+    with pytest.raises(RuntimeError, match="stashed twice for micro-batch 0, by partitions 0 and 2"):
+        store.put(key, 0, torch.zeros(1), None, partition=2)

@@ -36,11 +36,17 @@ class SkipStore:
         self._tensors: Dict[Tuple[SkipKey, int], Tuple[Tensor, Any, int]] = {}
         self._grads: Dict[Tuple[SkipKey, int], Tuple[Optional[Tensor], Any]] = {}
 
-    def put(self, key: SkipKey, microbatch: int, tensor: Tensor, event: Any, partition: int) -> None:
+    def put(self, key: SkipKey, microbatch: int, tensor: Tensor, event: Any, partition: int) -> Any:
+        """Leave ``tensor`` for its pop. A partition that stashes a name again before it is
+        popped replaces its own stash, as the plain model's last stash wins; the replaced
+        tensor is returned (None if there was none)."""
         with self._lock:
-            if (key, microbatch) in self._tensors:
-                raise RuntimeError(f"skip {skip_name(key)} stashed twice for micro-batch {microbatch}")
+            earlier = self._tensors.get((key, microbatch))
+            if earlier is not None and earlier[2] != partition:
+                raise RuntimeError(f"skip {skip_name(key)} stashed twice for micro-batch {microbatch}, by "
+                                   f"partitions {earlier[2]} and {partition}: a name is stashed by one layer")
             self._tensors[(key, microbatch)] = (tensor, event, partition)
+            return None if earlier is None else earlier[0]
 
     def take(self, key: SkipKey, microbatch: int) -> Tuple[Tensor, Any, int]:
         with self._lock:
@@ -99,7 +105,9 @@ class PipelineSkipTracker:
     def save(self, key: SkipKey, tensor: Tensor) -> None:
         stage = self.stage
         event = None if stage.backend.type == "cpu" else mark_ready(stage.backend, stage.stream)
-        self.store.put(key, self.microbatch, tensor, event, stage.index)
+        replaced = self.store.put(key, self.microbatch, tensor, event, stage.index)
+        if replaced is not None and self.record is not None:  # no gradient will come for it
+            self._forget_local_stash(key, replaced)
         if self.record is not None and isinstance(tensor, Tensor) and tensor.requires_grad:
             self.record.stashed.append((key, tensor))
 
@@ -123,9 +131,9 @@ class PipelineSkipTracker:
         return tensor
 
     def _forget_local_stash(self, key: SkipKey, tensor: Any) -> None:
-        """A stash popped in its own partition gets its gradient inside the partition's graph;
-        no later partition sends one for it. Kept in ``record.stashed``, it would take the
-        gradient sent for a later stash of the same name (stashed again after this pop)."""
+        """A stash popped in its own partition gets its gradient inside the partition's graph,
+        and one stashed over never gets one; no later partition sends one for either. Kept in
+        ``record.stashed``, it would take the gradient sent for a later stash of the same name."""
         stashed = self.record.stashed  # type: ignore[union-attr]
         for index in range(len(stashed) - 1, -1, -1):
             if stashed[index][0] == key and stashed[index][1] is tensor:
