@@ -73,7 +73,25 @@ def _accept_partitioned_keys(module: nn.Module, state_dict: Dict[str, Any], pref
     for key in [k for k in state_dict if k.startswith(start)]:
         match = _PARTITIONED_KEY.match(key, len(prefix))
         if match is not None:
-            state_dict[prefix + key[match.end():]] = state_dict.pop(key)
+            name = key[match.end():]
+            value = state_dict.pop(key)
+            if not _deferred_batch_norm_accumulator(module, name):
+                state_dict[prefix + name] = value
+
+
+def _deferred_batch_norm_accumulator(module: nn.Module, name: str) -> bool:
+    """Whether ``name`` is a ``sum``/``sum_squares`` buffer that torchgpipe's or fairscale's
+    DeferredBatchNorm saved for a BatchNorm that is plain here. Those buffers only carry a
+    step's running sums (emptied when the step commits them), so a checkpoint trained with
+    ``deferred_batch_norm=True`` loads into a Pipe without it, for inference, say."""
+    path, _, leaf = name.rpartition(".")
+    if leaf not in ("sum", "sum_squares"):
+        return False
+    try:
+        owner = module.get_submodule(path)
+    except AttributeError:
+        return False
+    return isinstance(owner, nn.modules.batchnorm._BatchNorm) and leaf not in owner._buffers
 
 
 def _watched_generators(stages: Sequence[StageRunner]) -> List[Tuple[torch.Generator, Tensor]]:
