@@ -86,6 +86,8 @@ def test_blockpartition_edge_cases() -> None:
     assert blockpartition([0.1, 0.2, 0.3], 2) == [[0, 1], [2]]
     assert balance_by_cost([1, 1, 1, 1, 4], 2) == [4, 1]
     assert balance_by_cost([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]
+    from torchpipe.balance import balance_cost  # torchgpipe's name for it (review, s28)
+    assert balance_cost is balance_by_cost
 
 
 def test_blockpartition_solve_is_torchgpipes_call_with_an_optimal_split() -> None:

@@ -20,7 +20,7 @@ def names(module):
     ([1, 1], r"module: 4, sum of balance: 2\); .*torchpipe.balance.balance_by_time"),
     ([2, 0, 2], r"positive integers \(balance: \[2, 0, 2\]\)"),
     ([2, -1, 3], "positive integers"),
-    ([2.0, 2], "positive integers"),
+    ([2.0, 2], r"positive integers \(balance: \[2.0, 2\]\) \(floats are refused, not rounded"),
     ([True, 3], "positive integers"),
     ([], "balance is empty"),
     (4, "sequence of positive integers, got 4"),

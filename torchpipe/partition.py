@@ -74,7 +74,9 @@ def verify_balance(balance: Sequence[int], num_layers: int) -> List[int]:
         raise BalanceError("balance is empty: expected at least one partition size")
     numbers = [as_positive_int(v) for v in values]
     if any(n is None for n in numbers):
-        raise BalanceError(f"all balance numbers must be positive integers (balance: {values})")
+        floats = any(isinstance(v, float) for v in values)
+        hint = " (floats are refused, not rounded: compute sizes with //)" if floats else ""
+        raise BalanceError(f"all balance numbers must be positive integers (balance: {values}){hint}")
     values = cast(List[int], numbers)
     if sum(values) != num_layers:
         raise BalanceError(

@@ -30,6 +30,10 @@ __all__ = ["balance_by_time", "balance_by_size", "blockpartition", "balance_by_c
 
 Device = Union[torch.device, str, int]
 
+balance_cost = balance_by_cost
+"""torchgpipe's name for :func:`balance_by_cost` (outside its ``__all__`` too), so that code
+importing it from ``torchgpipe.balance`` moves by changing the import."""
+
 
 def balance_by_time(partitions: int, module: nn.Sequential, sample: Activation, *,
                     timeout: float = 1.0, device: Optional[Device] = None, batch_dim: BatchDim = 0) -> List[int]:
