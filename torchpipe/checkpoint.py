@@ -136,6 +136,34 @@ def _set_state(generator: torch.Generator, state: torch.Tensor) -> None:
         generator.set_state(state)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def task_seed(step_seed: int, *parts: int) -> int:
+    """A seed of its own for one forward of a step (``parts``: stage, micro-batch, generator).
+
+    SplitMix64's finaliser over the parts: neighbouring tasks get unrelated seeds, and the
+    same step seed gives the same seeds in every run. Kept below 2**63 (torch's seed range).
+    """
+    value = step_seed & _MASK64
+    for part in parts:
+        value = (value + 0x9E3779B97F4A7C15 + (part & _MASK64)) & _MASK64
+        value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+        value ^= value >> 31
+    return value >> 1
+
+
+def draw_step_seed() -> int:
+    """One draw of the CPU generator, on the caller's thread: the seed of a reproducible step."""
+    return int(torch.randint(0, 1 << 62, (1,), generator=torch.default_generator).item())
+
+
+def _seed(generator: torch.Generator, seed: int) -> None:
+    with _state_lock:
+        generator.manual_seed(seed)
+
+
 class RNGGuard:
     """Makes a checkpointed partition's recompute draw the same random numbers as its forward.
 
@@ -174,36 +202,56 @@ class RNGGuard:
         """True once a replay on this generator went wrong: no RNG-free shortcut any more."""
         return id(self.generator) in _always_locked
 
-    def forward_section(self, training: bool) -> "_ForwardSection":
-        """Context for one forward of a checkpointing step (holds the lock if shared)."""
-        return _ForwardSection(self, training)
+    def forward_section(self, training: bool, seed: Optional[int] = None) -> "_ForwardSection":
+        """Context for one forward of a checkpointing or reproducible step (holds the lock if
+        shared). With a ``seed``, a forward that holds the lock draws from the generator
+        seeded with it, and leaves the generator's own state as it found it."""
+        return _ForwardSection(self, training, seed)
 
     def new_replay(self, training: bool) -> "_Replay":
         return _Replay(self, training)
 
 
 class _ForwardSection:
-    __slots__ = ("guard", "training", "before", "section")
+    __slots__ = ("guard", "training", "seed", "before", "section", "outside")
 
-    def __init__(self, guard: RNGGuard, training: bool) -> None:
+    def __init__(self, guard: RNGGuard, training: bool, seed: Optional[int] = None) -> None:
         self.guard = guard
         self.training = training
+        self.seed = seed
         self.before: Optional[torch.Tensor] = None
         self.section: Optional[RNGSection] = None
+        # The generator's state outside a seeded forward, given back when it ends.
+        self.outside: Optional[torch.Tensor] = None
 
     def __enter__(self) -> None:
         guard = self.guard
         if guard.lock is None or (guard._uses_rng[self.training] is False and not guard.always_locked):
             return
         self.section = enter_rng_section(guard.generator, guard.lock)
-        if guard._uses_rng[self.training] is None:
-            self.before = _get_state(guard.generator)
+        try:
+            if self.seed is not None:
+                self.outside = _get_state(guard.generator)
+                _seed(guard.generator, self.seed)
+            if guard._uses_rng[self.training] is None:
+                self.before = _get_state(guard.generator)
+        except BaseException:  # noqa: B902 - __exit__ will not run: give everything back here
+            self._leave()
+            raise
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         guard = self.guard
         try:
             if self.before is not None and exc_type is None:
                 guard._uses_rng[self.training] = not torch.equal(self.before, _get_state(guard.generator))
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        try:
+            if self.outside is not None:
+                _set_state(self.guard.generator, self.outside)
+                self.outside = None
         finally:
             leave_rng_section(self.section)
             self.section = None
@@ -334,13 +382,18 @@ class StageRNG:
         for guard in self.guards:
             guard.begin_step()
 
-    def forward_section(self, training: bool) -> Any:
-        """Context for one forward of a checkpointing step (each generator's section)."""
+    def forward_section(self, training: bool, seed: Optional[int] = None) -> Any:
+        """Context for one forward of a checkpointing or reproducible step (each generator's
+        section; with a ``seed``, each generator seeded with one of its own derived from it)."""
         if len(self.guards) == 1:
-            return self.guards[0].forward_section(training)
+            return self.guards[0].forward_section(training, seed)
         stack = contextlib.ExitStack()
-        for guard in self.guards:
-            stack.enter_context(guard.forward_section(training))
+        try:
+            for index, guard in enumerate(self.guards):
+                stack.enter_context(guard.forward_section(training, None if seed is None else task_seed(seed, index)))
+        except BaseException:  # noqa: B902 - the sections entered so far are left again
+            stack.close()
+            raise
         return stack
 
     def new_replay(self, training: bool) -> "_StageReplay":

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .batchnorm import running_statistics_frozen, statistics_updating_norms
-from .checkpoint import ForwardTensors, StageRNG, checkpoint, tensor_slots
+from .checkpoint import ForwardTensors, StageRNG, checkpoint, task_seed, tensor_slots
 from .copy import mark_ready, receive
 from .devices import Backend, get_backend
 from .microbatch import Batch, nested_tensors
@@ -86,7 +86,7 @@ class StageRunner:
 class ForwardContext:
     """Per-step data of a forward pass: the micro-batches and how to treat them."""
 
-    __slots__ = ("batches", "input_events", "checkpoint_stop", "rng_sections", "skips")
+    __slots__ = ("batches", "input_events", "checkpoint_stop", "rng_sections", "rng_seed", "skips")
 
     def __init__(self, batches: List[Batch], input_events: List[Any], checkpoint_stop: int) -> None:
         self.batches = batches
@@ -94,7 +94,20 @@ class ForwardContext:
         self.checkpoint_stop = checkpoint_stop
         # Checkpointing replays RNG: then forwards on a shared generator must not interleave draws.
         self.rng_sections = checkpoint_stop > 0
+        self.rng_seed: Optional[int] = None  # a reproducible Pipe's step seed (see seed_rng)
         self.skips = SkipStore()
+
+
+def seed_rng(ctx: Any, step_seed: int) -> None:
+    """Make ``ctx``'s step reproducible: every forward on a shared generator runs in its
+    section, drawing from a generator state seeded by ``step_seed``, its stage and its
+    micro-batch, so no draw depends on the order the worker threads run in."""
+    ctx.rng_seed = step_seed
+    ctx.rng_sections = True
+
+
+def _forward_seed(ctx: Any, stage: int, microbatch: int) -> Optional[int]:
+    return None if ctx.rng_seed is None else task_seed(ctx.rng_seed, stage, microbatch)
 
 
 # Layers that hand on their input itself or a view of it: an in-place layer after them still
@@ -274,13 +287,13 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
     with use_skip_tracker(tracker) if tracker is not None else contextlib.nullcontext():
         if replay is not None:
             versions = _input_versions(batch)
-            with stage.rng.forward_section(training):
+            with stage.rng.forward_section(training, _forward_seed(ctx, stage.index, microbatch)):
                 output = checkpoint(partition, batch, replay, f"recomputed for stage {stage.index}, micro-batch {microbatch}")
             _check_input_untouched(stage, batch, versions)
             if tracker is not None:
                 tracker.check_popped_untouched()
         elif ctx.rng_sections:
-            with stage.rng.forward_section(training):
+            with stage.rng.forward_section(training, _forward_seed(ctx, stage.index, microbatch)):
                 output = batch.call(partition)
         else:
             output = batch.call(partition)

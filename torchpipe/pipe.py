@@ -19,10 +19,10 @@ from torch import Tensor, nn
 from .call_chain import current as current_chain
 from .call_chain import holds_rng_section
 from .call_lock import CallLock
-from .checkpoint import generator_state, is_checkpointing
+from .checkpoint import draw_step_seed, generator_state, is_checkpointing
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
-from .lowering import ForwardContext, StageRunner, lower_forward
+from .lowering import ForwardContext, StageRunner, lower_forward, seed_rng
 from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
                          nested_tensors, samples, scatter)
 from .partition import (BalanceError, SpreadingSequential, as_positive_int, infer_placement, split_module,
@@ -119,7 +119,7 @@ def _moved(watched: List[Tuple[torch.Generator, Tensor]]) -> bool:
 
 _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "_chunks", "_checkpoint", "deferred_batch_norm",
                    "spread_tuples",
-                   "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
+                   "reproducible", "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
 
 
 def _check_child_names(module: nn.Sequential) -> None:
@@ -245,6 +245,13 @@ class Pipe(nn.Module):
             arguments (PyTorch's retired ``Pipe``: ``forward(self, a, b)``), instead of passed
             as one argument (torchgpipe's convention, the default). ``torchpipe.retired.Pipe``
             sets it.
+        reproducible: a seeded run repeats itself, dropout masks included, whatever order
+            the worker threads run in. Each call draws one number from the CPU generator, and
+            each forward of a partition on a shared generator that draws random numbers
+            draws from a state seeded by that number, its stage and its micro-batch; those
+            forwards run one at a time. The masks then differ from the plain model's (they
+            already do with ``chunks > 1``). Off by default: partitions with dropout on one
+            CPU then draw in thread order and pipeline freely.
 
     The parameter names stay those of ``module`` (``pipe.state_dict()`` loads into the
     original model and back). Workers start once and are reused; ``close()`` (or ``with``,
@@ -265,6 +272,7 @@ class Pipe(nn.Module):
         output_batch_dim: Optional[BatchDim] = None,
         target_batch_dim: Optional[BatchDim] = None,
         spread_tuples: bool = False,
+        reproducible: bool = False,
     ) -> None:
         super().__init__()
         # Validate everything before touching the module: errors leave no state behind.
@@ -276,6 +284,8 @@ class Pipe(nn.Module):
             raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
         if not isinstance(spread_tuples, bool):
             raise TypeError(f"spread_tuples must be a bool, got {spread_tuples!r}")
+        if not isinstance(reproducible, bool):
+            raise TypeError(f"reproducible must be a bool, got {reproducible!r}")
         verify_module(module)
         _check_child_names(module)
         budget = ThreadBudget(intra_op_threads)
@@ -318,6 +328,7 @@ class Pipe(nn.Module):
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
         self.spread_tuples = spread_tuples
+        self.reproducible = reproducible
         self._given_batch_dims = given_batch_dims
         self._batch_dims = batch_dims
         object.__setattr__(self, "partitions", nn.ModuleList(partitions))
@@ -839,6 +850,8 @@ class Pipe(nn.Module):
             self.last_memory = None  # set again by a step that completes
             without_grad = [t for t in step_leaves if t.grad is None]
         self._prepare_batch_norm(plan.num_microbatches)
+        if getattr(self, "reproducible", False):  # a Pipe pickled before the option had it off
+            seed_rng(context, draw_step_seed())  # before the watch below: a draw made in order
         if context.rng_sections:
             for stage in self._stages:
                 stage.rng.begin_step()

@@ -101,6 +101,7 @@ class StepContext:
         self.scales = scales
         self.checkpoint_stop = checkpoint_stop
         self.rng_sections = checkpoint_stop > 0
+        self.rng_seed: Optional[int] = None  # a reproducible Pipe's step seed (lowering.seed_rng)
         self.losses: List[Optional[Tensor]] = [None] * len(batches)
         # Whether each micro-batch's loss has a graph; one without (a constant for a fully
         # masked micro-batch) contributes nothing to the gradients, as a constant term would.
