@@ -607,10 +607,21 @@ def test_a_clock_whose_abort_two_interrupts_cut_short_is_ended_before_the_failur
         assert pipe._runtime._step is None
 
 
-def failing_at(value: int):
+def failing_at(value: int, after: threading.Event):
+    """A stage that fails on batch ``value`` once ``after`` is set (the last stage finished the
+    clock's other batch: a failure aborts the clock's jobs that have not started)."""
     def stage(batch: int) -> int:
         if batch == value:
+            after.wait(10)
             raise ValueError(f"stage b failed on batch {batch}")
+        return batch
+    return stage
+
+
+def finishing(before: int, done: threading.Event):
+    def stage(batch: int) -> int:
+        if batch == before:
+            done.set()
         return batch
     return stage
 
@@ -620,9 +631,10 @@ def test_a_batch_finished_beside_a_failure_is_handed_on_with_the_error(call: str
     """Review (s28): when a clock failed in an earlier stage after its last stage had finished a
     batch, that batch's step had happened (a train pipeline counted it) but its output was
     only named in a note; a flush lost it the same way."""
-    stages = [PipelineStage("a", lambda b: b, "host"), PipelineStage("b", failing_at(6), "host"),
-              PipelineStage("c", lambda b: b, "host")]
-    with StagedPipeline(stages, host_threads=2) as pipe:
+    c_finished_5 = threading.Event()
+    stages = [PipelineStage("a", lambda b: b, "host"), PipelineStage("b", failing_at(6, c_finished_5), "host"),
+              PipelineStage("c", finishing(5, c_finished_5), "host")]
+    with StagedPipeline(stages, host_threads=3) as pipe:
         it = iter(range(10))
         returned = [pipe.progress(it) for _ in range(4)]  # 0..3; 4 and 5 in flight
         assert returned == [0, 1, 2, 3] and pipe.in_flight() == [4, 5]
