@@ -143,7 +143,9 @@ def task_seed(step_seed: int, *parts: int) -> int:
     """A seed of its own for one forward of a step (``parts``: stage, micro-batch, generator).
 
     SplitMix64's finaliser over the parts: neighbouring tasks get unrelated seeds, and the
-    same step seed gives the same seeds in every run. Kept below 2**63 (torch's seed range).
+    same step seed gives the same seeds in every run. Kept below 2**63 (torch's seed range);
+    the CPU generator keeps 32 bits of a seed, so two forwards of a step share one with odds
+    of about n**2 / 2**33 for n forwards.
     """
     value = step_seed & _MASK64
     for part in parts:
@@ -155,8 +157,17 @@ def task_seed(step_seed: int, *parts: int) -> int:
 
 
 def draw_step_seed() -> int:
-    """One draw of the CPU generator, on the caller's thread: the seed of a reproducible step."""
-    return int(torch.randint(0, 1 << 62, (1,), generator=torch.default_generator).item())
+    """One draw of the CPU generator, on the caller's thread: the seed of a reproducible step.
+
+    Drawn under the generator's lock: unlocked, it could land inside another pipeline's
+    locked forward on that generator, and shift what that forward draws (its recompute would
+    then draw other numbers)."""
+    generator = torch.default_generator
+    section = enter_rng_section(generator, _lock_for(generator))
+    try:
+        return int(torch.randint(0, 1 << 62, (1,), generator=generator).item())
+    finally:
+        leave_rng_section(section)
 
 
 def _seed(generator: torch.Generator, seed: int) -> None:
@@ -204,8 +215,9 @@ class RNGGuard:
 
     def forward_section(self, training: bool, seed: Optional[int] = None) -> "_ForwardSection":
         """Context for one forward of a checkpointing or reproducible step (holds the lock if
-        shared). With a ``seed``, a forward that holds the lock draws from the generator
-        seeded with it, and leaves the generator's own state as it found it."""
+        shared). With a ``seed``, the forward draws from the generator seeded with it and
+        gives the generator its own state back: every forward on a generator of its own, and
+        on a shared one every forward that holds the lock (not one seen RNG-free)."""
         return _ForwardSection(self, training, seed)
 
     def new_replay(self, training: bool) -> "_Replay":
@@ -213,9 +225,12 @@ class RNGGuard:
 
 
 class _ForwardSection:
+    """One generator's section around a forward; ``training=None``: a section always held
+    that teaches nothing about the partition (a loss that may draw)."""
+
     __slots__ = ("guard", "training", "seed", "before", "section", "outside")
 
-    def __init__(self, guard: RNGGuard, training: bool, seed: Optional[int] = None) -> None:
+    def __init__(self, guard: RNGGuard, training: Optional[bool], seed: Optional[int] = None) -> None:
         self.guard = guard
         self.training = training
         self.seed = seed
@@ -226,14 +241,16 @@ class _ForwardSection:
 
     def __enter__(self) -> None:
         guard = self.guard
-        if guard.lock is None or (guard._uses_rng[self.training] is False and not guard.always_locked):
-            return
-        self.section = enter_rng_section(guard.generator, guard.lock)
+        learning = self.training is not None and guard.lock is not None
+        if learning and guard._uses_rng[self.training] is False and not guard.always_locked:
+            return  # seen RNG-free in this step: neither lock nor seed
+        if guard.lock is not None:  # no lock: no other partition draws from it, nothing to learn
+            self.section = enter_rng_section(guard.generator, guard.lock)
         try:
             if self.seed is not None:
                 self.outside = _get_state(guard.generator)
                 _seed(guard.generator, self.seed)
-            if guard._uses_rng[self.training] is None:
+            if learning and guard._uses_rng[self.training] is None:
                 self.before = _get_state(guard.generator)
         except BaseException:  # noqa: B902 - __exit__ will not run: give everything back here
             self._leave()
@@ -385,12 +402,15 @@ class StageRNG:
     def forward_section(self, training: bool, seed: Optional[int] = None) -> Any:
         """Context for one forward of a checkpointing or reproducible step (each generator's
         section; with a ``seed``, each generator seeded with one of its own derived from it)."""
+        return self._sections(training, seed)
+
+    def _sections(self, training: Optional[bool], seed: Optional[int]) -> Any:
         if len(self.guards) == 1:
-            return self.guards[0].forward_section(training, seed)
+            return _ForwardSection(self.guards[0], training, seed)
         stack = contextlib.ExitStack()
         try:
             for index, guard in enumerate(self.guards):
-                stack.enter_context(guard.forward_section(training, None if seed is None else task_seed(seed, index)))
+                stack.enter_context(_ForwardSection(guard, training, None if seed is None else task_seed(seed, index)))
         except BaseException:  # noqa: B902 - the sections entered so far are left again
             stack.close()
             raise
@@ -399,14 +419,10 @@ class StageRNG:
     def new_replay(self, training: bool) -> "_StageReplay":
         return _StageReplay([guard.new_replay(training) for guard in self.guards])
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Hold every shared generator's lock (a loss that draws, while other stages replay)."""
-        with contextlib.ExitStack() as stack:
-            for guard in self.guards:
-                if guard.lock is not None:
-                    stack.callback(leave_rng_section, enter_rng_section(guard.generator, guard.lock))
-            yield
+    def hold(self, seed: Optional[int] = None) -> Any:
+        """Hold every shared generator's lock (a loss that draws, while other stages replay);
+        with a ``seed``, draw from seeded states, as a reproducible step's forward does."""
+        return self._sections(None, seed)
 
 
 class _StageReplay:

@@ -119,7 +119,12 @@ def _moved(watched: List[Tuple[torch.Generator, Tensor]]) -> bool:
 
 _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "_chunks", "_checkpoint", "deferred_batch_norm",
                    "spread_tuples",
-                   "reproducible", "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
+                   "reproducible", "_reproducible", "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
+
+
+def _check_reproducible(value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"reproducible must be a bool, got {value!r}")
 
 
 def _check_child_names(module: nn.Sequential) -> None:
@@ -284,8 +289,7 @@ class Pipe(nn.Module):
             raise TypeError(f"deferred_batch_norm must be a bool, got {deferred_batch_norm!r}")
         if not isinstance(spread_tuples, bool):
             raise TypeError(f"spread_tuples must be a bool, got {spread_tuples!r}")
-        if not isinstance(reproducible, bool):
-            raise TypeError(f"reproducible must be a bool, got {reproducible!r}")
+        _check_reproducible(reproducible)
         verify_module(module)
         _check_child_names(module)
         budget = ThreadBudget(intra_op_threads)
@@ -540,6 +544,16 @@ class Pipe(nn.Module):
     @checkpoint.setter
     def checkpoint(self, value: Any) -> None:
         self._checkpoint = _check_checkpoint(value)
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether seeded runs repeat themselves (see the class docstring); may be changed between steps."""
+        return self.__dict__.get("_reproducible", False)  # a Pipe pickled before the option had it off
+
+    @reproducible.setter
+    def reproducible(self, value: Any) -> None:
+        _check_reproducible(value)
+        self._reproducible = value
 
     def _set_batch_dim(self, position: int, value: Any) -> None:
         given = list(self._given_batch_dims)
@@ -850,7 +864,7 @@ class Pipe(nn.Module):
             self.last_memory = None  # set again by a step that completes
             without_grad = [t for t in step_leaves if t.grad is None]
         self._prepare_batch_norm(plan.num_microbatches)
-        if getattr(self, "reproducible", False):  # a Pipe pickled before the option had it off
+        if self.reproducible:
             seed_rng(context, draw_step_seed())  # before the watch below: a draw made in order
         if context.rng_sections:
             for stage in self._stages:
@@ -881,7 +895,8 @@ class Pipe(nn.Module):
                     f"this Pipe of {len(self._stages)} partitions drew random numbers inside a checkpointed "
                     "forward (another pipeline's checkpointed stage, or torch.utils.checkpoint); its partitions "
                     "draw in no fixed order, so the recompute would redraw differently and give wrong gradients. "
-                    "Use checkpoint='never' around it, one partition here, or no randomness (dropout) in this Pipe"
+                    "Use checkpoint='never' around it, one partition here, reproducible=True on this Pipe (its draws then "
+                    "follow no thread order), or no randomness (dropout) in it"
                 )
             if grad_round is not None:  # under the lock: the next step must not add to .grad meanwhile
                 grad_round.finish(failed=not any(context.loss_has_graph))  # step() raises for that case

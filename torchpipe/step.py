@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from . import engine
+from .checkpoint import task_seed
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
 from .microbatch import (Batch, BatchDim, check_joins, items_of, map_nested, nested_tensor_paths, rebuild,
@@ -297,7 +298,8 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                     target = target.to(device)
                 # A loss that draws random numbers must not interleave with a checkpointed
                 # forward of another stage on the same generator (its replay would differ).
-                with stage.rng.hold() if ctx.rng_sections else contextlib.nullcontext():
+                loss_seed = None if ctx.rng_seed is None else task_seed(ctx.rng_seed, index, microbatch, 1)
+                with stage.rng.hold(loss_seed) if ctx.rng_sections else contextlib.nullcontext():
                     loss = scalar_loss(ctx.loss_fn(output.value, target))
                 ctx.losses[microbatch] = loss.detach()
                 ctx.loss_has_graph[microbatch] = loss.requires_grad
