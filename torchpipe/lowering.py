@@ -99,9 +99,10 @@ class ForwardContext:
 
 
 def seed_rng(ctx: Any, step_seed: int) -> None:
-    """Make ``ctx``'s step reproducible: every forward on a shared generator runs in its
-    section, drawing from a generator state seeded by ``step_seed``, its stage and its
-    micro-batch, so no draw depends on the order the worker threads run in."""
+    """Make ``ctx``'s step reproducible: every forward runs in its generators' sections,
+    drawing from states seeded by ``step_seed``, its stage and its micro-batch (on a shared
+    generator, once the partition is seen to draw), so no draw depends on the order the
+    worker threads run in."""
     ctx.rng_seed = step_seed
     ctx.rng_sections = True
 

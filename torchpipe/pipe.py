@@ -118,8 +118,8 @@ def _moved(watched: List[Tuple[torch.Generator, Tensor]]) -> bool:
 
 
 _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "_chunks", "_checkpoint", "deferred_batch_norm",
-                   "spread_tuples",
-                   "reproducible", "_reproducible", "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
+                   "spread_tuples", "reproducible", "_reproducible",
+                   "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
 
 
 def _check_reproducible(value: Any) -> None:
@@ -252,11 +252,12 @@ class Pipe(nn.Module):
             sets it.
         reproducible: a seeded run repeats itself, dropout masks included, whatever order
             the worker threads run in. Each call draws one number from the CPU generator, and
-            each forward of a partition on a shared generator that draws random numbers
-            draws from a state seeded by that number, its stage and its micro-batch; those
-            forwards run one at a time. The masks then differ from the plain model's (they
-            already do with ``chunks > 1``). Off by default: partitions with dropout on one
-            CPU then draw in thread order and pipeline freely.
+            each forward (and ``step``'s loss) draws from states seeded by that number, its
+            stage and its micro-batch, then gives the generator its state back. On a shared
+            generator that covers the partitions that draw, whose forwards then run one at a
+            time. The masks differ from the plain model's (they already do with ``chunks >
+            1``). Off by default: partitions with dropout on one CPU then draw in thread order
+            and pipeline freely.
 
     The parameter names stay those of ``module`` (``pipe.state_dict()`` loads into the
     original model and back). Workers start once and are reused; ``close()`` (or ``with``,
