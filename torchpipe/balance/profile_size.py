@@ -41,9 +41,9 @@ import torch
 from torch import Tensor, nn
 
 from torchpipe.balance.device_sync import allocated_bytes, has_allocator_statistics
-from torchpipe.balance.layer_call import (Activation, ProfilingSkipTracker, call_layer, cut, partition_input,
-                                          profiling_skips, tensors_of, to_device)
-from torchpipe.balance.sandbox import blame_layer, layerwise_sandbox
+from torchpipe.balance.layer_call import (Activation, ProfilingSkipTracker, call_layer, partition_input, tensors_of,
+                                          to_device)
+from torchpipe.balance.sandbox import profile_layerwise
 from torchpipe.microbatch import BatchDim, scatter
 
 __all__ = ["profile_sizes", "microbatch_of"]
@@ -56,11 +56,8 @@ def profile_sizes(module: nn.Sequential, input: Activation, chunks: int, param_s
     if has_allocator_statistics(device):
         gc.collect()  # once (it can take 0.2 s): earlier garbage must not be freed mid-measurement
     sizes: List[int] = []
-    with profiling_skips() as skips:
-        for index, layer in layerwise_sandbox(module, device):
-            with blame_layer(module, index):
-                value = cut(_size_layer(layer, value, param_scale, device, sizes, skips))
-            del layer  # only one copy alive: see layerwise_sandbox
+    profile_layerwise(module, value, device,
+                      lambda layer, value, skips: _size_layer(layer, value, param_scale, device, sizes, skips))
     return sizes
 
 

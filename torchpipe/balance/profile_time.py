@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from torchpipe.balance.device_sync import synchronize
-from torchpipe.balance.layer_call import (Activation, ProfilingSkipTracker, call_layer, cut, partition_input,
-                                          profiling_skips, tensors_of, to_device)
-from torchpipe.balance.sandbox import blame_layer, layerwise_sandbox
+from torchpipe.balance.layer_call import (Activation, ProfilingSkipTracker, call_layer, partition_input, tensors_of,
+                                          to_device)
+from torchpipe.balance.sandbox import profile_layerwise
 
 __all__ = ["profile_times"]
 
@@ -29,11 +29,8 @@ def profile_times(module: nn.Sequential, sample: Activation, timeout: float,
     budget_per_layer = timeout / len(module)
     value = to_device(sample, device)
     times: List[float] = []
-    with profiling_skips() as skips:
-        for index, layer in layerwise_sandbox(module, device):
-            with blame_layer(module, index):
-                value = cut(_time_layer(layer, value, budget_per_layer, device, times, skips))
-            del layer  # only one copy alive: see layerwise_sandbox
+    profile_layerwise(module, value, device,
+                      lambda layer, value, skips: _time_layer(layer, value, budget_per_layer, device, times, skips))
     return times
 
 

@@ -9,14 +9,32 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Iterator, Tuple
+from typing import Callable, Iterator, Tuple
 
 import torch
 from torch import nn
 
+from torchpipe.balance.layer_call import Activation, ProfilingSkipTracker, cut, profiling_skips
 from torchpipe.notes import add_note
 
-__all__ = ["layerwise_sandbox", "blame_layer"]
+__all__ = ["layerwise_sandbox", "blame_layer", "profile_layerwise"]
+
+#: Profiles one layer copy on its input and returns its output (the next layer's input).
+LayerProfiler = Callable[[nn.Module, Activation, ProfilingSkipTracker], Activation]
+
+
+def profile_layerwise(module: nn.Sequential, value: Activation, device: torch.device,
+                      profile_layer: LayerProfiler) -> None:
+    """Run ``profile_layer`` on a sandbox copy of each layer in order, feeding each the last output.
+
+    Why one walker: the time and the size profiles must both serve skips, name the layer in
+    an error, and keep only one copy (and no graph) alive; that protocol lives here once.
+    """
+    with profiling_skips() as skips:
+        for index, layer in layerwise_sandbox(module, device):
+            with blame_layer(module, index):
+                value = cut(profile_layer(layer, value, skips))
+            del layer  # only one copy alive: see layerwise_sandbox
 
 
 def layerwise_sandbox(module: nn.Sequential, device: torch.device) -> Iterator[Tuple[int, nn.Module]]:
