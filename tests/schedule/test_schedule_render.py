@@ -120,6 +120,15 @@ def test_cost_forms_agree() -> None:
     assert build("gpipe", 1, 1).simulate({"W": 0.5}).makespan == 1 + 1 + 0.5
     assert build("gpipe", 2, 4).simulate({"I": 3}).makespan == build("gpipe", 2, 4).simulate({"I": 3, "W": 1}).makespan
     assert build("gpipe", 1, 1).simulate({"F": Fraction(1, 2), "B": [Fraction(2)]}).makespan == 2.5
+    # The other way round: a B alone splits into halves for a split-backward plan, and B with
+    # one half leaves the rest to the other, so zero-bubble plans are not charged unit I and W.
+    zb = build("zb-h1", 4, 8)
+    assert zb.simulate({"F": 1, "B": 4}) == zb.simulate({"F": 1, "I": 2, "W": 2})
+    assert zb.simulate({"F": 1, "B": [4, 4, 4, 4], "I": 3}) == zb.simulate({"F": 1, "I": 3, "W": 1})
+    assert zb.simulate({"F": 1, "B": 4, "W": 1}) == zb.simulate({"F": 1, "I": 3, "W": 1})
+    assert zb.table({"F": 1, "B": 4}) == zb.table({"F": 1, "I": 2, "W": 2})
+    with pytest.raises(ValueError, match=r"costs\['I'\] at stage 1 is 3, more than costs\['B'\] = 2"):
+        zb.simulate({"F": 1, "B": [4, 2, 4, 4], "I": 3})
     with pytest.raises(ValueError, match="2 entries for 3 stages"):
         plan.simulate({"F": [1, 2]})
     # Bad values are refused when the costs are read, naming the entry, not when an action runs.

@@ -75,12 +75,33 @@ def _per_stage(kind: str, value: object, num_stages: int) -> tuple[float, ...]:
     return tuple(_cost_value(f"costs[{kind!r}][{s}]", v) for s, v in enumerate(value))
 
 
+def _derive_backward_halves(table: dict[str, tuple[float, ...]], given: set) -> None:
+    """Fill the backward kinds the caller left out so that B = I + W (see resolve_costs)."""
+    split = [kind for kind in (INPUT_GRAD, WEIGHT_GRAD) if kind in given]
+    if BACKWARD not in given:
+        if split:
+            table[BACKWARD] = tuple(i + w for i, w in zip(table[INPUT_GRAD], table[WEIGHT_GRAD]))
+        return
+    if not split:
+        table[INPUT_GRAD] = table[WEIGHT_GRAD] = tuple(b / 2 for b in table[BACKWARD])
+    elif len(split) == 1:
+        (known,) = split
+        other = WEIGHT_GRAD if known == INPUT_GRAD else INPUT_GRAD
+        for stage, (b, part) in enumerate(zip(table[BACKWARD], table[known])):
+            if part > b:
+                raise ValueError(f"costs[{known!r}] at stage {stage} is {part:g}, more than costs['B'] = {b:g}: "
+                                 f"{other} would cost B - {known} < 0; give {other!r} too, or a B >= {known}")
+        table[other] = tuple(b - part for b, part in zip(table[BACKWARD], table[known]))
+
+
 def resolve_costs(costs: Costs, num_stages: int) -> Callable[[Action], float]:
     """Normalise every accepted cost form into one function, rejecting bad values early.
 
-    In a mapping, a missing kind takes its unit default, except B: when B is missing but
-    I or W is given, B = I + W (with the default for the other half), so that a full
-    and a split backward cost the same and schedules compare fairly.
+    In a mapping, a missing kind takes its unit default, except where the backward kinds
+    give it: B = I + W always holds for what is missing, so that a full and a split backward
+    cost the same and schedules compare fairly. B missing while I or W is given: B = I + W
+    (with the default for the other half). B given with neither I nor W: each is half of B.
+    B given with one of them: the other is the rest of B.
     """
     if costs is None:
         costs = DEFAULT_COSTS
@@ -94,8 +115,7 @@ def resolve_costs(costs: Costs, num_stages: int) -> Callable[[Action], float]:
             kind: _per_stage(kind, costs.get(kind, DEFAULT_COSTS[kind]), num_stages)
             for kind in (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD)
         }
-        if BACKWARD not in costs and (INPUT_GRAD in costs or WEIGHT_GRAD in costs):
-            table[BACKWARD] = tuple(i + w for i, w in zip(table[INPUT_GRAD], table[WEIGHT_GRAD]))
+        _derive_backward_halves(table, given=set(costs))
 
         def fn(action: Action) -> float:
             return table[action.kind][action.stage]
