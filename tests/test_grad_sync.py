@@ -313,7 +313,7 @@ def test_refusals_in_one_process(tmp_path) -> None:
         with pytest.raises(ValueError, match=r"averages dense gradients; \['0'\] make sparse ones"):
             GradientSync(sparse)
         on_gpu = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2)
-        on_gpu.devices = [torch.device("cpu"), torch.device("cuda", 0)]  # as a Pipe on a GPU would say
+        on_gpu._devices = [torch.device("cpu"), torch.device("cuda", 0)]  # as a Pipe on a GPU would say
         with pytest.raises(ValueError, match=r"CPU partitions only \(gloo\), got devices \['cuda:0'\]"):
             GradientSync(on_gpu)
         sync = GradientSync(pipe)

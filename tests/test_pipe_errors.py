@@ -1,4 +1,6 @@
 """Constructor errors: torchgpipe's error types, a message naming the bad value, no state changed."""
+import re
+
 import pytest
 import torch
 from thread_helpers import torchpipe_threads
@@ -74,6 +76,68 @@ def test_settings_changed_after_construction_are_checked_when_set(name, value, w
         pipe(torch.randn(6, 2))
         assert (pipe.chunks, pipe.checkpoint) == (3, "always")
     assert seen == [(2, True)] * 3
+
+
+@pytest.mark.parametrize("name, value", [
+    ("balance", [2, 1]), ("devices", ["cpu"]), ("deferred_batch_norm", False), ("spread_tuples", True),
+    ("intra_op_threads", 4),
+])
+def test_settings_the_pipe_was_built_with_are_read_only(name, value):
+    # Assigned later, these would change what the Pipe reports, not what it runs: a balance
+    # that is not the real split, deferred batch norm switched off while its layers still
+    # accumulate (an update lost). Refused, naming the setting and what may change instead.
+    x = torch.randn(8, 2)
+    with Pipe(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 2)), [1, 2], chunks=2,
+              deferred_batch_norm=True) as pipe:
+        before = {n: getattr(pipe, n) for n in ("balance", "devices", "deferred_batch_norm", "spread_tuples",
+                                                "intra_op_threads")}
+        with pytest.raises(AttributeError, match=rf"Pipe.{name} is fixed when the Pipe is built .*got "
+                                                 rf"{re.escape(repr(value))}\. Build a new Pipe"):
+            setattr(pipe, name, value)
+        assert {n: getattr(pipe, n) for n in before} == before
+        pipe(x)
+        assert int(pipe[1].num_batches_tracked) == 1  # one mini-batch: deferred batch norm still on
+    pipe.balance.append(5)  # a copy: the Pipe's own split cannot be edited through it
+    assert pipe.balance == [1, 2]
+
+
+def test_a_pipe_pickled_with_plain_setting_attributes_still_loads():
+    with Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], spread_tuples=True) as pipe:
+        state = pipe.__getstate__()
+    for name in ("balance", "devices", "deferred_batch_norm", "spread_tuples", "intra_op_threads"):
+        state[name] = state.pop(f"_{name}")  # as the attributes were stored before they were read-only
+    old = Pipe.__new__(Pipe)
+    old.__setstate__(state)
+    with old:
+        assert (old.balance, old.spread_tuples, old.deferred_batch_norm) == ([1, 1], True, False)
+        assert old(torch.ones(3, 2)).shape == (3, 2)
+
+
+def test_layers_set_added_or_deleted_on_a_built_pipe_are_refused():
+    # The partitions were built from the layers given: a module put on the Pipe later would
+    # show in pipe[i], parameters() and state_dict() but never run.
+    x = torch.randn(4, 2)
+    with Pipe(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 2)), [1, 2]) as pipe:
+        expected = pipe(x)
+        attempts = {
+            "layer '2' cannot be replaced": lambda: setattr(pipe, "2", nn.Linear(2, 2)),
+            "layer '1' cannot be replaced": lambda: setattr(pipe, "1", None),
+            "a module as attribute 'aux' cannot be added": lambda: setattr(pipe, "aux", nn.Linear(2, 2)),
+            "a module as attribute 'head' cannot be added": lambda: pipe.register_module("head", nn.ReLU()),
+            "layer '0' cannot be deleted": lambda: delattr(pipe, "0"),
+            "layer '0' cannot be replaced ": lambda: nn.SyncBatchNorm.convert_sync_batchnorm(pipe),
+        }
+        for words, attempt in attempts.items():
+            with pytest.raises(TypeError, match=rf"a Pipe's layers are fixed when it is built: {words}"):
+                attempt()
+        assert [type(layer) for layer in pipe] == [nn.Linear, nn.BatchNorm1d, nn.Linear]
+        assert len(pipe) == 3 and len(list(pipe.parameters())) == 6
+        assert torch.equal(pipe(x), expected)
+        pipe.note = "plain attributes are fine"
+        with torch.no_grad():
+            pipe[2].weight.zero_()  # a change inside a layer runs
+            pipe[2].bias.fill_(7.0)
+        assert torch.equal(pipe(x), torch.full((4, 2), 7.0))
 
 
 def test_too_few_devices_is_an_index_error():

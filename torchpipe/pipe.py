@@ -118,8 +118,12 @@ def _moved(watched: List[Tuple[torch.Generator, Tensor]]) -> bool:
 
 
 _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "_chunks", "_checkpoint", "deferred_batch_norm",
-                   "spread_tuples", "reproducible", "_reproducible",
+                   "spread_tuples", "reproducible", "_reproducible", "intra_op_threads", "_balance", "_devices",
+                   "_deferred_batch_norm", "_spread_tuples",
                    "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
+#: Settings that decide how the layers were split, placed and converted when the Pipe was
+#: built: read-only afterwards (see Pipe._refuse_rebuild_setting).
+_BUILD_SETTINGS = ("balance", "devices", "deferred_batch_norm", "spread_tuples", "intra_op_threads")
 
 
 def _check_reproducible(value: Any) -> None:
@@ -326,13 +330,13 @@ class Pipe(nn.Module):
             raise
         for name, layer in named:
             self.add_module(name, layer)
-        self.balance: List[int] = list(balance_list)
-        self.devices: List[torch.device] = list(device_list)
-        self._device_types = sorted({d.type for d in self.devices})
+        self._balance: List[int] = list(balance_list)
+        self._devices: List[torch.device] = list(device_list)
+        self._device_types = sorted({d.type for d in device_list})
         self.chunks = chunks
         self.checkpoint = checkpoint
-        self.deferred_batch_norm = deferred_batch_norm
-        self.spread_tuples = spread_tuples
+        self._deferred_batch_norm = deferred_batch_norm
+        self._spread_tuples = spread_tuples
         self.reproducible = reproducible
         self._given_batch_dims = given_batch_dims
         self._batch_dims = batch_dims
@@ -349,7 +353,7 @@ class Pipe(nn.Module):
                       "_gradient_sync")
 
     def _start_workers(self) -> None:
-        device_list = self.devices
+        device_list = self._devices
         partitions = list(self.partitions)
         threads = self._intra_op_threads
         if threads is not None:
@@ -392,9 +396,43 @@ class Pipe(nn.Module):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state.setdefault("_given_batch_dims", (0, None, None))  # pickled before batch dims existed
         state.setdefault("_batch_dims", (0, 0, 0))
-        state.setdefault("spread_tuples", False)
+        for name in _BUILD_SETTINGS:  # pickled while these were plain attributes
+            if name in state:
+                state[f"_{name}"] = state.pop(name)
+        state.setdefault("_spread_tuples", False)
         super().__setstate__(state)
         self._start_workers()
+
+    # ------------------------------------------------------------------ the layers are fixed
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "partitions" in self.__dict__ and (isinstance(value, nn.Module) or name in self._modules):
+            self._refuse_layer_change(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if "partitions" in self.__dict__ and name in self._modules:
+            self._refuse_layer_change(name, "deleted")
+        super().__delattr__(name)
+
+    def add_module(self, name: str, module: Optional[nn.Module]) -> None:
+        """Refused once the Pipe is built (see :meth:`_refuse_layer_change`); ``register_module`` too."""
+        if "partitions" in self.__dict__:
+            self._refuse_layer_change(name)
+        super().add_module(name, module)
+
+    def _refuse_layer_change(self, name: str, how: str = "") -> None:
+        """Why: the partitions, and the worker that runs each, were built from the layers the
+        Pipe was given. A module set, added or deleted on the Pipe later would show in
+        ``pipe[i]``, ``parameters()`` and ``state_dict()`` but never run (an optimizer would
+        train weights the pipeline does not use). Changes *inside* a layer do run."""
+        known = name in self._modules
+        what = f"layer {name!r}" if known else f"a module as attribute {name!r}"
+        how = how or ("replaced" if known else "added")
+        raise TypeError(
+            f"a Pipe's layers are fixed when it is built: {what} cannot be {how} afterwards (the pipeline "
+            "would not run it). Change the layer in place (pipe[i].weight, a submodule of pipe[i]), build a "
+            "new Pipe from the changed nn.Sequential, or keep extra modules beside the Pipe in a wrapper module"
+        )
 
     # ------------------------------------------------------------------ Sequential-like access
     def __len__(self) -> int:
@@ -527,6 +565,61 @@ class Pipe(nn.Module):
                 f"{num_microbatches} (chunks={self.chunks}, Tensor.chunk rules); build the plan for "
                 f"{num_microbatches}, or pass a batch that gives {plan.num_microbatches}"
             )
+
+    @property
+    def balance(self) -> List[int]:
+        """Layers per partition, as built (a copy: the split is fixed once the Pipe exists)."""
+        return list(self._balance)
+
+    @balance.setter
+    def balance(self, value: Any) -> None:
+        self._refuse_rebuild_setting("balance", value)
+
+    @property
+    def devices(self) -> List[torch.device]:
+        """Each partition's device, as built (a copy: placement is fixed once the Pipe exists)."""
+        return list(self._devices)
+
+    @devices.setter
+    def devices(self, value: Any) -> None:
+        self._refuse_rebuild_setting("devices", value)
+
+    @property
+    def deferred_batch_norm(self) -> bool:
+        """Whether BatchNorm layers were converted to track statistics over the mini-batch."""
+        return self._deferred_batch_norm
+
+    @deferred_batch_norm.setter
+    def deferred_batch_norm(self, value: Any) -> None:
+        self._refuse_rebuild_setting("deferred_batch_norm", value)
+
+    @property
+    def spread_tuples(self) -> bool:
+        """Whether a tuple between layers is spread over the next layer's arguments."""
+        return self._spread_tuples
+
+    @spread_tuples.setter
+    def spread_tuples(self, value: Any) -> None:
+        self._refuse_rebuild_setting("spread_tuples", value)
+
+    @property
+    def intra_op_threads(self) -> int:
+        """Intra-op threads each CPU worker may use (the workers were started with it)."""
+        return self._intra_op_threads
+
+    @intra_op_threads.setter
+    def intra_op_threads(self, value: Any) -> None:
+        self._refuse_rebuild_setting("intra_op_threads", value)
+
+    def _refuse_rebuild_setting(self, name: str, value: Any) -> None:
+        """Why read-only: the layers were split, placed, converted and their workers started
+        with these settings; assigning one later would change what the Pipe reports, not what
+        it runs (a lost batch-norm update, a balance that is not the real split)."""
+        raise AttributeError(
+            f"Pipe.{name} is fixed when the Pipe is built (it is {getattr(self, name)!r}); got {value!r}. "
+            f"Build a new Pipe with {name}={value!r} (load_state_dict carries the parameters over). "
+            "The settings that may change between steps are chunks, checkpoint, reproducible and the batch dims"
+        )
 
     @property
     def chunks(self) -> int:
