@@ -93,6 +93,16 @@ def test_cli_knows_every_suite_and_all():
         parse_args(["overhead", "--stage-ms", "3"])
 
 
+def test_an_unwritable_json_path_is_refused_before_any_suite_runs(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for bad, words in [(tmp_path, "is a folder"), (blocker / "out.json", "is a file, so no folder can be made")]:
+        with pytest.raises(SystemExit):
+            parse_args(["overhead", "--json", str(bad)])
+        assert words in capsys.readouterr().err
+    assert parse_args(["overhead", "--json", str(tmp_path / "new" / "out.json")]).json  # folders are made later
+
+
 def test_stage_ms_sets_the_simulated_latency():
     from torchpipe.bench.registry import Options
 

@@ -26,6 +26,8 @@ def names(module):
     ([True, 3], "positive integers"),
     ([], "balance is empty"),
     (4, "sequence of positive integers, got 4"),
+    ({3, 1}, r"in partition order, got a set, which has no order: \{1, 3\}"),  # list({3, 1}) is [1, 3]
+    ({3: "a", 1: "b"}, "got a dict, which has no order"),
 ])
 def test_bad_balance_is_a_balance_error(balance, message):
     with pytest.raises(BalanceError, match=message):

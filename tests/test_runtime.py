@@ -472,6 +472,14 @@ def test_step_record_arithmetic_by_hand(tmp_path):
     path = tmp_path / "trace.json"
     record.save_chrome_trace(str(path))
     assert json.loads(path.read_text()) == json.loads(json.dumps(trace))
+    record.save_chrome_trace(path)  # an os.PathLike too
+    with open(tmp_path / "mine.txt", "w") as mine:
+        # open() would take an int as a file descriptor, write into it and close it under its owner.
+        with pytest.raises(TypeError, match=rf"save_chrome_trace takes a file path \(str or os.PathLike\), got int: "
+                                            rf"{mine.fileno()}"):
+            record.save_chrome_trace(mine.fileno())
+        mine.write("still open")
+    assert (tmp_path / "mine.txt").read_text() == "still open"
 
     empty = StepRecord([], [], ["w0"], [], [], 0.0, 1.0)
     assert empty.makespan == 0.0 and empty.bubble_ratio == 0.0

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from numbers import Real
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["as_int", "check_bool", "check_nonnegative_int", "check_positive_int", "check_real"]
+__all__ = ["as_int", "check_bool", "check_file_path", "check_nonnegative_int", "check_positive_int", "check_real"]
 
 
 def as_int(value: Any) -> Optional[int]:
@@ -76,3 +77,10 @@ def check_real(name: str, value: Any, low: float, high: Optional[float] = None) 
         raise TypeError(f"{name} must be {expected}, got {value!r}")
     if not (math.isfinite(number) and low <= number and (high is None or number < high)):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def check_file_path(path: Any, what: str) -> None:
+    """A file name, not an int: ``open()`` would take an int (or a bool) as a file descriptor,
+    and closing it would close the caller's file, or stdout."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"{what} takes a file path (str or os.PathLike), got {type(path).__name__}: {path!r}")

@@ -1,6 +1,7 @@
 """Split an ``nn.Sequential`` into partitions and check that it can be split at all."""
 from __future__ import annotations
 
+import collections.abc
 import operator
 from collections import OrderedDict
 from typing import Any, List, Optional, Sequence, Tuple, cast
@@ -63,6 +64,9 @@ def as_positive_int(value: Any) -> Optional[int]:
 
 def verify_balance(balance: Sequence[int], num_layers: int) -> List[int]:
     """Check that ``balance`` is a list of positive ints summing to ``num_layers``."""
+    if isinstance(balance, (collections.abc.Set, collections.abc.Mapping)):  # no order: the split would be a guess
+        raise BalanceError(f"balance must be a sequence of positive integers in partition order, got a "
+                           f"{type(balance).__name__}, which has no order: {balance!r}")
     try:
         values = list(balance)
     except TypeError:

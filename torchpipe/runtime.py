@@ -29,6 +29,7 @@ import torch
 
 from . import call_chain
 from .call_chain import adopt
+from .checks import check_file_path
 from .thread_state import ThreadState
 from .workers import Task, Worker
 
@@ -242,7 +243,9 @@ class StepRecord:
             events.append(event)
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
-    def save_chrome_trace(self, path: str) -> None:
+    def save_chrome_trace(self, path: Any) -> None:
+        """Write :meth:`chrome_trace` as JSON, for chrome://tracing or Perfetto."""
+        check_file_path(path, "save_chrome_trace")
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
 

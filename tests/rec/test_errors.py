@@ -264,6 +264,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error
     ("npu:0", BackendUnavailableError, "torch_npu"),
     pytest.param("cuda:0", BackendUnavailableError, "'cuda:0' was requested but no cuda device", marks=NO_CUDA),
     ("gpu", ValueError, "invalid device 'gpu'"),
+    ("meta", ValueError, "device 'meta': a meta device holds no rows for the tables"),
 ])
 def test_collection_device_is_resolved_like_pipes(collection: str, device: str, error: type, words: str) -> None:
     tables = make_tables()
@@ -488,6 +489,41 @@ def test_numpy_counts_and_tensor_learning_rates_are_numbers() -> None:
     reference(kjt).values().sum().backward()
     assert torch.equal(model.full_weight("t0"), reference.full_weight("t0"))
     assert model.caches["t1"].cache_rows == 4
+
+
+@pytest.mark.parametrize("collection", ["cached", "full"])
+def test_collection_tables_must_be_configs_with_whole_sizes(collection: str) -> None:
+    from torchrec import EmbeddingBagConfig
+
+    def config(**sizes):
+        return EmbeddingBagConfig(name="t", feature_names=["f"], **{"num_embeddings": 8, "embedding_dim": 4, **sizes})
+
+    cases = [
+        (None, TypeError, "tables must be a list of torchrec EmbeddingBagConfig, got NoneType: None"),
+        ({"t": config()}, TypeError, "tables must be a list of torchrec EmbeddingBagConfig, got dict"),
+        ([config(), "t1"], TypeError, "tables\\[1\\] must be a torchrec EmbeddingBagConfig, got str: 't1'"),
+        # TorchRec's own collection refuses these; int() would have made 2 rows of 4 silently.
+        ([config(num_embeddings=2.5)], TypeError, "table 't': num_embeddings must be a positive int, got 2.5"),
+        ([config(embedding_dim=4.9)], TypeError, "table 't': embedding_dim must be a positive int, got 4.9"),
+    ]
+    for tables, error, words in cases:
+        with pytest.raises(error, match=words):
+            if collection == "cached":
+                CachedEmbeddingBagCollection(tables, 4)
+            else:
+                FullTableEmbeddingBagCollection(tables)
+
+
+def test_host_table_checks_a_ticket_before_writing() -> None:
+    table = HostEmbeddingTable(4, 2, 0, weight=torch.ones(4, 2))
+    for call, words in ((lambda: table.update(torch.tensor([1]), torch.zeros(1, 2), ticket="x"),
+                         "ticket must be a WriteTicket from this table or None, got str: 'x'"),
+                        (lambda: table.update(torch.tensor([1]), [[0.0, 0.0]]), "rows must be a tensor, got list"),
+                        (lambda: table.lookup(torch.tensor([1]), ticket=3), "got int: 3"),
+                        (lambda: table.cancel(None), "cancel takes a WriteTicket from this table, got NoneType")):
+        with pytest.raises(TypeError, match=words):
+            call()
+    assert torch.equal(table.rows, torch.ones(4, 2))  # the refused update wrote nothing
 
 
 def test_low_level_keys_out_of_range_are_refused_before_anything_changes() -> None:

@@ -3,6 +3,7 @@ the argument, raised before any thread starts and before the collection is claim
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -154,3 +155,36 @@ def test_schedule_table_needs_a_batch_count(value, error: type) -> None:
         with pytest.raises(error, match=words):
             pipeline.schedule_table(value)
         assert "StopIteration" in pipeline.schedule_table(0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("given", [None, [1, 2], 3])
+def test_progress_takes_an_iterator(kind: str, given) -> None:
+    # None used to read as "no more batches": a loop given it ended after 0 steps, silently.
+    tables = make_tables()
+    if kind == "staged":
+        pipeline = StagedPipeline([PipelineStage("a", lambda x: x, "host"), PipelineStage("b", lambda x: x)])
+    elif kind == "emb_cache":
+        model, opt = build(tables, 16, SGD(lr=0.5))
+        pipeline = EmbCacheTrainPipeline(model, opt)
+    else:
+        model, opt = build(tables, None, SGD(lr=0.5), cached=False)
+        pipeline = (TrainPipelineBase if kind == "base" else TrainPipelineSparseDist)(model, opt)
+    with pipeline:
+        with pytest.raises(TypeError, match=rf"progress\(\) takes an iterator of batches \(iter\(dataloader\)\), "
+                                            rf"got {type(given).__name__}: {re.escape(repr(given))}"):
+            pipeline.progress(given)
+        if kind == "staged":
+            assert pipeline.progress(iter([5])) == 5  # nothing was admitted or remembered
+        else:
+            assert len(drain(pipeline, iter(make_batches(tables, 2)))) == 2
+
+
+def test_schedule_table_needs_a_worker_per_stage() -> None:
+    with pytest.raises(ValueError, match=r"one worker per stage: 3 stage names \['h2d', 'plan', 'train'\] but 1 "
+                                         r"workers \['copy'\]"):
+        schedule_table(["h2d", "plan", "train"], ["copy"], 1)
+    from torchpipe.train.schedule import ClockSchedule
+
+    with pytest.raises(TypeError, match="depth must be an int .*got '3'"):
+        ClockSchedule("3")

@@ -8,7 +8,7 @@ and pooling need, so a pipeline can run it on a host worker ahead of the rest.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -16,6 +16,8 @@ import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 from torchrec.types import DataType
 
+from ..checks import as_int, check_positive_int
+from ..devices import usable_device
 from .errors import RecInputError
 
 __all__ = ["TableLayout", "TableBatch", "BatchKeys", "prepare_batch", "table_layouts", "embedding_names_by_table",
@@ -72,12 +74,31 @@ class BatchKeys:
     batch_size: int
 
 
+def collection_device(device: Any) -> torch.device:
+    """Where a collection keeps its device rows: the CPU when not given, resolved as a Pipe's
+    devices are. A meta device is refused: it holds no data, so every lookup, update and
+    ``state_dict()`` would fail later, far from the cause."""
+    resolved = usable_device(device) if device is not None else torch.device("cpu")
+    if resolved.type == "meta":
+        raise ValueError(f"device {device!r}: a meta device holds no rows for the tables; use 'cpu' or an accelerator")
+    return resolved
+
+
 def table_layouts(tables: list[EmbeddingBagConfig], weighted: bool = False) -> list[TableLayout]:
     """Layouts from TorchRec configs; checks names and pooling types we support.
 
     ``weighted``: every table pools with per-sample weights, which needs SUM pooling (a MEAN
     table is a ValueError, as torch's ``EmbeddingBag`` refuses ``per_sample_weights`` there).
     """
+    if isinstance(tables, (str, bytes, Mapping)) or not isinstance(tables, Sequence):
+        raise TypeError(f"tables must be a list of torchrec EmbeddingBagConfig, got {type(tables).__name__}: "
+                        f"{tables!r:.80}")
+    for index, config in enumerate(tables):
+        if not isinstance(config, EmbeddingBagConfig):
+            raise TypeError(f"tables[{index}] must be a torchrec EmbeddingBagConfig, got {type(config).__name__}: "
+                            f"{config!r:.80}")
+        for field in ("num_embeddings", "embedding_dim"):  # TorchRec's own collection refuses 2.5 rows too
+            check_positive_int(f"table {config.name!r}: {field}", getattr(config, field))
     layouts: list[TableLayout] = []
     seen_tables: set[str] = set()
     for config in tables:
@@ -99,7 +120,7 @@ def table_layouts(tables: list[EmbeddingBagConfig], weighted: bool = False) -> l
         if weighted and pooling != "sum":
             raise ValueError(f"table {config.name!r}: per-sample weights (is_weighted=True) pool with SUM only, "
                              f"as torch's EmbeddingBag does; got {config.pooling}")
-        layouts.append(TableLayout(config.name, int(config.num_embeddings), int(config.embedding_dim),
+        layouts.append(TableLayout(config.name, as_int(config.num_embeddings), as_int(config.embedding_dim),
                                    features, pooling, weighted, tuple(names)))
     return layouts
 

@@ -25,9 +25,9 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from ..checks import as_int, check_bool, check_positive_int
-from ..devices import usable_device
 from ..notes import add_note
-from .batch_keys import BatchKeys, TableLayout, check_weights, prepare_batch, starting_rows, table_layouts
+from .batch_keys import (BatchKeys, TableLayout, check_weights, collection_device, prepare_batch, starting_rows,
+                         table_layouts)
 from .cache import CacheStats, EmbeddingCache
 from .errors import CacheTooSmallError, StaleBatchError
 from .eviction import check_policy
@@ -123,7 +123,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                  policy: str = "lru", pin_memory: bool | None = None,
                  weights: dict[str, torch.Tensor] | None = None, is_weighted: bool = False) -> None:
         # Every argument is checked before the first table is built.
-        device = usable_device(device) if device is not None else torch.device("cpu")
+        device = collection_device(device)
         optimizer = check_row_optimizer(optimizer)
         check_bool("is_weighted", is_weighted)
         layouts = table_layouts(tables, weighted=is_weighted)

@@ -179,6 +179,7 @@ class HostEmbeddingTable:
     def lookup(self, keys: torch.Tensor, ticket: WriteTicket | None = None) -> torch.Tensor:
         """Copy of the rows of ``keys``; with ``ticket``, after every earlier pending write of them."""
         keys = self._check_keys(keys)
+        _check_ticket(ticket)
         with self._cond:
             if ticket is not None:
                 self._wait_for_writes(keys, ticket.seq)
@@ -187,6 +188,9 @@ class HostEmbeddingTable:
     def update(self, keys: torch.Tensor, rows: torch.Tensor, ticket: WriteTicket | None = None) -> None:
         """Write ``rows`` for ``keys``; with ``ticket``, land that ticket's pending writes and wake readers."""
         keys = self._check_keys(keys)
+        _check_ticket(ticket)
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(f"host-table rows must be a tensor, got {_describe(rows)}")
         rows = rows.detach().to(device="cpu", dtype=self.dtype)
         if rows.shape != (keys.numel(), self.rows.shape[1]):
             raise ValueError(f"rows have shape {tuple(rows.shape)}, expected {(keys.numel(), self.rows.shape[1])}")
@@ -197,6 +201,8 @@ class HostEmbeddingTable:
 
     def cancel(self, ticket: WriteTicket) -> None:
         """Drop a ticket's pending writes without writing (its step was rolled back)."""
+        if not isinstance(ticket, WriteTicket):
+            raise TypeError(f"cancel takes a WriteTicket from this table, got {_describe(ticket)}")
         with self._cond:
             self._clear_ticket(ticket)
 
@@ -213,7 +219,13 @@ class HostEmbeddingTable:
             self._abort_exc = None
 
 
+def _check_ticket(ticket: object) -> None:
+    """Before anything is written: a bad ticket found after the write would leave it half done."""
+    if ticket is not None and not isinstance(ticket, WriteTicket):
+        raise TypeError(f"ticket must be a WriteTicket from this table or None, got {_describe(ticket)}")
+
+
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
+    return f"{type(value).__name__}: {value!r:.60}"

@@ -11,8 +11,7 @@ from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
 from ..checks import check_bool
-from ..devices import usable_device
-from .batch_keys import check_weights, prepare_batch, starting_rows, table_layouts
+from .batch_keys import check_weights, collection_device, prepare_batch, starting_rows, table_layouts
 from .fused_lookup import fused_pooled_lookup
 from .optim import FusedOptimizerAttribute, RowOptimizer, check_row_optimizer
 
@@ -27,7 +26,7 @@ class FullTableEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: list[EmbeddingBagConfig], device: torch.device | str | None = None,
                  optimizer: RowOptimizer | None = None, weights: dict[str, torch.Tensor] | None = None,
                  is_weighted: bool = False) -> None:
-        device = usable_device(device) if device is not None else torch.device("cpu")
+        device = collection_device(device)
         optimizer = check_row_optimizer(optimizer)
         check_bool("is_weighted", is_weighted)
         layouts = table_layouts(tables, weighted=is_weighted)

@@ -25,6 +25,7 @@ import os
 import re
 from typing import Any, List, Optional, Sequence, Union
 
+from ..checks import check_file_path
 from .action import Action
 from .errors import InvalidPlanError
 from .plan import Plan
@@ -116,13 +117,6 @@ def from_torch(schedule: Any, name: Optional[str] = None) -> Plan:
             "generator") from None
 
 
-def _check_path(path: Any, what: str) -> None:
-    """A file name, not an int: ``open()`` would take an int (or a bool) as a file descriptor,
-    and closing it would close the caller's file, or stdout."""
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        raise TypeError(f"{what} takes a file path (str or os.PathLike), got {type(path).__name__}: {path!r}")
-
-
 def load_csv(path: PathLike, name: Optional[str] = None) -> Plan:
     """A validated :class:`Plan` from a CSV file: one row of actions per worker.
 
@@ -132,7 +126,7 @@ def load_csv(path: PathLike, name: Optional[str] = None) -> Plan:
     between rows is a worker with nothing to do, as in torch's ``_load_csv``. ``save_csv``
     writes a worker with nothing to do as ``""``, which is kept wherever it stands.
     """
-    _check_path(path, "load_csv")
+    check_file_path(path, "load_csv")
     with open(path, newline="") as handle:
         rows = list(csv.reader(handle))
     while rows and rows[-1] == []:
@@ -147,7 +141,7 @@ def save_csv(plan: Plan, path: PathLike) -> None:
 
     torch's ``_load_csv(..., format="compute_only")`` reads it as well.
     """
-    _check_path(path, "save_csv")
+    check_file_path(path, "save_csv")
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         for actions in plan.worker_actions:

@@ -612,6 +612,9 @@ class StagedPipeline:
         StopIteration is not asked for a batch again until another iterator is passed
         (TorchRec's rule); ``close()`` lets go of it.
         """
+        if not callable(getattr(type(dataloader_iter), "__next__", None)):
+            raise TypeError(f"progress() takes an iterator of batches (iter(dataloader)), got "
+                            f"{type(dataloader_iter).__name__}: {dataloader_iter!r:.80}")
         self._refuse_own_work("progress()")
         refuse_untransferable_state("progress()")
         warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
