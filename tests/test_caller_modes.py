@@ -253,3 +253,40 @@ def test_functional_call_recomputes_with_the_tensors_it_was_given(checkpoint, da
         assert p.grad is None, name  # and they took no part
         assert torch.equal(p, own_values[name]), name
     pipe.close()
+
+
+class _EnergyGradient(nn.Module):
+    """A layer that differentiates inside its forward with torch.func (energy models, PINNs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x):
+        return -torch.func.vmap(torch.func.grad(lambda row: torch.tanh(row @ self.w).sum()))(x)
+
+
+def test_torch_func_grad_inside_a_layer_runs_where_no_hook_is_active_and_is_explained_where_one_is():
+    # torch.func's grad transforms refuse any active saved-tensor hook. Without checkpointing,
+    # pipe(x) installs none and trains as the plain model; Pipe.step and checkpointed
+    # micro-batches do, and the refusal (which blames hooks the user never installed) says whose.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), _EnergyGradient(), nn.Tanh(), nn.Linear(8, 4))
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    nn.functional.mse_loss(plain(x), y).backward()
+    with Pipe(copy.deepcopy(plain), [2, 2], checkpoint="never") as pipe:
+        pipe.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(pipe(x), y).backward()
+        for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        pipe.zero_grad(set_to_none=True)
+        with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks") as raised:
+            pipe.step(x, y, nn.MSELoss())
+        assert any("Pipe.step runs each stage's forward under saved-tensor hooks of its own" in note
+                   and "torch.autograd.grad(..., create_graph=True)" in note for note in raised.value.__notes__)
+        assert all(p.grad is None for p in pipe.parameters())  # the failed step left nothing behind
+        pipe.checkpoint = "always"
+        with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks") as raised:
+            pipe(x)
+        assert any("a checkpointed micro-batch runs its stage under the checkpoint's saved-tensor hooks" in note
+                   for note in raised.value.__notes__)

@@ -56,6 +56,7 @@ from .call_chain import RNGSection, enter_rng_section, leave_rng_section  # noqa
 from .devices import get_backend  # noqa: E402
 from .microbatch import Batch, map_nested, nested_tensors, rebuild  # noqa: E402
 from .saved_versions import CheckpointVersions  # noqa: E402
+from .notes import add_note  # noqa: E402
 from .thread_state import CHECKPOINT_HOOK_MARK, current_saved_tensors_hooks  # noqa: E402
 
 __all__ += ["checkpoint", "ForwardTensors", "RNGGuard", "RNGReplayError", "StageRNG", "generator_state", "tensor_slots"]
@@ -612,6 +613,21 @@ setattr(_CountingHooks.pack, CHECKPOINT_HOOK_MARK, True)
 setattr(_CountingHooks.recording_pack, CHECKPOINT_HOOK_MARK, True)
 
 
+# torch.func's grad transforms disable saved-tensor hooks, and fail when one is active.
+_FUNC_TRANSFORM_REFUSAL = "don't yet support saved tensor hooks"
+
+
+def explain_hooks_refusal(error: BaseException, why_hooks: str, instead: str) -> None:
+    """Add a note to torch.func's refusal of saved-tensor hooks: the user installed none.
+
+    ``torch.func.grad``/``vjp``/``jacrev``/``hessian`` inside a layer fail under any active
+    saved-tensor hook; the message blames hooks the user never saw. The note says whose
+    hooks they are (``why_hooks``) and what works (``instead``)."""
+    if isinstance(error, RuntimeError) and _FUNC_TRANSFORM_REFUSAL in str(error):
+        add_note(error, f"[torchpipe] {why_hooks}, and torch.func's grad, vjp, jacrev and hessian refuse to run "
+                        f"under any saved-tensor hook. {instead}")
+
+
 def _counting_saves(function: Callable[[Any], Any], value: Any, versions: CheckpointVersions) -> Tuple[Any, int]:
     """``function(value)`` and how many tensors it saved for backward through the checkpoint.
 
@@ -673,6 +689,10 @@ def checkpoint(function: Callable[[Any], Any], batch: Batch, replay: "_StageRepl
         try:
             output, saved = _counting_saves(function, value, versions)
         except BaseException as exc:  # noqa: B902 - re-raised below, unchanged
+            explain_hooks_refusal(
+                exc, "a checkpointed micro-batch runs its stage under the checkpoint's saved-tensor hooks (as "
+                     "torch.utils.checkpoint does)",
+                "Use checkpoint='never' for this model, or torch.autograd.grad(..., create_graph=True) in the layer")
             failures.append(exc)
             return None
         if saved == 0 and _requires_grad(output):

@@ -25,6 +25,10 @@ correct but walks the input path a second time:
   checkpoint recomputes the forward once per backward call, so ``W`` would recompute the
   stage once per frontier node; walking the input path again costs less than that.
 
+A stage whose input path holds a region that cannot keep its graph (a compiled backward
+that donates its buffers) or hides its parameters from the graph (a reentrant
+``torch.utils.checkpoint``) runs its whole backward in ``I``, and ``W`` has nothing to do.
+
 Where the input path holds module backward hooks (``register_full_backward_hook`` and its
 pre-hook), walking it again in ``W`` would call them a second time for the micro-batch. Such
 a fallback runs the whole backward in ``I`` instead, once, and leaves ``W`` nothing to do.
@@ -104,6 +108,22 @@ def _donates_buffers(node: Node) -> bool:
     return bool(getattr(metadata, "bw_donated_idxs", None))
 
 
+def _is_reentrant_checkpoint(node: Node) -> bool:
+    """Whether ``node`` is a reentrant checkpoint (``torch.utils.checkpoint(use_reentrant=True)``,
+    and the like-named functions of other libraries).
+
+    Its backward recomputes the region and runs a backward of its own into the region's
+    parameters, which its graph does not show; torch's refuses to run under ``inputs=`` or
+    ``autograd.grad``, which is how ``I`` stops short of the parameters. So a stage holding
+    one on its input path takes its whole backward in ``I``."""
+    return type(node).__name__ == "CheckpointFunctionBackward"
+
+
+# torch's words when a reentrant checkpoint runs under ``inputs=`` (a backstop for a node
+# _is_reentrant_checkpoint does not know by name).
+_REENTRANT_REFUSAL = "use_reentrant=True"
+
+
 def _calls_module_hooks(node: Node) -> bool:
     """Whether ``node`` calls an ``nn.Module``'s full backward hooks or pre-hooks."""
     return type(node).__name__ == "BackwardHookFunctionBackward"
@@ -146,7 +166,7 @@ class WeightSplit:
         donating = module_hooks = False
         while stack:
             node = stack.pop()
-            donating = donating or _donates_buffers(node)
+            donating = donating or _donates_buffers(node) or _is_reentrant_checkpoint(node)
             module_hooks = module_hooks or _calls_module_hooks(node)
             side: Dict[Edge, int] = {}
             for output, (child, slot) in enumerate(node.next_functions):
@@ -165,8 +185,9 @@ class WeightSplit:
         if self.whole:
             self.frontier = {}
         self.kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
-        # See input_grads: a region on the input path that cannot keep its graph, or module
-        # hooks that a whole backward in W would call a second time.
+        # See input_grads: a region on the input path that cannot keep its graph or that
+        # hides its parameters (a reentrant checkpoint), or module hooks that a whole
+        # backward in W would call a second time.
         self.whole_in_input = donating or (self.whole and module_hooks)
         self.done_in_input = False
         if self.whole_in_input:
@@ -213,8 +234,10 @@ class WeightSplit:
                     leaf.grad = None
                 return grads
             except RuntimeError as exc:
-                if "donated buffers" not in str(exc):
+                if "donated buffers" not in str(exc) and _REENTRANT_REFUSAL not in str(exc):
                     raise
+                for leaf in leaves:  # fresh per micro-batch: nothing of theirs to keep
+                    leaf.grad = None
             finally:
                 for hook in self._hooks:
                     hook.remove()

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from . import engine
-from .checkpoint import task_seed
+from .checkpoint import explain_hooks_refusal, task_seed
 from .copy import mark_ready, receive
 from .lowering import StageRunner, needs_receive, run_partition
 from .microbatch import (Batch, BatchDim, check_joins, items_of, map_nested, nested_tensor_paths, rebuild,
@@ -291,7 +291,15 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
         counter = _CountSaved(parameter_ids, index, microbatch)
         skips = StageSkips()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            output = run_partition(stage, ctx, microbatch, batch, skips)
+            try:
+                output = run_partition(stage, ctx, microbatch, batch, skips)
+            except RuntimeError as exc:
+                explain_hooks_refusal(
+                    exc, "Pipe.step runs each stage's forward under saved-tensor hooks of its own (they count what "
+                         "backward keeps, for last_memory, and let a failed step free its graph)",
+                    "In the layer, take the inner gradient with torch.autograd.grad(..., create_graph=True), or "
+                    "train this model with pipe(x) and backward() under checkpoint='never'")
+                raise
             if last:
                 target = ctx.targets[microbatch]
                 if isinstance(target, Tensor) and target.device != device:
