@@ -42,11 +42,18 @@ def unnamed_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 2))
 
 
+def nested_model() -> nn.Sequential:
+    return nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4))
+
+
 @pytest.mark.parametrize("make, balance", [
     (unnamed_model, [1, 1, 1, 1]),  # on CPU the retired Pipe made one partition per child
     (unnamed_model, [2, 2]),        # on GPUs, one per run of children on a device
     (named_model, [1, 1, 1, 1, 1]),
     (named_model, [2, 3]),
+    # One GPU: a single partition, numbered like torchgpipe's but with the nested Sequential
+    # flattened, so by name partitions.0.1 (its inner second Linear) would load into layer 1.
+    (nested_model, [2]),
 ])
 @pytest.mark.parametrize("strict", [True, False])
 def test_a_retired_state_dict_is_refused_before_anything_loads(make, balance, strict):

@@ -68,7 +68,7 @@ def _accept_partitioned_keys(module: nn.Module, state_dict: Dict[str, Any], pref
         state_dict.clear()
         state_dict.update(converted)
         return
-    check_not_renumbered(state_dict, prefix, list(module._modules))
+    check_not_renumbered(state_dict, prefix, module._modules)
     start = prefix + "partitions."
     for key in [k for k in state_dict if k.startswith(start)]:
         match = _PARTITIONED_KEY.match(key, len(prefix))

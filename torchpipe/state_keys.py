@@ -30,15 +30,18 @@ _HOW_TO_CONVERT = (
 )
 
 
-def check_not_renumbered(state_dict: Mapping[str, Any], prefix: str, child_names: Sequence[str]) -> None:
+def check_not_renumbered(state_dict: Mapping[str, Any], prefix: str, children: Mapping[str, Any]) -> None:
     """ValueError if ``partitions.<i>.<name>`` keys cannot be torchgpipe's (one name, one partition, in order).
 
     torchgpipe and fairscale put every child in exactly one partition, in the model's
     order. A name found in two partitions, or partitions whose names run backwards in the
     model, means the layers were renumbered per partition: the retired torch ``Pipe``'s
-    layout, which loaded by name would put weights into the wrong layers.
+    layout, which loaded by name would put weights into the wrong layers. So does a key
+    that reaches into a child ``nn.Sequential`` by none of its children's names: the retired
+    ``Pipe`` flattened such children, also in a single partition, where the numbering
+    otherwise looks like torchgpipe's.
     """
-    position = {name: index for index, name in enumerate(child_names)}
+    position = {name: index for index, name in enumerate(children)}
     partition_of: Dict[str, int] = {}
     span: Dict[int, List[int]] = {}
     for key in state_dict:
@@ -48,6 +51,15 @@ def check_not_renumbered(state_dict: Mapping[str, Any], prefix: str, child_names
         if match is None:
             continue
         partition, name = int(match.group(1)), match.group(2)
+        child = children.get(name)
+        below = match.group(3).split(".", 1)[0]
+        if isinstance(child, nn.Sequential) and below not in child._modules and below not in child._parameters \
+                and below not in child._buffers:
+            raise ValueError(
+                f"state dict key {key!r} names {match.group(3)!r} inside layer {name!r}, an nn.Sequential without "
+                f"such a child; expected the model's own names below each layer (torchgpipe's and fairscale's "
+                f"layout), not layers flattened and renumbered. {_HOW_TO_CONVERT}"
+            )
         seen = partition_of.setdefault(name, partition)
         if seen != partition:
             raise ValueError(
