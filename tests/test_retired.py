@@ -252,3 +252,22 @@ def test_the_retired_pipe_loads_the_retired_pipes_state_dicts_as_they_are():
             assert torch.equal(got, want)
         assert pipe.state_dict().keys() == trained.state_dict().keys()  # saves the model's own names
         pipe.load_state_dict(trained.state_dict())  # and loads them
+
+
+def test_the_retired_packages_flags_come_from_the_retired_module():
+    # torch.distributed.pipeline.sync exported is_checkpointing and is_recomputing beside Pipe.
+    import torchpipe
+    from torchpipe import retired
+
+    assert retired.is_checkpointing is torchpipe.is_checkpointing
+    assert retired.is_recomputing is torchpipe.is_recomputing
+    seen = []
+
+    class Record(nn.Module):
+        def forward(self, x):
+            seen.append((retired.is_checkpointing(), retired.is_recomputing()))
+            return x * 2
+
+    with retired.Pipe(nn.Sequential(nn.Linear(2, 2), Record()), chunks=1, checkpoint="always") as pipe:
+        pipe(torch.randn(2, 2, requires_grad=True)).sum().backward()
+    assert seen == [(True, False), (False, True)]

@@ -1,6 +1,7 @@
 """Skip connections across partitions: torchgpipe's torchpipe.skip API on the threaded runtime."""
 import copy
 import gc
+import re
 import warnings
 
 import pytest
@@ -572,3 +573,32 @@ def test_two_partitions_that_stash_one_name_for_one_micro_batch_are_still_refuse
     assert store.put(key, 1, torch.ones(1), None, partition=0) is first  # the same partition again: replaced
     with pytest.raises(RuntimeError, match="stashed twice for micro-batch 0, by partitions 0 and 2"):
         store.put(key, 0, torch.zeros(1), None, partition=2)
+
+
+@pytest.mark.parametrize("library", ["torchgpipe.skip", "fairscale.nn.pipe.skip"])
+def test_skippable_layers_of_torchgpipe_or_fairscale_are_refused_across_partitions(library):
+    # Their stashes go to their own library's tracker, which torchpipe does not carry between
+    # partitions: the first pop failed with "has not been stashed". Refused when built, naming
+    # the import to change; in one partition they run as they did.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        skip = pytest.importorskip(library)
+
+    @skip.skippable(stash=["skip"])
+    class Stash(nn.Module):
+        def forward(self, x):
+            yield skip.stash("skip", x)
+            return x * 2
+
+    @skip.skippable(pop=["skip"])
+    class Pop(nn.Module):
+        def forward(self, x):
+            s = yield skip.pop("skip")
+            return x + s
+
+    model = nn.Sequential(Stash(), nn.Identity(), nn.Sequential(Pop()))
+    with pytest.raises(TypeError, match=rf"layer '0' \(Stash\) was made skippable with {re.escape(library)}, .*"
+                                        r"import skippable, stash, pop \(and Namespace\) from torchpipe.skip"):
+        Pipe(model, [1, 2], chunks=2)
+    with Pipe(model, [3], chunks=2) as pipe:
+        assert torch.equal(pipe(torch.ones(2, 1)), torch.full((2, 1), 3.0))

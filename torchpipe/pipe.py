@@ -219,8 +219,31 @@ def _resolve_devices(devices: Optional[Sequence[DeviceLike]], partitions: int) -
     return [get_backend(device).canonical(device) for device in resolved]
 
 
+def _foreign_skippable_library(layer: nn.Module) -> Optional[str]:
+    """The package of a ``@skippable`` class from torchgpipe or fairscale, or None."""
+    for cls in type(layer).__mro__:
+        if cls.__name__ == "Skippable" and cls.__module__.endswith(".skip.skippable") \
+                and not cls.__module__.startswith("torchpipe."):
+            return cls.__module__.rsplit(".skip.skippable", 1)[0]
+    return None
+
+
 def _check_skip_routes(module: nn.Sequential, balance: Sequence[int]) -> None:
-    """Every skip must be popped in the partition that stashes it or a later one."""
+    """Every skip must be popped in the partition that stashes it or a later one.
+
+    Layers made ``@skippable`` by torchgpipe or fairscale stash into their library's own
+    tracker, which torchpipe's pipeline does not carry between partitions: across two or
+    more partitions they fail at the first pop ("has not been stashed"), so they are refused
+    here, naming the import to change."""
+    if len(balance) > 1:
+        for name, layer in module.named_modules():
+            library = _foreign_skippable_library(layer)
+            if library is not None:
+                raise TypeError(
+                    f"layer {name!r} ({type(layer).__name__}) was made skippable with {library}.skip, whose stashes "
+                    f"do not travel between torchpipe's partitions; import skippable, stash, pop (and Namespace) "
+                    f"from torchpipe.skip instead (the same API)"
+                )
     children = list(module.children())
     groups, start = [], 0
     for size in balance:

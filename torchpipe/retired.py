@@ -17,11 +17,12 @@ from typing import Any, List, Tuple
 import torch
 from torch import nn
 
+from .checkpoint import is_checkpointing, is_recomputing
 from .devices import DeviceLike
 from .pipe import Pipe as _Pipe
 from .state_keys import retired_pipe_state_dict
 
-__all__ = ["Pipe", "WithDevice", "retired_pipe_state_dict"]
+__all__ = ["Pipe", "WithDevice", "retired_pipe_state_dict", "is_checkpointing", "is_recomputing"]
 
 
 class WithDevice(nn.Module):
