@@ -6,6 +6,7 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -873,6 +874,12 @@ def test_sequential_like_access_and_names():
     with Pipe(model, [2, 2, 2], chunks=2) as pipe:
         assert len(pipe) == len(layers)
         assert pipe[0] is layers[0] and pipe[-1] is layers[-1]
+        assert pipe[-len(layers)] is layers[0] and pipe[np.int64(1)] is layers[1]
+        for index in (len(layers), -len(layers) - 1):
+            with pytest.raises(IndexError, match=rf"index {index} is out of range for a Pipe of {len(layers)} layers"):
+                pipe[index]
+        with pytest.raises(TypeError):
+            pipe["0"]
         assert list(pipe) == layers
         assert [name for name, _ in pipe.named_children()] == names
         assert list(pipe.state_dict().keys()) == keys

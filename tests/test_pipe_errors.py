@@ -59,6 +59,7 @@ def test_bad_checkpoint_mode(mode):
     ("checkpoint", "sometimes", r"checkpoint is not one of 'always', 'except_last', or 'never' \(got 'sometimes'\)"),
     ("chunks", "4", r"number of chunks must be a positive integer, got '4'"),
     ("chunks", 0, r"number of chunks must be a positive integer, got 0"),
+    ("chunks", 2**80, r"number of chunks must be at most 9223372036854775807, got 1208925819614629174706176"),
 ])
 def test_settings_changed_after_construction_are_checked_when_set(name, value, words):
     from torchpipe import is_checkpointing

@@ -235,6 +235,14 @@ def test_the_retired_pipe_places_with_device_and_refuses_what_the_retired_one_re
         RetiredPipe(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="chunks"):
         RetiredPipe(nn.Sequential(nn.Linear(2, 2)), chunks=0)
+    with pytest.raises(TypeError, match="WithDevice wraps an nn.Module, got int: 5"):
+        WithDevice(5, "cpu")
+    with pytest.raises(ValueError, match="invalid device 'gpu'"):
+        WithDevice(nn.ReLU(), "gpu")
+    with pytest.raises(TypeError, match="state_dict must be a mapping .*got list"):
+        retired_pipe_state_dict([1], layers, [3])
+    with pytest.raises(TypeError, match="model must be the nn.Sequential .*got list"):
+        retired_pipe_state_dict({}, [nn.ReLU()], [1])
 
 
 def test_the_retired_pipe_loads_the_retired_pipes_state_dicts_as_they_are():

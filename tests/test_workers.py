@@ -378,6 +378,8 @@ def test_thread_budget_arithmetic(monkeypatch):
     assert ThreadBudget().threads_per_worker(8) == 1
     assert ThreadBudget().threads_per_worker(20) == 1  # at least one each
     assert ThreadBudget().threads_per_worker(0) == 8
+    with pytest.raises(ValueError, match="workers_sharing_cores must be an int >= 0, got -1"):
+        ThreadBudget().threads_per_worker(-1)
 
 
 class RecordThreads(nn.Module):

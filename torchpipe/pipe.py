@@ -8,7 +8,9 @@ thread, also when several partitions share a device, so pipelining happens on CP
 from __future__ import annotations
 
 import functools
+import operator
 import re
+import sys
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
@@ -159,6 +161,8 @@ def _check_chunks(chunks: Any) -> int:
     value = as_positive_int(chunks)
     if value is None:
         raise ValueError(f"number of chunks must be a positive integer, got {chunks!r}")
+    if value > sys.maxsize:  # Tensor.chunk takes a C long: every call would fail naming nothing
+        raise ValueError(f"number of chunks must be at most {sys.maxsize}, got {chunks!r}")
     return value
 
 
@@ -471,7 +475,10 @@ class Pipe(nn.Module):
         if isinstance(index, slice):
             container = SpreadingSequential if self.spread_tuples else nn.Sequential
             return container(OrderedDict(named[index]))
-        return named[index][1]
+        position = operator.index(index)  # a TypeError for a str or float, as nn.Sequential gives
+        if not -len(named) <= position < len(named):
+            raise IndexError(f"index {index} is out of range for a Pipe of {len(named)} layers")
+        return named[position][1]
 
     def __iter__(self) -> Iterator[nn.Module]:
         for partition in self.partitions:

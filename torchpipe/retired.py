@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .checkpoint import is_checkpointing, is_recomputing
-from .devices import DeviceLike
+from .devices import DeviceLike, as_device
 from .pipe import Pipe as _Pipe
 from .state_keys import retired_pipe_state_dict
 
@@ -30,9 +30,12 @@ class WithDevice(nn.Module):
     (which would otherwise get a CPU partition of its own), or to override placement."""
 
     def __init__(self, module: nn.Module, device: DeviceLike) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"WithDevice wraps an nn.Module, got {type(module).__name__}: {module!r:.80}")
+        placed = as_device(device)  # a ValueError naming the spelling, as for a Pipe's devices
         super().__init__()
         self._module = module
-        self._device = torch.device(device)
+        self._device = placed
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._module(*args, **kwargs)

@@ -103,6 +103,12 @@ def retired_pipe_state_dict(state_dict: Mapping[str, Any], model: nn.Module,
     ``partitions`` are kept; a key that names a partition or a layer that ``balance`` does
     not have is refused (ValueError), so nothing is dropped silently.
     """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of key to tensor (what torch.load gives), got "
+                        f"{type(state_dict).__name__}: {state_dict!r:.80}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the nn.Sequential the retired Pipe wrapped (or a Pipe of it), got "
+                        f"{type(model).__name__}: {model!r:.80}")
     names = [name for name, _ in model.named_children()]
     sizes = verify_balance(balance, len(names))
     starts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .call_chain import Chain, adopt
-from .checks import check_positive_int
+from .checks import check_nonnegative_int, check_positive_int
 from .devices import Backend, get_backend
 from .thread_state import ThreadState, refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only
 
@@ -116,6 +116,9 @@ class ThreadBudget:
         object.__setattr__(self, "intra_op_threads", check_intra_op_threads(self.intra_op_threads))
 
     def threads_per_worker(self, workers_sharing_cores: int) -> int:
+        """Intra-op threads for each of ``workers_sharing_cores`` workers: the given count, or
+        the cores divided evenly (at least one each; no sharer leaves them all to one)."""
+        check_nonnegative_int("workers_sharing_cores", workers_sharing_cores)
         if self.intra_op_threads is not None:
             return self.intra_op_threads
         return max(1, available_cores() // max(1, workers_sharing_cores))

@@ -128,6 +128,11 @@ def test_interleaved_uses_megatron_placement() -> None:
     plan = build("interleaved-1f1b", 6, 3, virtual_stages=2)
     assert plan.stage_to_worker == (0, 1, 2, 0, 1, 2)
     assert plan.stages_of(1) == (1, 4)
+    with pytest.raises(ValueError, match=r"worker 3: plan 'interleaved-1f1b' has workers 0..2"):
+        plan.stages_of(3)  # gave () before: a worker of no stages
+    # The dependency rules would name actions of a larger plan (6F0 for 7F0): refused.
+    with pytest.raises(ValueError, match=r"7F0 is not an action of plan 'interleaved-1f1b' \(6 stages, 3 "):
+        plan.dependencies(Action(7, "F", 0))
 
 
 def test_zb_h1_bubble_closed_form_and_third_of_1f1b() -> None:

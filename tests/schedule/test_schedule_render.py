@@ -199,6 +199,9 @@ def test_chrome_trace_refuses_a_bad_unit(scale: object, error: type) -> None:
     # Negative or non-finite timestamps would make a trace Perfetto rejects (json writes NaN).
     with pytest.raises(error, match="us_per_unit"):
         build("1f1b", 2, 2).chrome_trace(us_per_unit=scale)  # type: ignore[arg-type]
+    if error is ValueError:  # one bound in every message: 0 is refused too
+        with pytest.raises(error, match="us_per_unit must be a finite number > 0"):
+            build("1f1b", 2, 2).chrome_trace(us_per_unit=scale)  # type: ignore[arg-type]
 
 
 def test_costs_that_overflow_when_added_are_refused() -> None:

@@ -679,12 +679,17 @@ def sharding_refusal_worker(rank: int, init_file: str, tests_dir: str) -> None:
                   EmbeddingBagConfig(num_embeddings=12, embedding_dim=2, name="t1", feature_names=["u", "v"])]
         output_group = dist.new_group(list(range(WORLD)))
         for owners, message in (({"t0": 0, "t1": 0}, r"ranks \[1\] own no table \(2 tables, world size 2"),
-                                (None, r"table 't0' lists features \['u'\] more than once")):
+                                (None, r"table 't0' lists features \['u'\] more than once"),
+                                ({"t0": 0}, r"owners must name every table once: missing \['t1'\], unknown \[\]"),
+                                ({"t0": 0, "t1": 1, "t9": 0}, r"missing \[\], unknown \['t9'\]"),
+                                ({"t0": 0, "t1": "1"}, r"table 't1': owner rank must be an int, got '1'"),
+                                ({"t0": 0, "t1": 2}, r"table 't1': owner rank 2 out of range for world size 2"),
+                                ([0, 1], r"owners must be a dict of table name to rank, got list")):
             configs = tables if owners else [EmbeddingBagConfig(num_embeddings=4, embedding_dim=2, name="t0",
                                                                 feature_names=["u", "v", "u"])]
             try:
                 TableWiseSharding(configs, output_group=output_group, owners=owners)
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 assert re.search(message, str(exc)), str(exc)
             else:
                 raise AssertionError(f"rank {rank}: {message} was not refused")

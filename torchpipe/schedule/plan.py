@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
+from ..checks import as_int
 from .action import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
 from .errors import InvalidPlanError
 
@@ -121,7 +122,10 @@ class Plan:
 
     def stages_of(self, worker: int) -> tuple[int, ...]:
         """Stages owned by ``worker``, ascending: the partitions that worker must hold."""
-        return tuple(s for s, w in enumerate(self.stage_to_worker) if w == worker)
+        index = as_int(worker)
+        if index is None or not 0 <= index < self.num_workers:
+            raise ValueError(f"worker {worker!r}: plan {self.name!r} has workers 0..{self.num_workers - 1}")
+        return tuple(s for s, w in enumerate(self.stage_to_worker) if w == index)
 
     @cached_property
     def _action_set(self) -> frozenset[Action]:
@@ -142,6 +146,9 @@ class Plan:
         step of (s+1,m), which is I(s+1,m) when that stage is split in this plan, else
         B(s+1,m); W(s,m) <- I(s,m). The loss is part of the last stage's F.
         """
+        if action not in self:  # the rules would name actions of another plan (6F0 of 2 stages)
+            raise ValueError(f"{action} is not an action of plan {self.name!r} ({self.num_stages} stages, "
+                             f"{self.num_microbatches} micro-batches)")
         s, m = action.stage, action.microbatch
         if action.kind == FORWARD:
             return (Action(s - 1, FORWARD, m),) if s > 0 else ()

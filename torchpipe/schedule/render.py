@@ -123,7 +123,10 @@ def chrome_trace(plan: "Plan", costs: Costs = None, *, comm: float = 0.0, us_per
     Cost units are taken as microseconds unless ``us_per_unit`` says otherwise
     (e.g. 1e6 for costs measured in seconds).
     """
-    scale = _cost_value("us_per_unit", us_per_unit)
+    try:
+        scale = _cost_value("us_per_unit", us_per_unit)
+    except ValueError:
+        scale = 0.0  # said below with the right bound: 0 is refused too
     if scale == 0.0:
         raise ValueError(f"us_per_unit must be a finite number > 0, got {us_per_unit!r}")
     sim = simulate(plan, costs, comm=comm)

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
+from ..checks import as_int
 from ..rec.batch_keys import TABLE_DTYPE, check_kjt, embedding_names_by_table, table_layouts
 from ..notes import add_note
 from ..rec.errors import RecInputError
@@ -128,20 +129,39 @@ class TableWiseSharding:
             refusal = exc
         self._agree_on_arguments(refusal)
 
+    def _owners(self, owners: Optional[Dict[str, int]]) -> Dict[str, int]:
+        """Each table's owning rank: ``owners`` checked, or round-robin in config order."""
+        names = [t.name for t in self.tables]
+        if owners is not None and not isinstance(owners, Mapping):
+            raise TypeError(f"owners must be a dict of table name to rank, got {type(owners).__name__}: {owners!r:.80}")
+        if not owners:
+            return {name: i % self.world for i, name in enumerate(names)}
+        missing = [name for name in names if name not in owners]
+        unknown = [name for name in owners if name not in names]
+        if missing or unknown:
+            raise ValueError(f"owners must name every table once: missing {missing}, unknown {unknown}; the tables "
+                             f"are {names}")
+        result: Dict[str, int] = {}
+        for name in names:
+            rank = as_int(owners[name])
+            if rank is None:
+                raise TypeError(f"table {name!r}: owner rank must be an int, got {owners[name]!r}")
+            if not 0 <= rank < self.world:
+                raise ValueError(f"table {name!r}: owner rank {rank} out of range for world size {self.world}")
+            result[name] = rank
+        return result
+
     def _build(self, tables: Sequence[EmbeddingBagConfig], owners: Optional[Dict[str, int]],
                is_weighted: bool) -> None:
         if not isinstance(is_weighted, bool):
             raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
         self._weighted = is_weighted
-        self.tables = list(tables)
-        self.owner = {t.name: (owners[t.name] if owners else i % self.world) for i, t in enumerate(self.tables)}
-        for name, r in self.owner.items():
-            if not 0 <= r < self.world:
-                raise ValueError(f"table {name!r}: owner rank {r} out of range for world size {self.world}")
         # Every rank checks its own batch against every table before the key exchange (a key
         # only its owner would find bad would leave the ranks' collectives out of step); this
         # also checks the configs as the collections will (names, pooling, repeated features).
-        self.layouts = table_layouts(self.tables, weighted=is_weighted)
+        self.layouts = table_layouts(tables, weighted=is_weighted)
+        self.tables = list(tables)
+        self.owner = self._owners(owners)
         names_by_table = [layout.output_names for layout in self.layouts]  # ``f@t``: a feature several read
         owned = [[i for i, t in enumerate(self.tables) if self.owner[t.name] == r] for r in range(self.world)]
         idle = [r for r, mine in enumerate(owned) if not mine]
