@@ -124,7 +124,7 @@ _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "_chunks", "_ch
                    "_deferred_batch_norm", "_spread_tuples",
                    "last_memory", "_device_types", "_intra_op_threads", "_given_batch_dims", "_batch_dims")
 #: Settings that decide how the layers were split, placed and converted when the Pipe was
-#: built: read-only afterwards (see Pipe._refuse_rebuild_setting).
+#: built: read-only afterwards (see _built_setting).
 _BUILD_SETTINGS = ("balance", "devices", "deferred_batch_norm", "spread_tuples", "intra_op_threads")
 
 
@@ -254,6 +254,28 @@ def _check_skip_routes(module: nn.Sequential, balance: Sequence[int]) -> None:
         groups.append(nn.Sequential(*children[start : start + size]))
         start += size
     inspect_skip_layout(groups)
+
+
+def _built_setting(name: str, doc: str, copy: bool = False) -> property:
+    """A read-only ``Pipe`` setting, stored as ``_<name>``.
+
+    Why read-only: the layers were split, placed, converted and their workers started with
+    these settings; assigning one later would change what the Pipe reports, not what it runs
+    (a lost batch-norm update, a balance that is not the real split). ``copy``: a list handed
+    out as a copy, so that editing it cannot edit the Pipe's own."""
+
+    def read(self: "Pipe") -> Any:
+        value = self.__dict__[f"_{name}"]
+        return list(value) if copy else value
+
+    def refuse(self: "Pipe", value: Any) -> None:
+        raise AttributeError(
+            f"Pipe.{name} is fixed when the Pipe is built (it is {read(self)!r}); got {value!r}. "
+            f"Build a new Pipe with {name}={value!r} (load_state_dict carries the parameters over). "
+            "The settings that may change between steps are chunks, checkpoint, reproducible and the batch dims"
+        )
+
+    return property(read, refuse, doc=doc)
 
 
 class Pipe(nn.Module):
@@ -596,60 +618,16 @@ class Pipe(nn.Module):
                 f"{num_microbatches}, or pass a batch that gives {plan.num_microbatches}"
             )
 
-    @property
-    def balance(self) -> List[int]:
-        """Layers per partition, as built (a copy: the split is fixed once the Pipe exists)."""
-        return list(self._balance)
-
-    @balance.setter
-    def balance(self, value: Any) -> None:
-        self._refuse_rebuild_setting("balance", value)
-
-    @property
-    def devices(self) -> List[torch.device]:
-        """Each partition's device, as built (a copy: placement is fixed once the Pipe exists)."""
-        return list(self._devices)
-
-    @devices.setter
-    def devices(self, value: Any) -> None:
-        self._refuse_rebuild_setting("devices", value)
-
-    @property
-    def deferred_batch_norm(self) -> bool:
-        """Whether BatchNorm layers were converted to track statistics over the mini-batch."""
-        return self._deferred_batch_norm
-
-    @deferred_batch_norm.setter
-    def deferred_batch_norm(self, value: Any) -> None:
-        self._refuse_rebuild_setting("deferred_batch_norm", value)
-
-    @property
-    def spread_tuples(self) -> bool:
-        """Whether a tuple between layers is spread over the next layer's arguments."""
-        return self._spread_tuples
-
-    @spread_tuples.setter
-    def spread_tuples(self, value: Any) -> None:
-        self._refuse_rebuild_setting("spread_tuples", value)
-
-    @property
-    def intra_op_threads(self) -> int:
-        """Intra-op threads each CPU worker may use (the workers were started with it)."""
-        return self._intra_op_threads
-
-    @intra_op_threads.setter
-    def intra_op_threads(self, value: Any) -> None:
-        self._refuse_rebuild_setting("intra_op_threads", value)
-
-    def _refuse_rebuild_setting(self, name: str, value: Any) -> None:
-        """Why read-only: the layers were split, placed, converted and their workers started
-        with these settings; assigning one later would change what the Pipe reports, not what
-        it runs (a lost batch-norm update, a balance that is not the real split)."""
-        raise AttributeError(
-            f"Pipe.{name} is fixed when the Pipe is built (it is {getattr(self, name)!r}); got {value!r}. "
-            f"Build a new Pipe with {name}={value!r} (load_state_dict carries the parameters over). "
-            "The settings that may change between steps are chunks, checkpoint, reproducible and the batch dims"
-        )
+    balance = _built_setting("balance", "Layers per partition, as built (a copy: the split is fixed once the Pipe "
+                                        "exists).", copy=True)
+    devices = _built_setting("devices", "Each partition's device, as built (a copy: placement is fixed once the "
+                                        "Pipe exists).", copy=True)
+    deferred_batch_norm = _built_setting("deferred_batch_norm", "Whether BatchNorm layers were converted to track "
+                                                                "statistics over the mini-batch.")
+    spread_tuples = _built_setting("spread_tuples", "Whether a tuple between layers is spread over the next layer's "
+                                                    "arguments.")
+    intra_op_threads = _built_setting("intra_op_threads", "Intra-op threads each CPU worker may use (the workers were "
+                                                          "started with it).")
 
     @property
     def chunks(self) -> int:
