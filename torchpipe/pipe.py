@@ -589,10 +589,10 @@ class Pipe(nn.Module):
         if not plan.has_backward:
             raise InvalidPlanError(f"{described} has no backward actions; Pipe.step needs one")
         for stage, worker in enumerate(plan.stage_to_worker):
-            if self.devices[stage] != self.devices[worker]:
+            if self._devices[stage] != self._devices[worker]:
                 raise InvalidPlanError(
                     f"{described} runs stage {stage} on the worker of partition {worker}, so both "
-                    f"partitions must be on one device (got {self.devices[stage]} and {self.devices[worker]})"
+                    f"partitions must be on one device (got {self._devices[stage]} and {self._devices[worker]})"
                 )
         stages = [stage.on_worker(self._stages[worker]) for stage, worker in zip(self._stages, plan.stage_to_worker)]
         program = lower_step(plan, stages)
@@ -771,7 +771,7 @@ class Pipe(nn.Module):
             raise RuntimeError("this Pipe is closed")
         reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
                                           self._batch_dims[1])
-        _refuse_dataless(target, "target", self.devices[-1])
+        _refuse_dataless(target, "target", self._devices[-1])
         input_dim, output_dim, target_dim = self._batch_dims
         with torch.no_grad():
             batches = scatter(input, self.chunks, input_dim)
@@ -783,7 +783,7 @@ class Pipe(nn.Module):
             each = []
             for output, part in zip(outputs, targets):
                 if isinstance(part, Tensor):  # where the output is (nested in it, or else the last stage's device)
-                    part = part.to(next((t.device for t in nested_tensors(output.values)), self.devices[-1]))
+                    part = part.to(next((t.device for t in nested_tensors(output.values)), self._devices[-1]))
                 each.append(scalar_loss(loss_call(output.value, part)).detach())
         total = _weighted_total(each, scales)
         gathered = gather(outputs, output_dim, sizes) if return_outputs else None  # may fail: before losses
@@ -877,7 +877,7 @@ class Pipe(nn.Module):
         if not records_graphs():
             where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
             raise RuntimeError(f"Pipe.step computes gradients; it cannot run under {where}")
-        _refuse_dataless(target, "target", self.devices[-1])
+        _refuse_dataless(target, "target", self._devices[-1])
         upstream = Upstream()
         input, target = upstream.cut(input), upstream.cut(target)
         if loss_kwargs:  # a tensor computed before the step, shared by every micro-batch's loss
@@ -888,7 +888,7 @@ class Pipe(nn.Module):
         if size == 0:
             raise ValueError(f"the input batch is empty (0 samples along batch_dim={input_dim!r}): there is no loss "
                              "to back-propagate")
-        last_device = self.devices[-1]
+        last_device = self._devices[-1]
         if isinstance(target, torch.Tensor) and target.device != last_device and target.device.type != "cpu":
             # An accelerator target goes to the loss's device here, on the caller's streams,
             # which the workers' streams wait for: a worker thread copying it would use its own
@@ -1011,7 +1011,7 @@ class Pipe(nn.Module):
                     pass
             for tensor in without_grad:
                 tensor.grad = None
-            if self.deferred_batch_norm:
+            if self._deferred_batch_norm:
                 from .batchnorm import undo_commits
 
                 undo_commits(self)
@@ -1030,7 +1030,7 @@ class Pipe(nn.Module):
         return list(seen.values())
 
     def _prepare_batch_norm(self, num_microbatches: int) -> None:
-        if self.deferred_batch_norm:
+        if self._deferred_batch_norm:
             from .batchnorm import set_microbatches
 
             set_microbatches(self, num_microbatches)
@@ -1060,7 +1060,7 @@ class Pipe(nn.Module):
 
     def _hand_back(self, results: List[Tuple[Batch, Any]]) -> List[Batch]:
         """Make the last stage's outputs safe to use on the caller's current stream."""
-        device = self.devices[-1]
+        device = self._devices[-1]
         backend = get_backend(device)
         outputs = []
         for batch, event in results:
