@@ -10,7 +10,7 @@ import pytest
 import torch
 from thread_helpers import pretend_cores
 from torch import nn
-from train_helpers import build, drain, make_batches, make_tables, reference_run
+from train_helpers import assert_same_outputs, build, drain, make_batches, make_tables, reference_run, window_minimum
 
 from torchpipe.devices import BackendUnavailableError
 from torchpipe.rec import SGD
@@ -188,3 +188,37 @@ def test_schedule_table_needs_a_worker_per_stage() -> None:
 
     with pytest.raises(TypeError, match="depth must be an int .*got '3'"):
         ClockSchedule("3")
+
+
+class _Unmovable:
+    """A batch with the fields a model reads but no ``.to()``: the copy stage could not move it."""
+
+    def __init__(self, batch) -> None:
+        self.dense_features, self.sparse_features, self.labels = (batch.dense_features, batch.sparse_features,
+                                                                  batch.labels)
+
+
+@pytest.mark.parametrize("kind", ["base", "sparse_dist", "emb_cache"])
+def test_a_batch_without_to_is_refused_at_admission_and_the_batches_in_flight_are_kept(kind: str) -> None:
+    # Review: it passed admission and failed on the copy worker with an AttributeError, after
+    # the pipeline had taken it and the batch behind it.
+    tables = make_tables()
+    batches = make_batches(tables, 10, seed=3)
+    if kind == "emb_cache":
+        model, opt = build(tables, window_minimum(tables, batches), SGD(lr=0.5))
+        pipe = EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1)
+    else:
+        model, opt = build(tables, None, SGD(lr=0.5), cached=False)
+        pipeline = TrainPipelineBase if kind == "base" else TrainPipelineSparseDist
+        pipe = pipeline(model, opt, device_threads=1)
+    with pipe:
+        fed = batches[:6] + [_Unmovable(batches[6])] + batches[6:]
+        it, outputs = iter(fed), []
+        with pytest.raises(TypeError, match=r"a batch must have \.to\(device, non_blocking=\.\.\.\).*got _Unmovable"):
+            while True:
+                in_flight = pipe.pipeline.in_flight()
+                outputs.append(pipe.progress(it))
+        assert outputs and pipe.pipeline.in_flight() == in_flight  # refused before it entered
+        outputs += drain(pipe, it)
+    _, _, ref_outputs = reference_run(tables, batches, SGD(lr=0.5))
+    assert_same_outputs(outputs, ref_outputs)

@@ -187,6 +187,15 @@ class _ReadyPipeline:
         self._backend = get_backend(self.device)
         self.steps_done = 0
 
+    @staticmethod
+    def _check_movable(batch: Any) -> None:
+        """TypeError, before the batch enters, for one the copy stage could not move: otherwise
+        it fails on the copy worker, after the pipeline took it (and the batch behind it)."""
+        if not callable(getattr(batch, "to", None)):
+            raise TypeError(f"a batch must have .to(device, non_blocking=...) (TorchRec's Pipelineable, or a "
+                            f"tensor), got {type(batch).__name__}; wrap a tuple or dict of tensors in a class "
+                            "with a .to() that moves each one")
+
     def _h2d(self, item: _Item) -> _Item:
         item.device_batch = item.batch.to(self.device, non_blocking=True)
         event = self._backend.new_event()
@@ -288,7 +297,7 @@ class TrainPipelineBase(_ReadyPipeline):
         self.pipeline = StagedPipeline(
             [PipelineStage("h2d", _weakly(self._h2d_batch), "copy"),
              PipelineStage("train", _weakly(self._train), "device")],
-            device=self.device, host_threads=0, device_threads=device_threads)
+            device=self.device, host_threads=0, device_threads=device_threads, admit=self._check_movable)
 
 
 class TrainPipelineSparseDist(_ReadyPipeline):
@@ -313,7 +322,8 @@ class TrainPipelineSparseDist(_ReadyPipeline):
             [PipelineStage("h2d", _weakly(self._h2d_batch), "copy"),
              PipelineStage("input_dist", _weakly(self._dist), "host"),
              PipelineStage("train", _weakly(self._train), "device")],
-            device=self.device, host_threads=host_threads, device_threads=device_threads)
+            device=self.device, host_threads=host_threads, device_threads=device_threads,
+            admit=self._check_movable)
 
     def _dist(self, item: _Item) -> _Item:
         if self._input_dist is not None:
@@ -673,6 +683,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     def _check_batch(self, batch: Any) -> None:
         if not hasattr(batch, "sparse_features"):
             raise TypeError(f"EmbCacheTrainPipeline batches need .sparse_features, got {type(batch).__name__}")
+        self._check_movable(batch)
         if self._sharding is None:
             check_features(batch.sparse_features, self.collection)
         else:
