@@ -1088,6 +1088,25 @@ def test_profiler_sees_labelled_tasks_from_worker_threads():
     assert "stage 0 F mb 0" in names and "stage 2 F mb 1" in names
 
 
+@pytest.mark.parametrize("activities, error, words", [
+    ("cpu", TypeError, r"activities must be a list of torch\.profiler\.ProfilerActivity .*got str: 'cpu'"),
+    (["cpu"], TypeError, r"ProfilerActivity members .*got 'cpu'"),
+    ([], ValueError, "at least one torch.profiler.ProfilerActivity"),
+])
+def test_profiler_activities_of_the_wrong_kind_are_named(activities, error, words):
+    # Review: torch answered these with a bare AssertionError ("No valid profiler activities found").
+    with pytest.raises(error, match=words):
+        torchpipe.profiling.profile(activities=activities)
+
+
+def test_profiler_activities_may_be_any_iterable_read_once():
+    cpu = torch.profiler.ProfilerActivity.CPU
+    with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
+        with torchpipe.profiling.profile(activities=(a for a in [cpu])) as prof:
+            pipe(torch.randn(4, 8)).sum().backward()
+    assert "stage 2 F mb 1" in {event.name for event in prof.events()}
+
+
 @pytest.mark.parametrize("profiler", [torch.profiler.profile, torch.autograd.profiler.profile])
 def test_a_profiler_that_records_the_caller_only_is_named_once(monkeypatch, profiler):
     # A plain profiler drops every event of the worker threads; the user is told what records them.

@@ -8,7 +8,7 @@ schedule.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, List
 
 import torch
 
@@ -23,6 +23,28 @@ def profile(**kwargs: Any) -> "torch.profiler.profile":
     object is read-only, so an ``experimental_config`` of your own is passed on unchanged:
     build it with ``profile_all_threads=True``, or the trace shows the calling thread only.
     """
+    if kwargs.get("activities") is not None:
+        kwargs["activities"] = _checked_activities(kwargs["activities"])
     if kwargs.get("experimental_config") is None:
         kwargs["experimental_config"] = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     return torch.profiler.profile(**kwargs)
+
+
+def _checked_activities(activities: Any) -> List["torch.profiler.ProfilerActivity"]:
+    """torch answers a string, or a list of strings, with a bare ``AssertionError`` ("No valid
+    profiler activities found"): say what it takes instead, before anything is recorded."""
+    if activities is None:
+        return
+    kinds = list(torch.profiler.ProfilerActivity.__members__)
+    if isinstance(activities, (str, bytes)) or not hasattr(activities, "__iter__"):
+        raise TypeError(f"activities must be a list of torch.profiler.ProfilerActivity (one of {kinds}), "
+                        f"got {type(activities).__name__}: {activities!r}")
+    given = list(activities)
+    wrong = [a for a in given if not isinstance(a, torch.profiler.ProfilerActivity)]
+    if wrong:
+        raise TypeError(f"activities must be torch.profiler.ProfilerActivity members (one of {kinds}), "
+                        f"got {wrong[0]!r}")
+    if not given:
+        raise ValueError("activities must name at least one torch.profiler.ProfilerActivity, got an empty "
+                         "collection (leave it out for every kind the machine supports)")
+    return given
