@@ -103,6 +103,19 @@ def test_an_unwritable_json_path_is_refused_before_any_suite_runs(tmp_path, caps
     assert parse_args(["overhead", "--json", str(tmp_path / "new" / "out.json")]).json  # folders are made later
 
 
+def test_a_json_path_in_a_folder_that_takes_no_files_is_refused_up_front(tmp_path, capsys, monkeypatch):
+    # Review: /proc passed the permission check (root may "write" there) and failed after the suites ran.
+    import tempfile
+
+    def no_files(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_files)
+    with pytest.raises(SystemExit):
+        parse_args(["overhead", "--json", str(tmp_path / "new" / "out.json")])
+    assert f"cannot write in {tmp_path} (Read-only file system)" in capsys.readouterr().err
+
+
 def test_stage_ms_sets_the_simulated_latency():
     from torchpipe.bench.registry import Options
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 import operator
 import os
+import tempfile
 from numbers import Real
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["as_int", "check_bool", "check_file_path", "check_nonnegative_int", "check_positive_int", "check_real"]
+__all__ = ["as_int", "check_bool", "check_file_path", "check_nonnegative_int", "check_positive_int", "check_real",
+           "why_unwritable"]
 
 
 def as_int(value: Any) -> Optional[int]:
@@ -84,3 +86,28 @@ def check_file_path(path: Any, what: str) -> None:
     and closing it would close the caller's file, or stdout."""
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"{what} takes a file path (str or os.PathLike), got {type(path).__name__}: {path!r}")
+
+
+def why_unwritable(path: str, *, folder: bool) -> Optional[str]:
+    """Why ``path`` (a file to write, or with ``folder=True`` a folder to make and write in)
+    cannot be written, or None: for a command line to refuse an output path at once, not
+    after minutes of work. Missing folders are fine (the writer makes them); the nearest one
+    that exists must take a new file, so a read-only file system or ``/proc`` is caught too."""
+    target = os.path.abspath(path)
+    if folder and os.path.exists(target) and not os.path.isdir(target):
+        return "is a file; give a folder"
+    if not folder and os.path.isdir(target):
+        return "is a folder; give a file name, such as out/results.json"
+    if not folder and os.path.exists(target) and not os.access(target, os.W_OK):
+        return "is a file that cannot be written"
+    nearest = target if folder else os.path.dirname(target)
+    while not os.path.exists(nearest):
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        return f"{nearest} is a file, so no folder can be made there"
+    try:
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as error:
+        return f"cannot write in {nearest} ({error.strerror or error})"
+    return None

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..checks import why_unwritable
 from .registry import STAGE_MS_SUITES, SUITES, Options
 from .report import SuiteResult, environment, print_suite, results_document, write_json
 
@@ -33,24 +34,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.stage_ms is not None and args.suite not in (*STAGE_MS_SUITES, "all"):
         parser.error(f"--stage-ms applies to the {' and '.join(STAGE_MS_SUITES)} suites only, not to {args.suite!r}")
     if args.json is not None:
-        problem = _unwritable(args.json)
+        problem = why_unwritable(args.json, folder=False)
         if problem:  # now, not after the first suite has run for minutes
             parser.error(f"--json {args.json}: {problem}")
     return args
-
-
-def _unwritable(path: str) -> Optional[str]:
-    """Why ``path`` cannot take the JSON results (write_json makes missing folders), or None."""
-    if os.path.isdir(path):
-        return "is a folder; give a file name, such as out/results.json"
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        return f"{folder} is a file, so no folder can be made there"
-    if not os.access(folder, os.W_OK):
-        return f"cannot write in {folder}"
-    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..checks import why_unwritable
 from . import dlrm, mlp, unet
 
 
@@ -16,6 +17,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (one GPipe and one 1F1B step), got {args.steps}")
+    problem = why_unwritable(args.out, folder=True)
+    if problem:  # now, not after the MLP demo trained
+        parser.error(f"--out {args.out}: {problem}")
     os.makedirs(args.out, exist_ok=True)
     mlp.run(args.out, steps=args.steps)
     unet.run()
