@@ -148,3 +148,35 @@ def test_rebuild_keeps_a_subclass_built_either_way_and_never_changes_the_items()
     max_out = torch.randn(3, 2).max(dim=1)
     rebuilt = rebuild(max_out, [a, b])
     assert type(rebuilt) is type(max_out) and rebuilt.values is a and rebuilt.indices is b
+
+
+def _jagged(*lengths: int, width: int = 4) -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.randn(n, width) for n in lengths], layout=torch.jagged)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: torch.randn(4, 3).to_sparse(), "a torch.sparse_coo tensor"),
+    (lambda: torch.randn(4, 3).to_sparse_csr(), "a torch.sparse_csr tensor"),
+    (lambda: torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(3, 3)]), "a nested tensor of layout torch.strided"),
+])
+def test_a_layout_chunk_cannot_split_is_refused_naming_it_and_chunks_1_passes_it(make, words):
+    # Review: torch's dispatcher dump ("Could not run 'aten::as_strided' with ... 'SparseCPU'") or
+    # "Sparse CSR tensors do not have strides" came out of the split.
+    x = make()
+    with pytest.raises(ValueError, match=f"chunks=2 splits the input along dim 0, but it is {words}.*chunks=1"):
+        scatter(x, 2)
+    with pytest.raises(ValueError, match=f"item 1 of the input along dim 0, but it is {words}"):
+        scatter((torch.randn(x.size(0), 3), x), 2)
+    assert scatter(x, 1)[0].value is x
+    kept = scatter((torch.randn(4, 3), x), 2, (0, None))  # passed whole to every micro-batch
+    assert all(b[1] is x for b in kept)
+
+
+def test_a_jagged_nested_tensor_splits_at_dim_0_but_its_output_is_not_joined():
+    x = _jagged(2, 3, 1, 4)
+    parts = scatter(x, 2)
+    assert [p.tensor.size(0) for p in parts] == [2, 2]
+    for p, rows in zip(parts, [(2, 3), (1, 4)]):
+        assert [t.size(0) for t in p.tensor.unbind()] == list(rows)
+    with pytest.raises(TypeError, match=r"nested tensor \(torch.jagged\) per micro-batch.*to_padded_tensor"):
+        gather(parts)

@@ -1009,3 +1009,39 @@ def test_a_micro_batch_output_that_lost_its_batch_dim_is_a_clear_value_error(dim
         with pytest.raises(ValueError, match=r"is a tensor of shape \((3, )?2,?\) in one micro-batch and a tensor of "
                                              r"shape \((3,)?\) in another"):
             pipe(x)
+
+
+class MeanOverRows(nn.Module):
+    """Pools each sample of a jagged nested tensor (variable rows) to one row."""
+
+    def forward(self, x):
+        return torch.stack([sample.mean(0) for sample in x.unbind()]) if x.is_nested else x
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+def test_a_jagged_nested_input_splits_at_dim_0_and_trains_like_the_plain_model(checkpoint):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, H), nn.Tanh(), MeanOverRows(), nn.Linear(H, C)).double()
+    reference = copy.deepcopy(model)
+    x = torch.nested.nested_tensor([torch.randn(n, D, dtype=torch.float64) for n in (2, 3, 1, 4, 2)],
+                                   layout=torch.jagged)
+    with Pipe(model, [2, 2], chunks=3, checkpoint=checkpoint) as pipe:
+        out = pipe(x)
+        out.pow(2).sum().backward()
+    expected = reference(x)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)  # BLAS blocks rows by count
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_a_sparse_input_with_chunks_above_1_is_refused_before_any_layer_runs():
+    calls = []
+    model = nn.Sequential(nn.Identity(), nn.Identity())
+    model[0].register_forward_pre_hook(lambda *args: calls.append(1))
+    with Pipe(model, [1, 1], chunks=2) as pipe:
+        with pytest.raises(ValueError, match="but it is a torch.sparse_coo tensor"):
+            pipe(torch.randn(4, 3).to_sparse())
+        with pytest.raises(ValueError, match="but it is a torch.sparse_coo tensor"):
+            pipe.step(torch.randn(4, 3).to_sparse(), torch.randn(4, 3), nn.MSELoss())
+    assert not calls

@@ -255,12 +255,32 @@ def scatter(input: TensorOrTensors, chunks: int, batch_dim: BatchDim = 0) -> Lis
     batch_size(input, batch_dim)
     if chunks == 1:
         return [Batch(input)]
+    _check_splittable(input, batch_dim, chunks)
     if isinstance(input, Tensor):
         return [Batch(part) for part in input.chunk(chunks, batch_dim if isinstance(batch_dim, int) else batch_dim[0])]
     dims = _item_dims(input, batch_dim, "batch_dim", "input")
     pieces = [v.chunk(chunks, d) if d is not None else None for v, d in zip(input, dims)]
     count = min(len(p) for p in pieces if p is not None)
     return [Batch(rebuild(input, [p[i] if p is not None else v for p, v in zip(pieces, input)])) for i in range(count)]
+
+
+def _check_splittable(input: TensorOrTensors, batch_dim: BatchDim, chunks: int) -> None:
+    """ValueError naming a split item of a layout ``Tensor.chunk`` cannot cut along its batch
+    dim (sparse, or a nested tensor other than a jagged one at dim 0), instead of torch's
+    dispatcher dump from inside the split."""
+    items = (input,) if isinstance(input, Tensor) else input
+    for i, (item, dim) in enumerate(zip(items, _item_dims(input, batch_dim, "batch_dim", "input"))):
+        if dim is None:
+            continue
+        jagged_at_0 = item.is_nested and item.layout == torch.jagged and dim % item.dim() == 0
+        if item.layout == torch.strided and not item.is_nested or jagged_at_0:
+            continue
+        where = "the input" if isinstance(input, Tensor) else f"item {i} of the input"
+        kind = f"a nested tensor of layout {item.layout}" if item.is_nested else f"a {item.layout} tensor"
+        raise ValueError(f"chunks={chunks} splits {where} along dim {dim}, but it is {kind}, which cannot be split "
+                         "there (only strided tensors, and jagged nested tensors at dim 0, can); convert it to a "
+                         "strided one (e.g. .to_dense()), give it batch_dim None in a tuple to pass it whole to "
+                         "every micro-batch, or use chunks=1")
 
 
 def samples(batch: Batch, batch_dim: BatchDim = 0) -> int:
@@ -288,6 +308,12 @@ def why_not_gatherable(output: Batch, batch_dim: BatchDim = 0) -> Optional[str]:
     is a ValueError (TypeError: an int entry for a non-tensor) raised here.
     """
     dims = _item_dims(output.value, batch_dim, "output_batch_dim", "output")
+    for i, (value, dim) in enumerate(zip(output.values, dims)):
+        if dim is not None and isinstance(value, Tensor) and value.is_nested:
+            where = "the pipeline's output" if output.atomic else f"output {i} of the pipeline"
+            return (f"{where} is a nested tensor ({value.layout}) per micro-batch, and torch cannot concatenate "
+                    "nested tensors along their batch dim; return a padded one (e.g. .to_padded_tensor(0.0)) "
+                    "from the last layer, or use chunks=1")
     if output.atomic:
         tensor, dim = output.tensor, dims[0]
         if tensor.dim() == 0:
