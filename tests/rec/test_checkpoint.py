@@ -255,3 +255,51 @@ def test_reset_parameters_draws_torchrecs_rows_and_fresh_optimizer_state() -> No
         assert all(torch.equal(host.rows, before) for host, before in zip(cached.hosts.values(), rows))
         pipe.flush()
     cached.reset_parameters()
+
+
+class _Ranker(torch.nn.Module):
+    """A model with the cached collection inside and dense layers beside it, as a user has."""
+
+    def __init__(self, ebc: CachedEmbeddingBagCollection) -> None:
+        super().__init__()
+        self.sparse = ebc
+        self.over = torch.nn.Linear(4, 1)
+
+
+def test_distributed_checkpoint_state_dict_helpers_resolve_the_ebc_keys_and_load_them(tmp_path) -> None:
+    # Review: get_model_state_dict walked "sparse.embedding_bags.t0.weight" by attribute and hit
+    # AttributeError: 'CachedEmbeddingBagCollection' object has no attribute 'embedding_bags'.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model, batches = trained_model()
+    ranker = _Ranker(model)
+    state = get_model_state_dict(ranker)
+    assert sorted(state) == ["over.bias", "over.weight", "sparse.embedding_bags.t0.weight",
+                             "sparse.embedding_bags.t1.weight"]
+    assert torch.equal(state["sparse.embedding_bags.t1.weight"], model.full_weight("t1"))
+    fresh = _Ranker(CachedEmbeddingBagCollection(make_tables(), 16, optimizer=RowWiseAdagrad(lr=0.5)))
+    fresh.sparse(batches[0])  # rows cached already: the load must reach them too
+    dcp.save(state, checkpoint_id=tmp_path)  # through the disk, as a user's checkpoint goes
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_model_state_dict(fresh, state)
+    state = get_model_state_dict(ranker)
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in state.items())
+    with torch.no_grad():
+        assert torch.equal(fresh.sparse(batches[1]).values(), model(batches[1]).values())
+
+
+def test_embedding_bags_reads_each_table_as_torchrec_names_it_as_a_flushed_copy() -> None:
+    model, batches = trained_model()
+    bags = model.embedding_bags
+    assert list(bags) == ["t0", "t1"] and len(bags) == 2
+    weight = bags["t0"].weight
+    assert torch.equal(weight, model.state_dict()["embedding_bags.t0.weight"])
+    assert torch.equal(bags.t1.weight, model.full_weight("t1"))
+    weight.zero_()  # a copy: the table is unchanged
+    assert not torch.equal(model.full_weight("t0"), weight)
+    with pytest.raises(KeyError, match=r"no table named 'tx'; the tables are \['t0', 't1'\]"):
+        bags["tx"]
+    with pytest.raises(AttributeError, match="no table named 'tx'"):
+        bags.tx

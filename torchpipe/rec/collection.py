@@ -36,6 +36,7 @@ from .host_table import HostEmbeddingTable
 from .optim import FusedOptimizerAttribute, RowOptimizer, check_row_optimizer
 from .portable import fresh_locks, in_use_error, state_without_locks
 from .swap_plan import SwapPlan
+from .table_view import EmbeddingBagsView
 
 __all__ = ["CachedEmbeddingBagCollection", "BatchPlan", "mark_pipeline_hook"]
 
@@ -467,6 +468,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         if host is None:
             raise KeyError(f"no table named {table!r}; the tables are {list(self.hosts)}")
         return host
+
+    @property
+    def embedding_bags(self) -> EmbeddingBagsView:
+        """TorchRec's path to the tables (``embedding_bags[name].weight``, its state_dict keys):
+        each ``weight`` a flushed copy, so ``torch.distributed.checkpoint`` resolves the keys."""
+        return EmbeddingBagsView(list(self.hosts), self.full_weight)
 
     def full_weight(self, table: str) -> torch.Tensor:
         """A copy of the whole table's embeddings, flushed."""
