@@ -103,6 +103,40 @@ _state_lock = threading.Lock()
 _always_locked: Set[int] = set()
 
 
+# Per generator (by id): how many of torchpipe's sections that may move it for good (unseeded
+# ones, and step-seed draws) have ended. A reproducible call that sees this count change
+# cannot tell another pipeline's draws from stray ones of its own (see pipe._shared_generators).
+_unrestored_sections: Dict[int, int] = {}
+
+
+def unrestored_sections(generator: torch.Generator) -> int:
+    """How many sections that may have drawn from ``generator`` for good have ended so far."""
+    return _unrestored_sections.get(id(generator), 0)
+
+
+def settled_state(generator: torch.Generator) -> Tuple[torch.Tensor, int]:
+    """``generator``'s state and `unrestored_sections` count, read under its lock: with no
+    section of torchpipe's half way through its draws (a seeded one not yet given its state
+    back, an unseeded one not yet counted)."""
+    section = enter_rng_section(generator, _lock_for(generator))
+    try:
+        return _get_state(generator), unrestored_sections(generator)
+    finally:
+        leave_rng_section(section)
+
+
+def _count_unrestored(generator: torch.Generator) -> None:
+    """Called holding ``generator``'s lock, or where no other thread shares it."""
+    _unrestored_sections[id(generator)] = _unrestored_sections.get(id(generator), 0) + 1
+
+
+def lock_for_good(generator: torch.Generator) -> None:
+    """Every later forward of a checkpointing or reproducible step on ``generator`` holds its
+    lock (and is seeded, in a reproducible step), RNG-free or not: where a partition seen not
+    to draw was caught drawing after all."""
+    _always_locked.add(id(generator))
+
+
 class RNGReplayError(RuntimeError):
     """A recompute drew other random numbers than its forward: its gradients would be wrong.
 
@@ -166,6 +200,7 @@ def draw_step_seed() -> int:
     generator = torch.default_generator
     section = enter_rng_section(generator, _lock_for(generator))
     try:
+        _count_unrestored(generator)
         return int(torch.randint(0, 1 << 62, (1,), generator=generator).item())
     finally:
         leave_rng_section(section)
@@ -270,6 +305,8 @@ class _ForwardSection:
             if self.outside is not None:
                 _set_state(self.guard.generator, self.outside)
                 self.outside = None
+            elif self.section is not None:  # unseeded, under the lock: its draws stay
+                _count_unrestored(self.guard.generator)
         finally:
             leave_rng_section(self.section)
             self.section = None
@@ -353,7 +390,7 @@ class _RecomputeContext:
                 mismatch = exc_type is None and _replay_differs(replay, _get_state(generator))
                 _set_state(generator, self.saved)
                 if mismatch:
-                    _always_locked.add(id(generator))
+                    lock_for_good(generator)
                     raise RNGReplayError(
                         f"{replay.guard.name}: its recompute drew other random numbers than its forward on the "
                         f"{replay.guard.device.type} generator, because another thread drew from that generator "

@@ -11,6 +11,7 @@ import functools
 import operator
 import re
 import sys
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from .call_chain import current as current_chain
 from .call_chain import holds_rng_section
 from .call_lock import CallLock
-from .checkpoint import draw_step_seed, generator_state, is_checkpointing
+from .checkpoint import draw_step_seed, generator_state, is_checkpointing, lock_for_good, settled_state
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward, seed_rng
@@ -37,8 +38,8 @@ from .state_keys import check_not_renumbered, retired_pipe_state_dict
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import Upstream, microbatch_weights, scalar_loss, split_targets
 from .step_report import StepReport, report
-from .thread_state import (in_torch_checkpoint, records_graphs, refuse_untransferable_state,
-                           warn_if_the_profiler_records_this_thread_only)
+from .thread_state import (first_frame_outside_torchpipe, in_torch_checkpoint, records_graphs,
+                           refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only)
 from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, available_cores, spawn_workers, stop_workers
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
@@ -117,6 +118,43 @@ def _watched_generators(stages: Sequence[StageRunner]) -> List[Tuple[torch.Gener
 
 def _moved(watched: List[Tuple[torch.Generator, Tensor]]) -> bool:
     return any(not torch.equal(generator_state(g), before) for g, before in watched)
+
+
+Watch = Tuple[torch.Generator, Tensor, int]
+
+
+def _shared_generators(stages: Sequence[StageRunner]) -> List[Watch]:
+    """The generators several partitions share, with their states now and the count of
+    torchpipe's sections that moved them so far: a reproducible call's seeded forwards give
+    each its state back, so one that moved by the call's end, while no other pipeline's
+    section drew from it, was drawn from outside them (see `_warn_unseeded_draws`)."""
+    shared = {id(g.generator): g.generator for stage in stages for g in stage.rng.guards if g.lock is not None}
+    return [(g, *settled_state(g)) for g in shared.values()]
+
+
+def _warn_unseeded_draws(watched: List[Watch]) -> None:
+    """After a reproducible call: a shared generator that moved was drawn from outside every
+    seeded forward, in thread order, so seeded runs may differ from here on. Say so, and seed
+    every later forward on it (they then run one at a time, as under a replay error). Not
+    checked where another pipeline's unseeded section or step seed drew meanwhile: those
+    draws are torchpipe's own, made under the lock, and cannot be told apart."""
+    moved = []
+    for generator, before, sections in watched:
+        now, sections_now = settled_state(generator)
+        if sections_now == sections and not torch.equal(now, before):
+            moved.append(generator)
+    if not moved:
+        return
+    for generator in moved:
+        lock_for_good(generator)
+    kinds = sorted({g.device.type for g in moved})
+    warnings.warn(
+        f"reproducible=True: the {' and '.join(kinds)} random generator moved during this call outside its seeded "
+        "forwards: a partition seen not to draw in the step's first forward drew on a later micro-batch (dropout on "
+        "some micro-batches only, a layer compiling), or another thread drew from the generator meanwhile. Those "
+        "draws followed the threads' order, so a seeded run may not repeat itself from this call on. Every later "
+        "forward on that generator is seeded (one at a time); to repeat from the start, make such a layer draw on "
+        "every micro-batch", RuntimeWarning, stacklevel=first_frame_outside_torchpipe())
 
 
 _OWN_ATTRIBUTES = ("balance", "devices", "chunks", "checkpoint", "_chunks", "_checkpoint", "deferred_batch_norm",
@@ -966,8 +1004,10 @@ class Pipe(nn.Module):
             self.last_memory = None  # set again by a step that completes
             without_grad = [t for t in step_leaves if t.grad is None]
         self._prepare_batch_norm(plan.num_microbatches)
+        shared: List[Watch] = []
         if self.reproducible:
             seed_rng(context, draw_step_seed())  # before the watch below: a draw made in order
+            shared = _shared_generators(self._stages)
         if context.rng_sections:
             for stage in self._stages:
                 stage.rng.begin_step()
@@ -1000,6 +1040,8 @@ class Pipe(nn.Module):
                     "Use checkpoint='never' around it, one partition here, reproducible=True on this Pipe (its draws then "
                     "follow no thread order), or no randomness (dropout) in it"
                 )
+            if shared:
+                _warn_unseeded_draws(shared)
             if grad_round is not None:  # under the lock: the next step must not add to .grad meanwhile
                 grad_round.finish(failed=not any(context.loss_has_graph))  # step() raises for that case
             return results
