@@ -176,6 +176,16 @@ def bad_kjt(case: str, good: KeyedJaggedTensor) -> KeyedJaggedTensor:
         lengths = lengths.clone()
         lengths[0], lengths[1] = lengths[0] + lengths[1] + 1, -1
         return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+    elif case in ("stale_length_per_key", "stale_offset_per_key"):  # one key counted in the next feature
+        counts = list(good.length_per_key())
+        moved = next(k for k, count in enumerate(counts[:-1]) if count > 0)
+        counts[moved], counts[moved + 1] = counts[moved] - 1, counts[moved + 1] + 1
+        if case == "stale_length_per_key":
+            return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, length_per_key=counts)
+        offsets = [0]
+        for count in counts:
+            offsets.append(offsets[-1] + count)
+        return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, offset_per_key=offsets)
     elif case == "too_many_keys":  # every row of table t0 (40) in one batch: more than the cache holds
         samples = good.stride()
         values = torch.cat([torch.arange(40), torch.zeros(samples, dtype=torch.int64)])
@@ -202,6 +212,10 @@ def snapshot(model) -> list:
     # batches in flight were dropped with them.
     ("negative_length", RecInputError, "lengths must be >= 0"),
     ("too_many_keys", CacheTooSmallError, r"cache_rows=\d+, keys requested by this batch=40"),
+    # Review (s30): the values were split by the cached counts, the bags by the lengths: keys
+    # went into another feature's bags silently (one table), or the lookup failed late.
+    ("stale_length_per_key", RecInputError, r"length_per_key \[.*\] disagrees with its lengths"),
+    ("stale_offset_per_key", RecInputError, r"offset_per_key \[.*\] disagrees with its lengths"),
 ])
 def test_bad_input_is_refused_before_any_state_change(case: str, error: type, words: str) -> None:
     tables = make_tables()

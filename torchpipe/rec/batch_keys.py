@@ -300,6 +300,33 @@ def _check_jagged_structure(kjt: KeyedJaggedTensor, given: list[str]) -> None:
     total = int(lengths.sum()) if bags else 0
     if total != values.numel():
         raise RecInputError(f"the batch's lengths add up to {total} keys, but its values hold {values.numel()}")
+    _check_cached_key_counts(kjt, given, lengths, bags_per_feature)
+
+
+def _check_cached_key_counts(kjt: KeyedJaggedTensor, given: list[str], lengths: torch.Tensor,
+                             bags_per_feature: list[int]) -> None:
+    """A KJT built with ``length_per_key=`` or ``offset_per_key=`` keeps them as given, and
+    ``to_dict()`` and ``kjt[feature]`` split the values by them, not by the lengths: counts that
+    disagree with the lengths move keys into another feature's bags (silently, where both
+    features feed one table). TorchRec's EBC refuses such a batch in its lookup."""
+    cached_lengths, cached_offsets = kjt.length_per_key_or_none(), kjt.offset_per_key_or_none()
+    if (cached_lengths is None and cached_offsets is None) or not given:
+        return
+    if len(set(bags_per_feature)) == 1:  # one batch size: one sum over a [features, bags] view
+        counts = lengths.view(len(given), bags_per_feature[0]).sum(1).tolist()
+    else:
+        counts = [int(part.sum()) for part in torch.split(lengths, bags_per_feature)]
+    if cached_lengths is not None and list(cached_lengths) != counts:
+        raise RecInputError(f"the batch's length_per_key {list(cached_lengths)} disagrees with its lengths, which "
+                            f"give {dict(zip(given, counts))} keys per feature; build the KeyedJaggedTensor without "
+                            "length_per_key= (it is computed from the lengths) or with the right counts")
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count)
+    if cached_offsets is not None and list(cached_offsets) != offsets:
+        raise RecInputError(f"the batch's offset_per_key {list(cached_offsets)} disagrees with its lengths, which "
+                            f"give offsets {offsets} ({dict(zip(given, counts))} keys per feature); build the "
+                            "KeyedJaggedTensor without offset_per_key= or with the right offsets")
 
 
 def _bags_per_feature(kjt: KeyedJaggedTensor, given: list[str]) -> list[int]:
