@@ -165,3 +165,26 @@ def test_a_micro_batch_typo_says_where_the_inferred_count_came_from() -> None:
         Plan.from_lists("typo", [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F2", "1B1"]])
     with pytest.raises(InvalidPlanError, match=r"missing action 0F2 \(every stage runs F for every micro-batch\)$"):
         Plan.from_lists("typo", [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F2", "1B1"]], num_microbatches=3)
+
+
+def _moved(lists, action: str, to: int):
+    """``lists`` with ``action`` taken from its worker and appended to worker ``to``'s list."""
+    moved = [[a for a in acts if a != action] for acts in lists]
+    moved[to].append(action)
+    return moved
+
+
+def test_a_stray_action_of_a_v_shaped_plan_is_the_one_named() -> None:
+    # Review (s30): a stage named on two workers fell back to Megatron's s % workers, which in a
+    # V shape (stage 3 on worker 0 of 2) blamed a correctly placed action, 3F0.
+    lists = [[str(a) for a in acts] for acts in build("zb-v", 4, 3).worker_actions]
+    with pytest.raises(InvalidPlanError, match=r"action 3W2 is on worker 1, but stage 3 belongs to worker 0 "
+                                               r"\(which holds 8 of its 9 actions\)"):
+        Plan.from_lists("stray", _moved(lists, "3W2", 1))
+
+
+def test_an_action_repeated_on_another_worker_is_called_a_duplicate() -> None:
+    lists = [[str(a) for a in acts] for acts in build("zb-v", 4, 3).worker_actions]
+    lists[1].append("3F0")
+    with pytest.raises(InvalidPlanError, match="duplicate action 3F0: on worker 1 and on worker 0, which owns stage 3"):
+        Plan.from_lists("twice", lists)

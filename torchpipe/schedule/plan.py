@@ -37,19 +37,29 @@ def _is_idle(entry: Any) -> bool:
 
 
 def _inferred_placement(worker_actions: Sequence[Sequence[Action]], num_stages: int) -> tuple[int, ...]:
-    """Each stage on the one worker whose list names it; Megatron's ``s % workers`` otherwise.
+    """Each stage on the worker whose list names it most often; Megatron's ``s % workers``
+    for a stage no list names, or to break a tie.
 
-    A stage named on several workers keeps Megatron's worker, so validation names the
-    action that is on the wrong one.
+    A stage named on several workers (an action moved by hand, a duplicate) keeps the
+    worker that holds most of its actions, so validation names the stray action, whatever
+    the layout (a V shape too, where Megatron's rule would blame the right ones).
     """
-    owners: dict[int, set[int]] = {}
+    counts: dict[int, dict[int, int]] = {}
     for worker, acts in enumerate(worker_actions):
         for act in acts:
-            owners.setdefault(act.stage, set()).add(worker)
+            per_worker = counts.setdefault(act.stage, {})
+            per_worker[worker] = per_worker.get(worker, 0) + 1
     workers = len(worker_actions)
-    return tuple(
-        next(iter(owners[s])) if len(owners.get(s, ())) == 1 else s % workers for s in range(num_stages)
-    )
+
+    def owner(stage: int) -> int:
+        per_worker = counts.get(stage)
+        if not per_worker:
+            return stage % workers
+        most = max(per_worker.values())
+        tied = [w for w, n in per_worker.items() if n == most]
+        return stage % workers if stage % workers in tied else min(tied)
+
+    return tuple(owner(s) for s in range(num_stages))
 
 
 @dataclass(frozen=True)

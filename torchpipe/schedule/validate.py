@@ -77,15 +77,24 @@ def _check_placement(plan: "Plan") -> dict[Action, tuple[int, int]]:
                 )
             owner = plan.stage_to_worker[act.stage]
             if owner != w:
-                raise InvalidPlanError(
-                    f"action {act} is on worker {w}, but stage {act.stage} belongs to worker {owner}"
-                )
+                raise InvalidPlanError(_misplaced(plan, act, w, owner))
             if act in where:
                 raise InvalidPlanError(
                     f"duplicate action {act} on worker {w} (positions {where[act][1]} and {i})"
                 )
             where[act] = (w, i)
     return where
+
+
+def _misplaced(plan: "Plan", act: Action, worker: int, owner: int) -> str:
+    """What is wrong with ``act`` on ``worker`` when its stage is ``owner``'s: a duplicate of an
+    action the owner has, or a stray one, with where the stage's actions are."""
+    if act in plan.worker_actions[owner]:
+        return f"duplicate action {act}: on worker {worker} and on worker {owner}, which owns stage {act.stage}"
+    held = sum(a.stage == act.stage for a in plan.worker_actions[owner])
+    total = sum(a.stage == act.stage for acts in plan.worker_actions for a in acts)
+    return (f"action {act} is on worker {worker}, but stage {act.stage} belongs to worker {owner} "
+            f"(which holds {held} of its {total} actions)")
 
 
 def _check_completeness(plan: "Plan", where: dict[Action, tuple[int, int]]) -> None:
