@@ -90,7 +90,10 @@ def _unchecked(name, lists, stages, microbatches):
     # A plan that does not fit this Pipe is an InvalidPlanError (a ValueError), as the guide says.
     (build("1f1b", 3, 4), {}, 8, 4, InvalidPlanError, "plan '1f1b' has 3 stages, but this Pipe has 2 partitions"),
     (build("1f1b", 2, 4), {}, 3, 4, InvalidPlanError,
-     r"plan '1f1b' is for 4 micro-batches, but this batch splits into 3 \(chunks=4"),
+     r"plan '1f1b' is for 4 micro-batches, but this batch splits into 3 \(chunks=4.*pass a batch that gives 4"),
+    # Review (s30): the advice was a batch that gives 3, which chunks=2 never splits into.
+    (build("1f1b", 2, 3), {}, 300, 2, InvalidPlanError,
+     r"is for 3 micro-batches, but this batch splits into 2 \(chunks=2, Tensor.chunk rules\); set pipe.chunks = 3"),
     (build("gpipe", 2, 4, backward=False), {}, 8, 4, InvalidPlanError, "plan 'gpipe' has no backward actions"),
     (build("1f1b", 2, 4), {"virtual_stages": 2}, 8, 4, TypeError, r"options \['virtual_stages'\] configure a named"),
     (_unchecked("holes", [["0F0", "0B0"], ["1F0"]], 2, 1), {}, 2, 1, InvalidPlanError, "missing action 1B0"),

@@ -650,10 +650,15 @@ class Pipe(nn.Module):
             raise InvalidPlanError(f"plan {plan.name!r} has {plan.num_workers} workers, but this Pipe has "
                                    f"{partitions} partitions, each with one worker thread")
         if plan.num_microbatches != num_microbatches:
+            wanted = plan.num_microbatches
+            if wanted > self.chunks:  # no batch splits into more than chunks micro-batches
+                advice = f"set pipe.chunks = {wanted} (it may change between steps), or build the plan for " \
+                         f"{num_microbatches}"
+            else:
+                advice = f"build the plan for {num_microbatches}, or pass a batch that gives {wanted}"
             raise InvalidPlanError(
-                f"plan {plan.name!r} is for {plan.num_microbatches} micro-batches, but this batch splits into "
-                f"{num_microbatches} (chunks={self.chunks}, Tensor.chunk rules); build the plan for "
-                f"{num_microbatches}, or pass a batch that gives {plan.num_microbatches}"
+                f"plan {plan.name!r} is for {wanted} micro-batches, but this batch splits into "
+                f"{num_microbatches} (chunks={self.chunks}, Tensor.chunk rules); {advice}"
             )
 
     balance = _built_setting("balance", "Layers per partition, as built (a copy: the split is fixed once the Pipe "
