@@ -197,3 +197,21 @@ def test_a_schedule_whose_own_order_does_not_hold_is_refused_naming_torchs_order
     assert "num_microbatches=" not in str(caught.value)
     gpipe = Plan.from_torch(torch_single_schedule("ScheduleGPipe", 2, 4))  # an order that holds: as before
     assert gpipe.num_microbatches == 4
+
+
+def test_a_csv_with_a_byte_order_mark_or_a_bytes_path_loads(tmp_path) -> None:
+    # Review (s30): a spreadsheet's "CSV UTF-8" export (BOM first) was refused as '\ufeff0F0', and
+    # a bytes path failed on the plan's name taken from it.
+    path = tmp_path / "excel.csv"
+    path.write_bytes("\ufeff0F0,0F1,0B1,0B0\n1F0,1F1,1B1,1B0\n".encode("utf-8"))
+    plan = Plan.load_csv(path)
+    assert plan.name == "excel" and str(plan.worker_actions[0][0]) == "0F0"
+    again = Plan.load_csv(bytes(path))
+    assert again.name == "excel" and again.worker_actions == plan.worker_actions
+
+
+def test_a_csv_that_is_not_utf8_is_named(tmp_path) -> None:
+    path = tmp_path / "latin.csv"
+    path.write_bytes("0F0,0F1\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not a UTF-8 text file")):
+        Plan.load_csv(path)

@@ -127,13 +127,18 @@ def load_csv(path: PathLike, name: Optional[str] = None) -> Plan:
     writes a worker with nothing to do as ``""``, which is kept wherever it stands.
     """
     check_file_path(path, "load_csv")
-    with open(path, newline="") as handle:
-        rows = list(csv.reader(handle))
+    shown = os.fsdecode(os.fspath(path))  # a bytes path too, in messages and the default name
+    try:  # utf-8-sig: a spreadsheet's "CSV UTF-8" export starts with a byte-order mark
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            rows = list(csv.reader(handle))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{shown}: not a UTF-8 text file ({error.reason} at byte {error.start}); a plan CSV "
+                         "holds cells such as 2F0, one row per worker") from None
     while rows and rows[-1] == []:
         rows.pop()
     if name is None:
-        name = os.path.splitext(os.path.basename(os.fspath(path)))[0]
-    return _plan_from_rows(name, rows, f"{os.fspath(path)}: row")
+        name = os.path.splitext(os.path.basename(shown))[0]
+    return _plan_from_rows(name, rows, f"{shown}: row")
 
 
 def save_csv(plan: Plan, path: PathLike) -> None:
