@@ -44,7 +44,9 @@ def bags(keys_a: list[int]) -> dict[str, list[list[int]]]:
 @pytest.mark.parametrize("case, error, words", [
     ("out_of_range", RecInputError, "out of range"),
     ("negative", RecInputError, "out of range"),
-    ("unknown_feature", RecInputError, "unknown feature"),
+    # A feature no table reads is ignored (TorchRec's rule); one in place of a read one is named.
+    ("unknown_feature", RecInputError, r"features \['f1b'\] are missing from the batch \(it has \['zzz'\], which no "
+                                       r"table reads\)"),
     ("missing_feature", RecInputError, "missing"),
     ("float_keys", RecInputError, "int32 or int64"),
     ("too_many_keys", CacheTooSmallError, "cache_rows=4"),
@@ -74,8 +76,8 @@ def test_bad_input_is_refused_before_any_state_change(case: str, error: type, wo
     elif case == "negative":
         kjt = make_kjt(tables, bags([-1]))
     elif case == "unknown_feature":
-        kjt = KeyedJaggedTensor.from_lengths_sync(["f0a", "f0b", "f1a", "f1b", "zzz"], torch.arange(5),
-                                                  torch.ones(10, dtype=torch.int64))
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0a", "f0b", "f1a", "zzz"], torch.arange(4),
+                                                  torch.ones(8, dtype=torch.int64))
     elif case == "missing_feature":
         kjt = KeyedJaggedTensor.from_lengths_sync(["f0a", "f0b", "f1a"], torch.arange(3),
                                                   torch.ones(6, dtype=torch.int64))

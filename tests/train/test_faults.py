@@ -206,7 +206,7 @@ def snapshot(model) -> list:
 
 @pytest.mark.parametrize("case, error, words", [
     ("out_of_range", RecInputError, "out of range"), ("negative", RecInputError, "out of range"),
-    ("float_keys", RecInputError, "int32 or int64"), ("unknown_feature", RecInputError, "unknown feature"),
+    ("float_keys", RecInputError, "int32 or int64"), ("unknown_feature", RecInputError, r"\['f1b'\] are missing .*\['nope'\], which no table reads"),
     ("missing_feature", RecInputError, "missing"),
     # Review: these passed admission and failed two clocks later, in train or plan, and the good
     # batches in flight were dropped with them.

@@ -221,6 +221,9 @@ def starting_rows(configs: list[EmbeddingBagConfig], layouts: list[TableLayout],
 def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
     """Check a batch's KJT against the tables: names, key dtype, per-sample weights, keys in range.
 
+    Every feature a table reads must be there; features no table reads are ignored (TorchRec's
+    rule: one KJT may feed several collections).
+
     Raises `RecInputError` naming what is wrong; reads the batch only, so a caller can run
     it before anything (cache, tables, pipeline) changes.
     """
@@ -231,18 +234,19 @@ def check_kjt(kjt: Any, layouts: list[TableLayout]) -> None:
         for feature in layout.feature_names:
             tables_of.setdefault(feature, []).append(layout)
     given = list(kjt.keys())
-    unknown = [f for f in given if f not in tables_of]
-    if unknown:
-        raise RecInputError(f"unknown feature names {unknown}; the tables have features {list(tables_of)}")
     missing = [f for f in tables_of if f not in given]
     if missing:
-        raise RecInputError(f"features {missing} are missing from the batch")
+        others = [f for f in given if f not in tables_of]
+        also = f" (it has {others}, which no table reads)" if others else ""
+        raise RecInputError(f"features {missing} are missing from the batch{also}")
     if kjt.values().dtype not in (torch.int32, torch.int64):
         raise RecInputError(f"feature values must be int32 or int64 keys, got {kjt.values().dtype}")
     _check_weights(kjt, any(layout.weighted for layout in layouts))
     _check_jagged_structure(kjt, given)
+    # A feature no table reads is left alone, as TorchRec's EBC does: one KJT may feed several
+    # collections. Its structure was checked with the rest (it shares the values and lengths).
     for feature, keys in zip(given, torch.split(kjt.values(), kjt.length_per_key())):
-        if not keys.numel():
+        if not keys.numel() or feature not in tables_of:
             continue
         low, high = (int(bound) for bound in torch.aminmax(keys))
         for layout in tables_of[feature]:

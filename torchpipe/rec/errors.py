@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class RecInputError(ValueError):
-    """A batch the collection cannot look up (unknown feature, bad dtype, key out of range).
+    """A batch the collection cannot look up (a feature missing, bad dtype, key out of range).
 
     Raised by validation, before any cache or table state changes, so the caller can drop
     the batch and go on.
