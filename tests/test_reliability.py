@@ -461,6 +461,56 @@ def test_interrupt_main_in_caller_while_waiting_aborts_and_drains():
     _run_caller_interrupt("interrupt_main")
 
 
+_LOCK_HELD_ELSEWHERE_SCRIPT = textwrap.dedent(
+    """
+    import copy, os, signal, threading, time
+    import torch
+    from torch import nn
+    from torchpipe import Pipe
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    release = threading.Event()
+
+    class Block(nn.Module):
+        def forward(self, x):
+            release.wait()
+            return x
+
+    # A's checkpointing step holds the CPU generator's lock while its stage blocks.
+    a = Pipe(nn.Sequential(nn.Linear(4, 4), Block()), [1, 1], chunks=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    b = Pipe(model, [1, 1], chunks=2)
+    threading.Thread(target=lambda: a(torch.randn(4, 4)), daemon=True).start()
+    time.sleep(0.5)
+    threading.Thread(target=lambda: (time.sleep(30), print("HANG", flush=True), os._exit(3)), daemon=True).start()
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    x = torch.randn(4, 4)
+    try:
+        b(x)
+        print("no KeyboardInterrupt", flush=True)
+    except KeyboardInterrupt:
+        print("caller got KeyboardInterrupt", flush=True)
+    # Its stage's wait for the lock gave up with the step: nothing is left behind in B.
+    print("left behind" if b._runtime._step is not None else "step ended", flush=True)
+    release.set()
+    torch.testing.assert_close(b(x), reference(x))
+    print("pipe works afterwards", flush=True)
+    """
+)
+
+
+def test_ctrl_c_ends_a_stage_waiting_for_a_generator_lock_another_pipeline_holds():
+    # Review (s30): the stage's lock.acquire() could not be woken by the abort, so the step was
+    # left behind after the 10 s grace, and B refused every call until A's layer returned.
+    proc = subprocess.run([sys.executable, "-c", _LOCK_HELD_ELSEWHERE_SCRIPT], capture_output=True, text=True,
+                          timeout=60, env=_cpu_only_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["caller", "got", "KeyboardInterrupt", "step", "ended", "pipe", "works",
+                                   "afterwards"], proc.stdout + proc.stderr
+
+
 # ------------------------------------------------------------------------- thread leaks
 def _new_threads(before):
     return torchpipe_threads() - before

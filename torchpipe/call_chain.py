@@ -20,7 +20,26 @@ from typing import FrozenSet, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["Chain", "current", "adopt", "new_owner", "enter_rng_section", "leave_rng_section", "holds_rng_section"]
+__all__ = ["Cancel", "Chain", "RNGWaitAborted", "current", "adopt", "new_owner", "enter_rng_section",
+           "leave_rng_section", "holds_rng_section"]
+
+# How often a wait for a generator's lock looks whether its step was aborted. The wait itself
+# ends as soon as the lock is free; this only bounds how late an abort is seen.
+_CANCEL_POLL_S = 0.05
+
+
+class Cancel:
+    """Set once the step it belongs to aborts: a wait of that step's work for a generator's
+    lock (held by another pipeline's stage, which may never let go) then gives up."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+
+class RNGWaitAborted(RuntimeError):
+    """A stage's wait for a random generator's lock ended because its step was aborted."""
 
 
 class HeldSection:
@@ -41,16 +60,18 @@ class HeldSection:
 class Chain:
     """The steps a piece of work serves, and the RNG sections it runs inside."""
 
-    __slots__ = ("owners", "rng_locks")
+    __slots__ = ("owners", "rng_locks", "cancels")
 
     def __init__(self, owners: FrozenSet[int] = frozenset(),
-                 rng_locks: Mapping[int, HeldSection] = MappingProxyType({})) -> None:
+                 rng_locks: Mapping[int, HeldSection] = MappingProxyType({}), cancels: Tuple[Cancel, ...] = ()) -> None:
         self.owners = owners
         self.rng_locks = rng_locks
+        self.cancels = cancels  # one per step served: any set aborts this work's lock waits
 
-    def serving(self, owner: int) -> "Chain":
-        """This chain, one level down: work done for step ``owner`` on behalf of this chain's caller."""
-        return Chain(self.owners | {owner}, self.rng_locks)
+    def serving(self, owner: int, cancel: Optional[Cancel] = None) -> "Chain":
+        """This chain, one level down: work done for step ``owner`` (aborted when ``cancel``
+        is set) on behalf of this chain's caller."""
+        return Chain(self.owners | {owner}, self.rng_locks, self.cancels if cancel is None else self.cancels + (cancel,))
 
 
 ROOT = Chain()
@@ -100,16 +121,29 @@ def enter_rng_section(generator: torch.Generator, lock: threading.Lock) -> RNGSe
     outer = chain.rng_locks.get(id(generator))
     held = lock
     if outer is not None:
-        outer.sub_lock.acquire()
+        _acquire(outer.sub_lock, chain.cancels)
         if outer.held:
             held = outer.sub_lock
         else:
             outer.sub_lock.release()
     if held is lock:
-        lock.acquire()
+        _acquire(lock, chain.cancels)
     section = HeldSection()
-    _current.chain = Chain(chain.owners, MappingProxyType({**chain.rng_locks, id(generator): section}))
+    _current.chain = Chain(chain.owners, MappingProxyType({**chain.rng_locks, id(generator): section}), chain.cancels)
     return held, chain, section
+
+
+def _acquire(lock: threading.Lock, cancels: Tuple[Cancel, ...]) -> None:
+    """``lock.acquire()``, given up with `RNGWaitAborted` once a step of ``cancels`` aborts: a
+    worker's wait must end with its step (another pipeline's stage stuck inside its section
+    would otherwise hold this worker, and this pipeline, for as long as it is stuck)."""
+    if not cancels:  # the caller's own thread: a plain wait, which Ctrl-C interrupts
+        lock.acquire()
+        return
+    while not lock.acquire(timeout=_CANCEL_POLL_S):
+        if any(cancel.cancelled for cancel in cancels):
+            raise RNGWaitAborted("this stage's step was aborted while it waited for a random generator's lock, "
+                                 "which another stage (of another pipeline, or a thread of yours) holds")
 
 
 def leave_rng_section(entered: Optional[RNGSection]) -> None:

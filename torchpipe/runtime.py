@@ -405,6 +405,7 @@ class _Step:
             if self.error is None and error is not None:
                 self.error = error
             self.aborted = True
+            self.state.cancel.cancelled = True  # a job waiting for a generator's lock gives up
             for i, lock in enumerate(self.locks):
                 if not self.done[i]:
                     try:

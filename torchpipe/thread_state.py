@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .call_chain import Chain
+from .call_chain import Cancel, Chain
 from .call_chain import current as current_chain
 
 __all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "current_saved_tensors_hooks", "in_torch_checkpoint",
@@ -237,12 +237,14 @@ class ThreadState:
     """
 
     __slots__ = ("grad_enabled", "inference", "autocast", "saved_hooks", "modes", "profiling", "plain", "chain",
-                 "owner")
+                 "owner", "cancel")
 
     def __init__(self, device_types: Sequence[str], owner: Optional[int] = None) -> None:
-        # Whom the jobs work for: the caller's chain, one level down for step ``owner``.
+        # Whom the jobs work for: the caller's chain, one level down for step ``owner``, whose
+        # abort sets ``cancel`` (the jobs' waits for a generator's lock then give up).
         self.owner = owner
-        self.chain: Chain = current_chain() if owner is None else current_chain().serving(owner)
+        self.cancel = Cancel()
+        self.chain: Chain = current_chain() if owner is None else current_chain().serving(owner, self.cancel)
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast: List[Tuple[str, torch.dtype, bool]] = []

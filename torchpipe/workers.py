@@ -392,7 +392,7 @@ class HostPool:
         # caller's sub-lock because the caller waits for them; a host task may outlive the
         # section (its draws would then interleave with the caller's), so it takes the
         # generator's own lock.
-        chain = Chain(state.chain.owners)
+        chain = Chain(state.chain.owners, cancels=state.chain.cancels)
         name = label or getattr(fn, "__name__", "host task")
 
         def compute() -> None:
