@@ -511,6 +511,50 @@ def test_ctrl_c_ends_a_stage_waiting_for_a_generator_lock_another_pipeline_holds
                                    "afterwards"], proc.stdout + proc.stderr
 
 
+_EXIT_WITH_STUCK_STAGES_SCRIPT = textwrap.dedent(
+    """
+    import threading, time
+    import torch
+    from torch import nn
+    import torchpipe.workers
+    from torchpipe import Pipe
+    from torchpipe.train import PipelineStage, StagedPipeline
+    from torchpipe.workers import HostPool
+
+    torchpipe.workers.EXIT_GRACE_S = 0.5
+    never = threading.Event()
+
+    class Stuck(nn.Module):
+        def forward(self, x):
+            never.wait()
+            return x
+
+    pipes = [Pipe(nn.Sequential(nn.Linear(4, 4), Stuck()), [1, 1], chunks=2, checkpoint="never") for _ in range(3)]
+    for pipe in pipes:
+        threading.Thread(target=lambda p=pipe: p(torch.randn(4, 4)), daemon=True).start()
+    pool = HostPool(1)
+    pool.submit(never.wait)
+    staged = StagedPipeline([PipelineStage("a", lambda x: never.wait(), "host"), PipelineStage("b", lambda x: x)])
+    threading.Thread(target=lambda: staged.progress(iter([1, 2, 3])), daemon=True).start()
+    idle = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1])  # stops at once
+    time.sleep(1.0)
+    print("exiting", flush=True)
+    """
+)
+
+
+def test_interpreter_exit_stops_every_pipeline_within_one_shared_grace():
+    # Review (s30): each object's finalizer joined its workers with its own 30 s timeout, so exit
+    # with three stuck Pipes took 97 s, and each warned on its own.
+    proc = subprocess.run([sys.executable, "-c", _EXIT_WITH_STUCK_STAGES_SCRIPT], capture_output=True, text=True,
+                          timeout=60, env=_cpu_only_env())
+    assert proc.returncode == 0 and proc.stdout == "exiting\n", proc.stdout + proc.stderr
+    told = [line for line in proc.stderr.splitlines() if "did not stop within" in line]
+    assert len(told) == 1, proc.stderr
+    assert "within 0.5 s" in told[0] and told[0].count("torchpipe-stage-1") == 3, told[0]
+    assert "torchpipe-host-0" in told[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
 # ------------------------------------------------------------------------- thread leaks
 def _new_threads(before):
     return torchpipe_threads() - before

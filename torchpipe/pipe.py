@@ -12,7 +12,6 @@ import operator
 import re
 import sys
 import warnings
-import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
@@ -40,7 +39,8 @@ from .step_inputs import Upstream, microbatch_weights, scalar_loss, split_target
 from .step_report import StepReport, report
 from .thread_state import (first_frame_outside_torchpipe, in_torch_checkpoint, records_graphs,
                            refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only)
-from .workers import STOP_TIMEOUT_S, ThreadBudget, Worker, available_cores, spawn_workers, stop_workers
+from .workers import (STOP_TIMEOUT_S, ThreadBudget, Worker, available_cores, spawn_workers, stop_workers,
+                      stopped_with)
 
 __all__ = ["Pipe", "MovingDenied", "CHECKPOINT_MODES"]
 
@@ -470,7 +470,7 @@ class Pipe(nn.Module):
         self._last_run: Optional[Tuple[Plan, StepRecord]] = None  # set together, read by last_report
         self._step_lock = CallLock()
         self._gradient_sync: Any = None  # a torchpipe.GradientSync attaches itself here
-        self._finalizer = weakref.finalize(self, stop_workers, list(workers))
+        self._finalizer = stopped_with(self, workers)
 
     def __getstate__(self) -> Dict[str, Any]:
         """The model and settings, without threads: ``copy.deepcopy(pipe)`` (an EMA copy, say) and

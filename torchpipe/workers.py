@@ -14,6 +14,7 @@ caller instead of killing the thread silently and hanging the pipeline.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -37,6 +38,8 @@ __all__ = [
     "ThreadBudget",
     "available_cores",
     "spawn_workers",
+    "stop_workers",
+    "stopped_with",
     "Report",
 ]
 
@@ -325,6 +328,46 @@ def stop_workers(workers: Sequence[Worker], timeout: float = STOP_TIMEOUT_S) -> 
                       "they are left behind as daemon threads", RuntimeWarning, stacklevel=2)
 
 
+# Interpreter exit stops every live group of workers at once, within one shared grace: each
+# group joined with its own STOP_TIMEOUT_S would add up (three pipelines with a stuck stage
+# took 97 s to exit). The workers are daemon threads, so exit need not wait for them at all;
+# the grace lets a running task finish rather than be frozen mid-way by the interpreter.
+EXIT_GRACE_S = 5.0
+_live_groups: "dict[int, weakref.finalize]" = {}
+_live_groups_lock = threading.Lock()
+
+
+def stopped_with(owner: Any, workers: Sequence[Worker]) -> "weakref.finalize":
+    """A finalizer that stops ``workers`` when ``owner`` is collected or closed (call it),
+    with `STOP_TIMEOUT_S` to spare; at interpreter exit `_stop_every_group` stops them instead."""
+    finalizer = weakref.finalize(owner, stop_workers, list(workers))
+    finalizer.atexit = False
+    with _live_groups_lock:
+        for key in [key for key, group in _live_groups.items() if not group.alive]:
+            del _live_groups[key]
+        _live_groups[id(finalizer)] = finalizer
+    return finalizer
+
+
+@atexit.register
+def _stop_every_group() -> None:
+    """At exit: every group still running gets its stop marker, then all are joined together
+    within `EXIT_GRACE_S` (one warning names any worker still in a task)."""
+    workers: List[Worker] = []
+    with _live_groups_lock:
+        groups = list(_live_groups.values())
+        _live_groups.clear()
+    for finalizer in groups:
+        detached = finalizer.detach()  # None if it ran already
+        if detached is not None:
+            workers.extend(detached[2][0])
+    if workers:
+        try:
+            stop_workers(workers, timeout=EXIT_GRACE_S)
+        except KeyboardInterrupt:  # a second Ctrl-C while exiting: the user wants out, not a traceback
+            pass
+
+
 class HostPool:
     """A fixed group of device-less worker threads for host-side work.
 
@@ -350,7 +393,7 @@ class HostPool:
         self._next = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._finalizer = weakref.finalize(self, stop_workers, list(self.workers))
+        self._finalizer = stopped_with(self, self.workers)
 
     @property
     def num_threads(self) -> int:

@@ -21,7 +21,6 @@ for the last stage before ``progress`` returns.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -34,7 +33,8 @@ from ..devices import Backend, get_backend, usable_device
 from ..checks import as_int, check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
 from ..thread_state import refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only
-from ..workers import STOP_TIMEOUT_S, Worker, available_cores, check_intra_op_threads, stop_workers
+from ..workers import (STOP_TIMEOUT_S, Worker, available_cores, check_intra_op_threads, stop_workers,
+                       stopped_with)
 from ..grad_sync import PeerStepFailed
 from ..notes import add_note
 from .schedule import Clock, ClockSchedule, schedule_table
@@ -310,7 +310,7 @@ class StagedPipeline:
             raise
         self._workers = workers
         self._runtime = Runtime(workers)
-        self._finalizer = weakref.finalize(self, stop_workers, list(workers))
+        self._finalizer = stopped_with(self, workers)
         self._schedule = ClockSchedule(len(stages))
         self._values: List[Any] = [None] * len(stages)
         self._backend = get_backend(self.device)
