@@ -40,6 +40,7 @@ __all__ = [
     "spawn_workers",
     "stop_workers",
     "stopped_with",
+    "OwnsThreads",
     "Report",
 ]
 
@@ -368,7 +369,19 @@ def _stop_every_group() -> None:
             pass
 
 
-class HostPool:
+class OwnsThreads:
+    """Refuses ``copy.deepcopy`` and pickling with a TypeError that says why, rather than a
+    bare "cannot pickle '_thread.lock' object": an object that runs worker threads (and, for a
+    train pipeline, holds batches in flight) has nothing a copy could carry over."""
+
+    COPY_ADVICE = "build a new one"
+
+    def __getstate__(self) -> Any:
+        raise TypeError(f"this {type(self).__name__} cannot be copied or pickled: it runs worker threads; "
+                        f"{self.COPY_ADVICE}")
+
+
+class HostPool(OwnsThreads):
     """A fixed group of device-less worker threads for host-side work.
 
     Host tasks (embedding lookups and updates, swap planning) need no device or stream, but

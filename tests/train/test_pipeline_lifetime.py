@@ -9,15 +9,19 @@ EmbCacheTrainPipeline, which always reached itself weakly, is the control.
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
+import threading
 import weakref
 
 import pytest
 from thread_helpers import torchpipe_threads, wait_until_gone
 from train_helpers import build, make_batches, make_tables, window_minimum
 
-from torchpipe.rec import Adam, RowWiseAdagrad
-from torchpipe.train import EmbCacheTrainPipeline, TrainPipelineBase, TrainPipelineSparseDist
+from torchpipe.rec import SGD, Adam, RowWiseAdagrad
+from torchpipe.train import (EmbCacheTrainPipeline, PipelineStage, StagedPipeline, TrainPipelineBase,
+                             TrainPipelineSparseDist)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,3 +63,29 @@ def test_a_pipeline_dropped_without_close_is_freed_at_once_with_its_threads_and_
     finally:
         gc.enable()
         gc.collect()  # a failed run must not leave its threads to the next tests
+
+
+@pytest.mark.parametrize("kind", ["emb_cache", "base", "staged", "host_pool"])
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy, pickle.dumps], ids=["copy", "deepcopy", "pickle"])
+def test_an_object_that_runs_threads_refuses_copies_saying_why(kind: str, copier) -> None:
+    # Review (s30): "cannot pickle '_thread.lock' object", "Can't pickle local object '_weakly...'".
+    from torchpipe.workers import HostPool
+
+    tables = make_tables()
+    if kind == "emb_cache":
+        model, opt = build(tables, 16, SGD(lr=0.5))
+        owner = EmbCacheTrainPipeline(model, opt)
+    elif kind == "base":
+        owner = TrainPipelineBase(*build(tables, None, SGD(lr=0.5), cached=False))
+    elif kind == "staged":
+        owner = StagedPipeline([PipelineStage("a", lambda x: x)])
+    else:
+        owner = HostPool(1)
+    try:
+        threads = threading.active_count()
+        with pytest.raises(TypeError, match=f"this {type(owner).__name__} cannot be copied or pickled: it runs "
+                                            "worker threads; (copy or save its model|build a new one)"):
+            copier(owner)
+        assert threading.active_count() == threads
+    finally:
+        owner.close()

@@ -28,6 +28,7 @@ from ..rec import BatchPlan, CachedEmbeddingBagCollection, CacheTooSmallError
 from ..rec.batch_keys import BatchKeys, check_kjt
 from ..rec.collection import mark_pipeline_hook
 from ..thread_state import records_graphs
+from ..workers import OwnsThreads
 from .schedule import Clock
 from .dist import ExchangeRecord, TableWiseSharding
 from .staged import (PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, fail_clock_now,
@@ -173,8 +174,11 @@ def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-class _ReadyPipeline:
+class _ReadyPipeline(OwnsThreads):
     """Shared plumbing: H2D on the copy worker with an event, the train step on the compute worker."""
+
+    COPY_ADVICE = ("copy or save its model and optimizer (flush() first: a collection's state_dict "
+                   "reads through its cache), then build a new pipeline on the copy")
 
     pipeline: StagedPipeline
 

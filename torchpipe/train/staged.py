@@ -33,8 +33,8 @@ from ..devices import Backend, get_backend, usable_device
 from ..checks import as_int, check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
 from ..thread_state import refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only
-from ..workers import (STOP_TIMEOUT_S, Worker, available_cores, check_intra_op_threads, stop_workers,
-                       stopped_with)
+from ..workers import (STOP_TIMEOUT_S, OwnsThreads, Worker, available_cores, check_intra_op_threads,
+                       stop_workers, stopped_with)
 from ..grad_sync import PeerStepFailed
 from ..notes import add_note
 from .schedule import Clock, ClockSchedule, schedule_table
@@ -222,7 +222,7 @@ def check_pipeline_options(host_threads: Any, device_threads: Any, overlap: Any,
     check_nonnegative_int("keep_records", keep_records)
 
 
-class StagedPipeline:
+class StagedPipeline(OwnsThreads):
     """Runs ``stages`` over a dataloader iterator; ``progress()`` returns one finished batch per call.
 
     ``device``: where the device workers run (``'cpu'`` gives plain threads, no streams).
