@@ -1146,6 +1146,47 @@ pipe.close()
 """
 
 
+_CLOSE_WHILE_STUCK = """
+import signal, warnings, torch
+from torch import nn
+import torchpipe.runtime
+from torchpipe import Pipe
+torchpipe.runtime.ABANDON_AFTER_S = 0.5
+release = threading.Event()
+
+class Stuck(nn.Module):
+    def forward(self, x):
+        release.wait()
+        return x
+
+pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=1)
+threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    pipe(torch.ones(1, 1))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+with warnings.catch_warnings(record=True) as told:
+    warnings.simplefilter("always")
+    pipe.close()  # the advice of the refusal above: close it and build a new one
+print(str(told[0].message) if told else "no warning", flush=True)
+print(told[0].filename == "<string>" if told else "", flush=True)
+try:
+    pipe(torch.zeros(1, 1))
+except RuntimeError as exc:
+    print(exc, flush=True)
+release.set()
+"""
+
+
+def test_closing_a_pipe_whose_left_behind_stage_is_stuck_does_not_wait_the_full_stop_timeout():
+    # Review (s30): close() waited STOP_TIMEOUT_S (30 s) for a job the runtime already knew had
+    # not returned; it now gives it LEFT_BEHIND_WAIT_S, then leaves it behind with a warning.
+    out = _run_script(_WATCHDOG + _CLOSE_WHILE_STUCK).splitlines()
+    assert out[0] == "interrupted", out
+    assert "worker threads ['torchpipe-stage-0'] did not stop within 1 s" in out[1], out
+    assert out[2] == "True" and out[3] == "this Pipe is closed", out  # the warning points at close()
+
+
 @pytest.mark.parametrize("interrupts", [2, 1])
 def test_a_stage_that_never_returns_is_left_behind_at_a_second_interrupt_or_after_a_grace(interrupts):
     """Ctrl-C once aborts the step; a stage stuck in user code cannot see that. The caller stops

@@ -1140,7 +1140,7 @@ class Pipe(nn.Module):
         # the workers' stop markers then queue behind that step's tasks.
         locked = self._step_lock.acquire(timeout=STOP_TIMEOUT_S)
         try:
-            self._finalizer()
+            self._runtime.stop(self._finalizer)
         finally:
             if locked:
                 self._step_lock.release()

@@ -31,7 +31,7 @@ from . import call_chain
 from .call_chain import adopt
 from .checks import check_file_path
 from .thread_state import ThreadState
-from .workers import Task, Worker
+from .workers import STOP_TIMEOUT_S, Task, Worker, stop_workers
 
 __all__ = ["Program", "Runtime", "StepRecord", "ThreadState", "StepAborted", "Latch"]
 
@@ -537,6 +537,17 @@ class Runtime:
                     step.worker_finished()
 
         return compute
+
+    def stop(self, finalizer: Any) -> None:
+        """Stop the workers through their owner's ``finalizer`` (`workers.stopped_with`): joined
+        within `STOP_TIMEOUT_S`, or within `LEFT_BEHIND_WAIT_S` when a job of a step an
+        interrupted call left behind is still running (it may never return, and the wait for
+        it already ran out once), so that ``close()`` does not hang on it for long."""
+        detached = finalizer.detach()
+        if detached is None:  # stopped already
+            return
+        stuck = not self.end_left_behind()
+        stop_workers(detached[2][0], timeout=LEFT_BEHIND_WAIT_S if stuck else STOP_TIMEOUT_S)
 
     def end_left_behind(self, wait_s: float = LEFT_BEHIND_WAIT_S) -> bool:
         """End the step a failed or interrupted call left installed, now; True if none is left.

@@ -29,7 +29,8 @@ import torch
 from .call_chain import Chain, adopt
 from .checks import check_nonnegative_int, check_positive_int
 from .devices import Backend, get_backend
-from .thread_state import ThreadState, refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only
+from .thread_state import (ThreadState, first_frame_outside_torchpipe, refuse_untransferable_state,
+                           warn_if_the_profiler_records_this_thread_only)
 
 __all__ = [
     "Task",
@@ -326,7 +327,8 @@ def stop_workers(workers: Sequence[Worker], timeout: float = STOP_TIMEOUT_S) -> 
                 stuck.append(worker.name)
     if stuck:
         warnings.warn(f"worker threads {stuck} did not stop within {timeout:g} s (a task is still running); "
-                      "they are left behind as daemon threads", RuntimeWarning, stacklevel=2)
+                      "they are left behind as daemon threads", RuntimeWarning,
+                      stacklevel=first_frame_outside_torchpipe())
 
 
 # Interpreter exit stops every live group of workers at once, within one shared grace: each

@@ -722,7 +722,7 @@ class StagedPipeline(OwnsThreads):
         finally:
             if locked:
                 self._lock.release()
-        self._finalizer()
+        self._runtime.stop(self._finalizer)
 
     def __enter__(self) -> "StagedPipeline":
         return self
