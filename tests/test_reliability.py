@@ -511,36 +511,38 @@ def test_ctrl_c_ends_a_stage_waiting_for_a_generator_lock_another_pipeline_holds
                                    "afterwards"], proc.stdout + proc.stderr
 
 
-_EXIT_WITH_STUCK_STAGES_SCRIPT = textwrap.dedent(
-    """
-    import threading, time
-    import torch
-    from torch import nn
-    import torchpipe.workers
-    from torchpipe import Pipe
-    from torchpipe.train import PipelineStage, StagedPipeline
-    from torchpipe.workers import HostPool
+# A stage that never returns (until the script sets ``release``), for the scripts below.
+_STUCK_LAYER = """
+release = threading.Event()
 
-    torchpipe.workers.EXIT_GRACE_S = 0.5
-    never = threading.Event()
+class Stuck(nn.Module):
+    def forward(self, x):
+        release.wait()
+        return x
+"""
 
-    class Stuck(nn.Module):
-        def forward(self, x):
-            never.wait()
-            return x
+_EXIT_WITH_STUCK_STAGES_SCRIPT = """
+import threading, time
+import torch
+from torch import nn
+import torchpipe.workers
+from torchpipe import Pipe
+from torchpipe.train import PipelineStage, StagedPipeline
+from torchpipe.workers import HostPool
 
-    pipes = [Pipe(nn.Sequential(nn.Linear(4, 4), Stuck()), [1, 1], chunks=2, checkpoint="never") for _ in range(3)]
-    for pipe in pipes:
-        threading.Thread(target=lambda p=pipe: p(torch.randn(4, 4)), daemon=True).start()
-    pool = HostPool(1)
-    pool.submit(never.wait)
-    staged = StagedPipeline([PipelineStage("a", lambda x: never.wait(), "host"), PipelineStage("b", lambda x: x)])
-    threading.Thread(target=lambda: staged.progress(iter([1, 2, 3])), daemon=True).start()
-    idle = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1])  # stops at once
-    time.sleep(1.0)
-    print("exiting", flush=True)
-    """
-)
+torchpipe.workers.EXIT_GRACE_S = 0.5
+""" + _STUCK_LAYER + """
+pipes = [Pipe(nn.Sequential(nn.Linear(4, 4), Stuck()), [1, 1], chunks=2, checkpoint="never") for _ in range(3)]
+for pipe in pipes:
+    threading.Thread(target=lambda p=pipe: p(torch.randn(4, 4)), daemon=True).start()
+pool = HostPool(1)
+pool.submit(release.wait)
+staged = StagedPipeline([PipelineStage("a", lambda x: release.wait(), "host"), PipelineStage("b", lambda x: x)])
+threading.Thread(target=lambda: staged.progress(iter([1, 2, 3])), daemon=True).start()
+idle = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1])  # stops at once
+time.sleep(1.0)
+print("exiting", flush=True)
+"""
 
 
 def test_interpreter_exit_stops_every_pipeline_within_one_shared_grace():
@@ -1152,13 +1154,7 @@ from torch import nn
 import torchpipe.runtime
 from torchpipe import Pipe
 torchpipe.runtime.ABANDON_AFTER_S = 0.5
-release = threading.Event()
-
-class Stuck(nn.Module):
-    def forward(self, x):
-        release.wait()
-        return x
-
+""" + _STUCK_LAYER + """
 pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=1)
 threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 try:
