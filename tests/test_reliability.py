@@ -557,6 +557,60 @@ def test_interpreter_exit_stops_every_pipeline_within_one_shared_grace():
     assert "torchpipe-host-0" in told[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
+_FORKED_CHILD_SCRIPT = """
+import copy, os, sys
+import torch
+from torch import nn
+sys.path.insert(0, {train_tests!r})
+sys.path.insert(0, {rec_tests!r})
+from train_helpers import build, make_batches, make_tables
+from torchpipe import Pipe
+from torchpipe.rec import SGD
+from torchpipe.train import EmbCacheTrainPipeline
+
+torch.manual_seed(0)
+pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], chunks=2)
+x = torch.randn(4, 4)
+expected = pipe(x).detach()
+tables = make_tables()
+batches = make_batches(tables, 6, seed=1)
+model, opt = build(tables, 64, SGD(lr=0.5))
+rec = EmbCacheTrainPipeline(model, opt)
+rec.progress(iter(batches[:1]))
+child = os.fork()
+if child == 0:  # the threads stayed in the parent
+    import signal
+    signal.alarm(30)  # a hang ends this child too, not only the test's parent
+    torch.set_num_threads(1)  # as a DataLoader worker does: OpenMP's pool did not come along either
+    codes, it = [], iter(batches)
+    for call in (lambda: pipe(x), lambda: pipe.step(x, x, nn.MSELoss()), lambda: rec.progress(it)):
+        try:
+            call()
+            codes.append("ran")
+        except RuntimeError as exc:
+            codes.append("refused" if "forked from it afterwards" in str(exc) else repr(exc))
+    codes.append(next(it) is batches[0])  # refused before it took a batch from the iterator
+    fresh = copy.deepcopy(pipe)  # a new Pipe, with threads of its own, works here
+    same = torch.equal(fresh(x), expected)
+    fresh.close()
+    print(codes, same, flush=True)
+    os._exit(0 if codes == ["refused"] * 3 + [True] and same else 1)
+_, status = os.waitpid(child, 0)
+assert torch.equal(pipe(x), expected)  # the parent's pipelines are untouched
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_pipeline_used_in_a_forked_child_is_refused_at_once_not_a_hang():
+    # Review (s30): the child queued tasks for worker threads that stayed in the parent and waited
+    # forever (a Pipe used in a fork DataLoader's Dataset hung training).
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = _FORKED_CHILD_SCRIPT.format(train_tests=os.path.join(here, "train"), rec_tests=os.path.join(here, "rec"))
+    out = _run_script(script)
+    assert out.splitlines()[-2:] == ["['refused', 'refused', 'refused', True] True", "child 0"], out
+
+
 # ------------------------------------------------------------------------- thread leaks
 def _new_threads(before):
     return torchpipe_threads() - before

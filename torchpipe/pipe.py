@@ -995,6 +995,7 @@ class Pipe(nn.Module):
         step, done meanwhile, keeps its gradients.
         """
         warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
+        self._runtime.refuse_if_forked()  # before anything changes, as the next check
         self._runtime.refuse_worker_caller()  # before the lock: a stage calling its own Pipe
         return self._step_lock.call(self._run_holding_lock, plan, program, context, step_leaves)
 

@@ -31,7 +31,7 @@ from . import call_chain
 from .call_chain import adopt
 from .checks import check_file_path
 from .thread_state import ThreadState
-from .workers import STOP_TIMEOUT_S, Task, Worker, stop_workers
+from .workers import STOP_TIMEOUT_S, Task, Worker, fork_generation, stop_workers
 
 __all__ = ["Program", "Runtime", "StepRecord", "ThreadState", "StepAborted", "Latch"]
 
@@ -438,6 +438,7 @@ class Runtime:
         self._tasks: Dict[int, Tuple[List[Task], List[Task]]] = {}
         self.last_step: Optional[StepRecord] = None
         self._worker_threads = {w.thread.ident for w in self.workers}
+        self._built_in = fork_generation()
 
     def _try_end(self, step: _Step, wait_s: float, error: Optional[BaseException]) -> bool:
         """End ``step`` if its workers pass what it gave them within ``wait_s``; else leave it.
@@ -467,6 +468,16 @@ class Runtime:
         if self._step is step:
             self._step = None
         return True
+
+    def refuse_if_forked(self) -> None:
+        """RuntimeError in a process forked after this runtime was built: its worker threads
+        stayed in the parent, and a step queued for them would wait forever."""
+        if self._built_in != fork_generation():
+            raise RuntimeError(
+                "this pipeline was built in another process: this one was forked from it afterwards (a DataLoader "
+                "worker, multiprocessing), and its worker threads did not come along, as threads never do. Build "
+                "a new pipeline in this process (copy.deepcopy of a Pipe makes one), or use it in the process "
+                "that built it")
 
     def refuse_worker_caller(
         self, message: str = "a pipeline stage called its own pipeline: re-entrant calls would deadlock"
@@ -585,6 +596,7 @@ class Runtime:
 
         Raises the first exception any job raised, after every worker has left the step.
         """
+        self.refuse_if_forked()
         self.refuse_worker_caller()
         if len(program.worker_jobs) > len(self.workers):
             raise ValueError(

@@ -42,6 +42,7 @@ __all__ = [
     "stop_workers",
     "stopped_with",
     "OwnsThreads",
+    "fork_generation",
     "Report",
 ]
 
@@ -82,6 +83,26 @@ class Task:
         return f"Task({self.label!r})"
 
 
+
+
+# How many times this process was forked into (0 in the process that imported torchpipe). A
+# pipeline's worker threads live in the process that built it only: a forked child (a
+# DataLoader worker, multiprocessing) has copies of the objects but none of the threads.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+
+def fork_generation() -> int:
+    """Changes in a child process after ``fork``: workers started before it are not there."""
+    return _forks
 
 
 def available_cores() -> int:

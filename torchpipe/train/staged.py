@@ -624,6 +624,7 @@ class StagedPipeline(OwnsThreads):
         """``progress``'s work, under ``_lock``."""
         if self._closed:
             raise RuntimeError("this pipeline is closed")
+        self._runtime.refuse_if_forked()  # before a batch is taken from the iterator
         if self._before_call is not None:
             self._before_call()
 
