@@ -554,11 +554,15 @@ class Runtime:
         within `STOP_TIMEOUT_S`, or within `LEFT_BEHIND_WAIT_S` when a job of a step an
         interrupted call left behind is still running (it may never return, and the wait for
         it already ran out once), so that ``close()`` does not hang on it for long."""
-        detached = finalizer.detach()
-        if detached is None:  # stopped already
+        held = finalizer.peek()
+        if held is None:  # stopped already
             return
         stuck = not self.end_left_behind()
-        stop_workers(detached[2][0], timeout=LEFT_BEHIND_WAIT_S if stuck else STOP_TIMEOUT_S)
+        workers = held[2][0]
+        for worker in workers:  # asked before the finalizer lets go: a close() cut short here
+            worker.stop(join=False)  # by Ctrl-C leaves the workers stopping (or exit stops them)
+        if finalizer.detach() is not None:
+            stop_workers(workers, timeout=LEFT_BEHIND_WAIT_S if stuck else STOP_TIMEOUT_S)
 
     def end_left_behind(self, wait_s: float = LEFT_BEHIND_WAIT_S) -> bool:
         """End the step a failed or interrupted call left installed, now; True if none is left.

@@ -89,3 +89,44 @@ def test_an_object_that_runs_threads_refuses_copies_saying_why(kind: str, copier
         assert threading.active_count() == threads
     finally:
         owner.close()
+
+
+@pytest.mark.parametrize("where", ["hand_back", "defer_swaps", "end_left_behind"])
+def test_a_close_cut_short_by_ctrl_c_finishes_when_called_again(monkeypatch, where: str) -> None:
+    # Review (s30): the finalizer counted as run before its hand-back finished, and the workers'
+    # finalizer let go before they were asked to stop: a second close() (a with block's exit)
+    # returned at once, the collection refused every flush and save, and threads ran on.
+    import torchpipe.runtime
+    import torchpipe.train.pipelines
+    from train_helpers import assert_same_state, reference_run
+
+    owners = {"hand_back": torchpipe.train.pipelines._InFlight,
+              "defer_swaps": torchpipe.rec.CachedEmbeddingBagCollection,
+              "end_left_behind": torchpipe.runtime.Runtime}
+    original, calls = getattr(owners[where], where), []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt(f"Ctrl-C in {where}")
+        return original(*args, **kwargs)
+
+    tables = make_tables()
+    batches = make_batches(tables, 10, seed=7)
+    model, opt = build(tables, window_minimum(tables, batches), Adam(lr=0.5))
+    before = torchpipe_threads()
+    pipe = EmbCacheTrainPipeline(model, opt, host_threads=2, device_threads=1)
+    it = iter(batches)
+    for _ in range(6):
+        pipe.progress(it)
+    assert pipe.pipeline.in_flight()  # batches planned, some swapped: the close must hand them back
+    ours = torchpipe_threads() - before
+    monkeypatch.setattr(owners[where], where, interrupted_once)
+    with pytest.raises(KeyboardInterrupt, match=where):
+        pipe.close()
+    pipe.close()
+    assert calls, "the injection point was not reached"
+    assert not wait_until_gone(ours)
+    model.ebc.flush()  # refused while keys stayed protected
+    reference, _, _ = reference_run(tables, batches, Adam(lr=0.5), steps=pipe.steps_done)
+    assert_same_state(model, reference)

@@ -426,8 +426,15 @@ class _InFlight:
             self.collection.finish_swaps(plans)
 
     def hand_back(self) -> None:
-        """Like `drop_all`, but only queue the swaps on the collection (see `defer_swaps`)."""
-        self.collection.defer_swaps(self._take_plans())
+        """Like `drop_all`, but only queue the swaps on the collection (see `defer_swaps`).
+
+        Queued before they leave this set: a hand-back cut short by a Ctrl-C loses no batch,
+        and one run again queues them twice, which `finish_swaps` takes (a swap or release
+        already done is not repeated)."""
+        with self._lock:
+            plans = [item.plan for item in self._items if item.plan is not None]
+        self.collection.defer_swaps(plans)
+        self._take_plans()
 
 
 def _drop_pipeline(hooks: List[Any], in_flight: _InFlight, backend: Any, device: torch.device) -> None:
@@ -1004,6 +1011,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         if self.pipeline.defer_to_call_end(self.close):  # inside progress(): its stages still run
             return
         super().close()  # no stage runs after this
-        self._finalizer()
+        held = self._finalizer.peek()
+        if held is not None:  # run before it is marked done: a close() cut short by Ctrl-C is run again
+            _drop_pipeline(*held[2])
+            self._finalizer.detach()
         with self._backend.use_device(self.device):
             self.collection.finish_swaps()  # on the caller's stream, after the device work (above)
