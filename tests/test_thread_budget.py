@@ -57,3 +57,39 @@ def test_a_budget_above_the_callers_setting_stays_on_the_workers(monkeypatch):
             assert threads_of_a_new_thread() == 1
     finally:
         torch.set_num_threads(original)
+
+
+def test_the_even_split_stays_within_the_callers_own_thread_limit(monkeypatch):
+    # Review (s30): the split counted the cores only, so under torch.set_num_threads(1),
+    # threadpool_limits(1) or OMP_NUM_THREADS=1 (torchrun's setting for several processes per
+    # node) a one-partition Pipe's worker still ran on every core.
+    from threadpoolctl import threadpool_limits
+
+    import torchpipe.workers as workers_module
+
+    monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(workers_module.os, "cpu_count", lambda: 8)
+    seen_in_stage = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen_in_stage.append(torch.get_num_threads())
+            return x
+
+    def worker_threads(balance):
+        with Pipe(nn.Sequential(Probe(), nn.Linear(2, 2), nn.Identity(), nn.Identity()), balance,
+                  devices=["cpu"] * len(balance)) as pipe:
+            pipe(torch.randn(4, 2))
+        return seen_in_stage[-1]
+
+    original = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert worker_threads([4]) == 1
+        torch.set_num_threads(4)
+        assert worker_threads([4]) == 4 and worker_threads([2, 2]) == 2  # four threads, split in two
+        with threadpool_limits(limits=2, user_api="openmp"):
+            assert worker_threads([4]) == 2
+        assert torch.get_num_threads() == 4  # the caller's setting is its own
+    finally:
+        torch.set_num_threads(original)

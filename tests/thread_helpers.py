@@ -12,6 +12,7 @@ def pretend_cores(monkeypatch, count):
 
     monkeypatch.setattr(workers_module.os, "sched_getaffinity", lambda pid: set(range(count)), raising=False)
     monkeypatch.setattr(workers_module.os, "cpu_count", lambda: count)
+    monkeypatch.setattr(workers_module, "_caller_threads", lambda: count)  # and a caller that leaves them all
 
 
 def torchpipe_threads():

@@ -328,7 +328,8 @@ class Pipe(nn.Module):
         chunks: micro-batches per mini-batch.
         checkpoint: ``'always'``, ``'except_last'`` (default) or ``'never'``.
         deferred_batch_norm: track BatchNorm statistics over the whole mini-batch.
-        intra_op_threads: intra-op threads per CPU worker (default: the cores divided evenly).
+        intra_op_threads: intra-op threads per CPU worker (default: the cores, capped by the caller's own
+            thread limit such as ``OMP_NUM_THREADS``, divided evenly).
         batch_dim: where the batch is in the input: one dim for every tensor (``1`` for a
             sequence-first model), or one entry per item of an input tuple, ``None`` for an
             item passed whole to every micro-batch (a shared mask). Default 0.

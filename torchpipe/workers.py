@@ -38,6 +38,7 @@ __all__ = [
     "HostPool",
     "ThreadBudget",
     "available_cores",
+    "intra_op_budget",
     "spawn_workers",
     "stop_workers",
     "stopped_with",
@@ -112,6 +113,21 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+def _caller_threads() -> int:
+    """``torch.get_num_threads()`` on this thread (apart, so that tests can pretend a machine)."""
+    return torch.get_num_threads()
+
+
+def intra_op_budget() -> int:
+    """The intra-op threads the workers may share: the cores this process may run on, capped
+    by the caller's own limit (``torch.set_num_threads``, ``OMP_NUM_THREADS``, threadpoolctl's
+    ``threadpool_limits`` around the call), read on the thread that builds the pipeline.
+
+    torchrun sets ``OMP_NUM_THREADS=1`` when it starts several processes per node: split
+    the cores instead, and every process's workers would oversubscribe them."""
+    return max(1, min(available_cores(), _caller_threads()))
+
+
 def check_intra_op_threads(value: Any, name: str = "intra_op_threads") -> Optional[int]:
     """A positive int up to :func:`available_cores`, or None; else TypeError/ValueError.
 
@@ -130,8 +146,8 @@ def check_intra_op_threads(value: Any, name: str = "intra_op_threads") -> Option
 class ThreadBudget:
     """How many intra-op threads each worker thread may use.
 
-    ``None`` splits the machine's cores evenly among the workers that share them (at least 1
-    each). The cap is applied per thread with threadpoolctl's OpenMP limit (see
+    ``None`` splits :func:`intra_op_budget` (the cores, capped by the caller's thread limit)
+    evenly among the workers that share them (at least 1 each). The cap is applied per thread with threadpoolctl's OpenMP limit (see
     :func:`_limit_intra_op_threads`), so the caller's own threads keep their setting.
     """
 
@@ -143,11 +159,11 @@ class ThreadBudget:
 
     def threads_per_worker(self, workers_sharing_cores: int) -> int:
         """Intra-op threads for each of ``workers_sharing_cores`` workers: the given count, or
-        the cores divided evenly (at least one each; no sharer leaves them all to one)."""
+        the budget divided evenly (at least one each; no sharer leaves it all to one)."""
         check_nonnegative_int("workers_sharing_cores", workers_sharing_cores)
         if self.intra_op_threads is not None:
             return self.intra_op_threads
-        return max(1, available_cores() // max(1, workers_sharing_cores))
+        return max(1, intra_op_budget() // max(1, workers_sharing_cores))
 
 
 def _limit_intra_op_threads(threads: int) -> Any:

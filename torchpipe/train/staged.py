@@ -33,8 +33,8 @@ from ..devices import Backend, get_backend, usable_device
 from ..checks import as_int, check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
 from ..thread_state import refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only
-from ..workers import (STOP_TIMEOUT_S, OwnsThreads, Worker, available_cores, check_intra_op_threads,
-                       stop_workers, stopped_with)
+from ..workers import (STOP_TIMEOUT_S, OwnsThreads, Worker, check_intra_op_threads, intra_op_budget, stop_workers,
+                       stopped_with)
 from ..grad_sync import PeerStepFailed
 from ..notes import add_note
 from .schedule import Clock, ClockSchedule, schedule_table
@@ -297,7 +297,7 @@ class StagedPipeline(OwnsThreads):
         # The last clock's agree check, until it is asked (before the next clock or admission).
         self._unsettled: Optional[Tuple[Callable[[], Any], Clock, Optional[Exception], str]] = None
 
-        cores = available_cores()
+        cores = intra_op_budget()  # the cores, capped by the caller's own thread limit
         if device_threads is None:
             device_threads = max(1, cores - (1 if started_hosts else 0)) if self.device.type == "cpu" else 1
         workers: List[Worker] = []
