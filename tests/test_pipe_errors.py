@@ -1,4 +1,5 @@
 """Constructor errors: torchgpipe's error types, a message naming the bad value, no state changed."""
+import copy
 import re
 
 import pytest
@@ -141,6 +142,42 @@ def test_layers_set_added_or_deleted_on_a_built_pipe_are_refused():
             pipe[2].weight.zero_()  # a change inside a layer runs
             pipe[2].bias.fill_(7.0)
         assert torch.equal(pipe(x), torch.full((4, 2), 7.0))
+
+
+def test_layers_swapped_through_the_partitions_or_pipe_items_are_refused():
+    # pipe.partitions[i] holds the layers the workers run; a layer swapped there alone would
+    # run without being in parameters() or state_dict(), so no optimizer would train it.
+    x = torch.randn(4, 2)
+    with Pipe(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2)),
+              [2, 2]) as pipe:
+        expected = pipe(x)
+        attempts = {
+            r"pipe\[1\] \(layer '1'\) cannot be replaced": lambda: pipe.__setitem__(1, nn.Tanh()),
+            r"pipe\[0:2\] \(layers '0', '1'\) cannot be deleted": lambda: pipe.__delitem__(slice(0, 2)),
+            r"pipe\[9\] cannot be replaced": lambda: pipe.__setitem__(9, nn.Tanh()),
+            r"child '1' of pipe.partitions\[0\] cannot be replaced .*parameters\(\) and state_dict\(\) would not hold it":
+                lambda: pipe.partitions[0].__setitem__(1, nn.Tanh()),
+            r"child '2' of pipe.partitions\[0\] cannot be added": lambda: pipe.partitions[0].append(nn.Tanh()),
+            r"child '0' of pipe.partitions\[0\] cannot be inserted": lambda: pipe.partitions[0].insert(0, nn.Tanh()),
+            r"child '2' of pipe.partitions\[1\] cannot be deleted": lambda: pipe.partitions[1].pop(0),
+            r"child 'aux' of pipe.partitions\[1\] cannot be added": lambda: setattr(pipe.partitions[1], "aux", nn.ReLU()),
+            r"child '2' of pipe.partitions cannot be added .*a worker was started for each partition":
+                lambda: pipe.partitions.append(nn.Sequential(nn.ReLU())),
+            r"child '0' of pipe.partitions cannot be replaced": lambda: pipe.partitions.__setitem__(0, nn.ReLU()),
+            r"child '1' of pipe.partitions cannot be deleted": lambda: pipe.partitions.__delitem__(1),
+        }
+        for words, attempt in attempts.items():
+            with pytest.raises(TypeError, match=rf"a Pipe's layers are fixed when it is built: {words}"):
+                attempt()
+        assert [type(layer) for layer in pipe] == [nn.Linear, nn.ReLU, nn.Sequential, nn.Linear]
+        assert [list(p._modules) for p in pipe.partitions] == [["0", "1"], ["2", "3"]]
+        assert torch.equal(pipe(x), expected)
+        copied = copy.deepcopy(pipe)  # a copy's partitions are fixed too
+        with pytest.raises(TypeError, match="child '0' of pipe.partitions\\[0\\] cannot be replaced"):
+            copied.partitions[0][0] = nn.Tanh()
+        copied.close()
+        pipe[2].append(nn.Tanh())  # inside a layer: runs
+        assert torch.equal(pipe(x), pipe[3](torch.tanh(pipe[2][0](pipe[1](pipe[0](x))))))
 
 
 def test_too_few_devices_is_an_index_error():

@@ -290,10 +290,10 @@ def statistics_updating_norms(module: nn.Module) -> List[_BatchNorm]:
 
     A checkpointed partition runs its training forward twice (once more to recompute in
     backward). :class:`DeferredBatchNorm` skips the recompute by itself; these need
-    :func:`running_statistics_frozen` around it.
+    :func:`running_statistics_frozen` around it, which reads ``track_running_stats`` (and the
+    train mode) when it runs: a flag turned on later counts.
     """
-    return [m for m in module.modules()
-            if isinstance(m, _BatchNorm) and not isinstance(m, DeferredBatchNorm) and m.track_running_stats]
+    return [m for m in module.modules() if isinstance(m, _BatchNorm) and not isinstance(m, DeferredBatchNorm)]
 
 
 @contextmanager

@@ -35,7 +35,7 @@ from .skip import Skippable, use_skip_tracker
 from .skip.portal import PipelineSkipTracker, SkipStore, StageSkips, replay_context
 from .workers import Worker
 
-__all__ = ["StageRunner", "ForwardContext", "lower_forward", "run_partition", "needs_receive"]
+__all__ = ["StageRunner", "PartitionLayout", "ForwardContext", "lower_forward", "run_partition", "needs_receive"]
 
 
 class StageRunner:
@@ -52,15 +52,8 @@ class StageRunner:
         self.stream = worker.stream
         self._copy_streams: Dict[torch.device, Any] = {}
         self.rng = StageRNG(device, shared=rng_shared, host_shared=host_rng_shared, name=f"partition {index}")
-        self.has_skips = any(isinstance(m, Skippable) for m in partition.modules())
-        # Batch norms a recompute must not update a second time.
-        self.norms = statistics_updating_norms(partition)
-        # Where its parameters and buffers live: a recompute runs with the forward's (ForwardTensors).
-        self.tensor_slots = tensor_slots(partition)
-        # What checkpointing runs: the partition, on a private copy if it starts in place.
-        # Pipe.step runs it so too: its stage inputs are leaves, which nothing may change in place.
-        self.starts_in_place = _starts_in_place(partition)
-        self.checkpointed_function = _on_private_copy(partition) if self.starts_in_place else partition
+        # Shared with this stage's views on other workers (on_worker), and refreshed in place.
+        self.layout = PartitionLayout(partition)
 
     def on_worker(self, host: "StageRunner") -> "StageRunner":
         """This stage run by ``host``'s worker (interleaved schedules share workers)."""
@@ -81,6 +74,41 @@ class StageRunner:
         if stream is None:
             stream = self._copy_streams[device] = get_backend(device).new_stream(device)
         return stream
+
+
+class PartitionLayout:
+    """What a partition's modules say about how to run it, read again when its modules change.
+
+    Changes inside a layer between calls are the user's to make (a batch norm or a
+    parametrization added to ``pipe[i]``), and run; facts read only when the Pipe was built
+    would miss them, and a batch norm added later would count its statistics twice under
+    checkpointing. :meth:`refresh` runs before each step, under the Pipe's step lock: one
+    walk of the modules, compared by identity, and the facts are read again only when that
+    differs.
+    """
+
+    __slots__ = ("modules", "has_skips", "norms", "tensor_slots", "starts_in_place", "checkpointed_function")
+
+    def __init__(self, partition: nn.Module) -> None:
+        self.modules: Tuple[nn.Module, ...] = ()
+        self.refresh(partition)
+
+    def refresh(self, partition: nn.Module) -> None:
+        """Read the facts again if ``partition``'s modules are not those read last time."""
+        modules = tuple(partition.modules())
+        if modules == self.modules:
+            return
+        self.has_skips = any(isinstance(m, Skippable) for m in modules)
+        # Batch norms a recompute must not update a second time (those that track statistics
+        # then: running_statistics_frozen reads track_running_stats when it runs).
+        self.norms = statistics_updating_norms(partition)
+        # Where its parameters and buffers live: a recompute runs with the forward's (ForwardTensors).
+        self.tensor_slots = tensor_slots(partition)
+        # What checkpointing runs: the partition, on a private copy if it starts in place.
+        # Pipe.step runs it so too: its stage inputs are leaves, which nothing may change in place.
+        self.starts_in_place = _starts_in_place(partition)
+        self.checkpointed_function = _on_private_copy(partition) if self.starts_in_place else partition
+        self.modules = modules  # last: a refresh cut short is done again
 
 
 class ForwardContext:
@@ -260,27 +288,27 @@ def _builds_a_graph(partition: nn.Module, batch: Batch) -> bool:
 
 
 def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips]) -> Batch:
-    partition = stage.partition
+    partition, layout = stage.partition, stage.layout
     checkpointed = microbatch < ctx.checkpoint_stop and _builds_a_graph(partition, batch)
-    if stage.starts_in_place and (checkpointed or record is not None or _has_view(batch)):
+    if layout.starts_in_place and (checkpointed or record is not None or _has_view(batch)):
         # Overwriting the input in place would break the checkpoint's saved input, Pipe.step's
         # leaves, or the sibling micro-batches that share a chunked input's version counter.
         skip = _stashed_alias(ctx.skips, microbatch, batch)
         if skip is None:
-            partition = stage.checkpointed_function
+            partition = layout.checkpointed_function
         else:  # the copy must be checked for the alias
             partition = _on_private_copy(stage.partition, (stage.index, skip))
-    if not (checkpointed or ctx.rng_sections or stage.has_skips):
+    if not (checkpointed or ctx.rng_sections or layout.has_skips):
         return Batch(partition(batch.value))  # the common case: nothing to set up around the call
     training = stage.partition.training
     replay = stage.rng.new_replay(training) if checkpointed else None
     if replay is not None:
-        replay.recompute_extras.append(ForwardTensors(stage.tensor_slots).restored)
-    if replay is not None and stage.norms:
-        norms = stage.norms
+        replay.recompute_extras.append(ForwardTensors(layout.tensor_slots).restored)
+    if replay is not None and layout.norms:
+        norms = layout.norms
         replay.recompute_extras.append(lambda: running_statistics_frozen(norms))
     tracker = None
-    if stage.has_skips:
+    if layout.has_skips:
         memo: Optional[List[Optional[Tensor]]] = [] if replay is not None else None
         if replay is not None and memo is not None:
             replay.recompute_extras.append(replay_context(memo))

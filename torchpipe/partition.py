@@ -12,7 +12,7 @@ from torch import nn
 from .devices import as_device
 
 __all__ = ["verify_module", "verify_balance", "split_module", "infer_placement", "BalanceError", "as_positive_int",
-           "SpreadingSequential"]
+           "SpreadingSequential", "PartitionSequential", "SpreadingPartition", "PartitionList", "layers_fixed_error"]
 
 
 class BalanceError(ValueError):
@@ -146,6 +146,64 @@ def _refuse_dataless_layers(named: List[Tuple[str, nn.Module]], balance: Sequenc
         start += size
 
 
+def layers_fixed_error(what: str, how: str, why: str = "the pipeline would not run it") -> TypeError:
+    """The refusal of a layer change once a Pipe is built, for the Pipe and its partitions alike.
+
+    The partitions, and the worker that runs each, were built from the layers the Pipe was
+    given, and the Pipe keeps those layers as its own children (its ``parameters()`` and
+    ``state_dict()``): a layer set, added or removed on either alone would be trained but not
+    run, or run but not trained. Changes *inside* a layer run.
+    """
+    return TypeError(
+        f"a Pipe's layers are fixed when it is built: {what} cannot be {how} afterwards ({why}). Change the "
+        "layer in place (pipe[i].weight, a submodule of pipe[i]), build a new Pipe from the changed "
+        "nn.Sequential, or keep extra modules beside the Pipe in a wrapper module"
+    )
+
+
+class _FixedChildren(nn.Module):
+    """A container whose children are refused any change once :meth:`fix_children` ran.
+
+    Mixed into the partition containers (``pipe.partitions`` and each ``pipe.partitions[i]``):
+    a layer swapped there would run without being the Pipe's, so no optimizer over
+    ``pipe.parameters()`` would train it and ``state_dict()`` would not save it.
+    """
+
+    _children_fixed = False
+
+    def fix_children(self, owner: str, why: str) -> None:
+        """Refuse child changes from now on; ``owner`` names this container and ``why`` says
+        what a change would break, in the refusal."""
+        object.__setattr__(self, "_fixed_as", (owner, why))
+        object.__setattr__(self, "_children_fixed", True)
+
+    def _refuse(self, name: str, how: str) -> None:
+        owner, why = self.__dict__.get("_fixed_as", ("a partition", "the Pipe would not follow"))
+        raise layers_fixed_error(f"child {name!r} of {owner}", how, why)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._children_fixed and (isinstance(value, nn.Module) or name in self._modules):
+            self._refuse(name, "replaced" if name in self._modules else "added")
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._children_fixed and name in self._modules:
+            self._refuse(name, "deleted")
+        super().__delattr__(name)
+
+    def add_module(self, name: str, module: Optional[nn.Module]) -> None:
+        """Refused once fixed (``append``, ``extend`` and ``register_module`` come here too)."""
+        if self._children_fixed:
+            self._refuse(name, "replaced" if name in self._modules else "added")
+        super().add_module(name, module)
+
+    def insert(self, index: int, module: nn.Module) -> Any:
+        """Refused once fixed (``nn.Sequential.insert`` writes its children directly)."""
+        if self._children_fixed:
+            self._refuse(str(index), "inserted")
+        return super().insert(index, module)  # type: ignore[misc]
+
+
 class SpreadingSequential(nn.Sequential):
     """An ``nn.Sequential`` that spreads a tuple over the next layer's positional arguments.
 
@@ -172,6 +230,18 @@ def _spread_through(layers: nn.Sequential, value: Any) -> Any:
     return value
 
 
+class PartitionSequential(_FixedChildren, nn.Sequential):
+    """A partition's layers: an ``nn.Sequential`` whose children are fixed once the Pipe is built."""
+
+
+class SpreadingPartition(_FixedChildren, SpreadingSequential):
+    """A partition's layers, called as :class:`SpreadingSequential` calls them; fixed likewise."""
+
+
+class PartitionList(_FixedChildren, nn.ModuleList):
+    """``pipe.partitions``: an ``nn.ModuleList`` whose partitions are fixed once the Pipe is built."""
+
+
 def split_module(
     module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device], spread_tuples: bool = False
 ) -> Tuple[List[nn.Sequential], List[Tuple[str, nn.Module]]]:
@@ -179,17 +249,20 @@ def split_module(
 
     Returns the partitions and the children's original ``(name, layer)`` pairs, so that the
     pipeline can keep the Sequential's parameter names. With ``spread_tuples`` the partitions
-    are :class:`SpreadingSequential` (the retired torch ``Pipe``'s calling convention).
+    are :class:`SpreadingSequential` (the retired torch ``Pipe``'s calling convention). Each
+    partition's children are fixed (:class:`PartitionSequential`).
     """
     named = list(module.named_children())
     _refuse_dataless_layers(named, balance, devices)  # before any layer moves
     partitions: List[nn.Sequential] = []
-    container = SpreadingSequential if spread_tuples else nn.Sequential
+    container = SpreadingPartition if spread_tuples else PartitionSequential
     start = 0
-    for size, device in zip(balance, devices):
+    for index, (size, device) in enumerate(zip(balance, devices)):
         layers = OrderedDict(named[start : start + size])
         partition = container(layers)
         partition.to(as_device(device))
+        partition.fix_children(f"pipe.partitions[{index}]", "the pipeline would run it, but the Pipe's parameters() "
+                                                            "and state_dict() would not hold it")
         partitions.append(partition)
         start += size
     return partitions, named

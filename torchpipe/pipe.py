@@ -27,8 +27,8 @@ from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward, seed_rng
 from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
                          nested_tensors, samples, scatter)
-from .partition import (BalanceError, SpreadingSequential, as_positive_int, infer_placement, split_module,
-                        verify_balance, verify_module)
+from .partition import (BalanceError, PartitionList, SpreadingSequential, as_positive_int, infer_placement,
+                        layers_fixed_error, split_module, verify_balance, verify_module)
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, InvalidPlanError, Plan, build, schedule_options
 from .schedule.names import resolve as resolve_schedule
@@ -428,7 +428,10 @@ class Pipe(nn.Module):
         self.reproducible = reproducible
         self._given_batch_dims = given_batch_dims
         self._batch_dims = batch_dims
-        object.__setattr__(self, "partitions", nn.ModuleList(partitions))
+        partition_list = PartitionList(partitions)
+        partition_list.fix_children("pipe.partitions", "a worker was started for each partition the Pipe was built "
+                                                       "with, and runs only that one")
+        object.__setattr__(self, "partitions", partition_list)
 
         self._intra_op_threads = budget.intra_op_threads
         self.last_memory: Optional[MemoryRecord] = None  # what the last Pipe.step saved for backward
@@ -515,12 +518,30 @@ class Pipe(nn.Module):
         train weights the pipeline does not use). Changes *inside* a layer do run."""
         known = name in self._modules
         what = f"layer {name!r}" if known else f"a module as attribute {name!r}"
-        how = how or ("replaced" if known else "added")
-        raise TypeError(
-            f"a Pipe's layers are fixed when it is built: {what} cannot be {how} afterwards (the pipeline "
-            "would not run it). Change the layer in place (pipe[i].weight, a submodule of pipe[i]), build a "
-            "new Pipe from the changed nn.Sequential, or keep extra modules beside the Pipe in a wrapper module"
-        )
+        raise layers_fixed_error(what, how or ("replaced" if known else "added"))
+
+    def __setitem__(self, index: Union[int, slice], module: Any) -> None:
+        """Refused, as ``setattr`` of a layer is (see :meth:`_refuse_layer_change`)."""
+        raise layers_fixed_error(self._described(index), "replaced")
+
+    def __delitem__(self, index: Union[int, slice]) -> None:
+        """Refused, as ``delattr`` of a layer is (see :meth:`_refuse_layer_change`)."""
+        raise layers_fixed_error(self._described(index), "deleted")
+
+    def _described(self, index: Any) -> str:
+        """``pipe[index]`` with the names of the layers it selects, for a refusal that names them."""
+        names = list(self._modules)
+        try:
+            selected = names[index] if isinstance(index, slice) else [names[operator.index(index)]]
+        except (TypeError, IndexError):
+            selected = []
+        if isinstance(index, slice):
+            shown = ":".join("" if part is None else str(part) for part in (index.start, index.stop, index.step))
+            shown = shown[:-1] if index.step is None else shown
+        else:
+            shown = repr(index)
+        named = f" (layer{'s' if len(selected) > 1 else ''} {', '.join(map(repr, selected))})" if selected else ""
+        return f"pipe[{shown}]{named}"
 
     # ------------------------------------------------------------------ Sequential-like access
     def __len__(self) -> int:
@@ -813,6 +834,7 @@ class Pipe(nn.Module):
         refuse_untransferable_state("Pipe.evaluate")
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
+        self._refuse_own_hooks("Pipe.evaluate")
         reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
                                           self._batch_dims[1])
         _refuse_dataless(target, "target", self._devices[-1])
@@ -905,6 +927,7 @@ class Pipe(nn.Module):
         """``step``'s work; ``ticket``: its place in a `GradientSync`'s call count, or None."""
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed")
+        self._refuse_own_hooks("Pipe.step")
         reduction = _check_loss_arguments(loss_fn, reduction, return_outputs, losses, loss_kwargs,
                                           self._batch_dims[1])
         if isinstance(schedule, Plan):
@@ -967,6 +990,22 @@ class Pipe(nn.Module):
             return total, gathered
         return total
 
+    def _refuse_own_hooks(self, method: str) -> None:
+        """RuntimeError if hooks are registered on the Pipe itself: ``step`` and ``evaluate`` do
+        not call the Pipe as a module (each micro-batch goes through the layers), so those hooks
+        would be skipped silently, a pre-hook that transforms the input among them."""
+        kinds = [kind for kind, hooks in (("forward pre-hook", self._forward_pre_hooks),
+                                          ("forward hook", self._forward_hooks),
+                                          ("backward pre-hook", self._backward_pre_hooks),
+                                          ("full backward hook", self._backward_hooks)) if hooks]
+        if kinds:
+            raise RuntimeError(
+                f"{method} cannot run this Pipe's own module hooks ({', '.join(kinds)} registered on the Pipe): it "
+                "runs each micro-batch through the layers, not the Pipe as one module, so they would be skipped. "
+                "Register them on a layer instead (pipe[0] sees the input, pipe[-1] the output), or remove them "
+                "(the handle's remove()); pipe(x) does run them"
+            )
+
     def _step_leaves(self, input: Any, target: Any, loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> List[Tensor]:
         """What a ``Pipe.step`` may give a ``.grad``: the parameters, the loss module's, and
         the tensors that require grad in the input, the target and ``loss_kwargs``."""
@@ -1005,6 +1044,8 @@ class Pipe(nn.Module):
         """``_run``'s step itself, under ``_step_lock``."""
         if not self._finalizer.alive:  # closed by another thread since the caller's check
             raise RuntimeError("this Pipe is closed")
+        for stage in self._stages:  # a layer changed inside since the last step (a batch norm added)
+            stage.layout.refresh(stage.partition)
         previous = self._runtime.last_step
         without_grad = []
         if step_leaves is not None:

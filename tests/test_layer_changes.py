@@ -1,0 +1,122 @@
+"""Changes made inside a layer between calls run as in the plain model, and what cannot run is refused.
+
+A Pipe reads facts about each partition (its batch norms, where its parameters live, whether
+it starts in place) to set up checkpointing; a layer changed after the Pipe was built must be
+read again, or a recompute updates a new batch norm's statistics twice, silently.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn.utils import parametrize
+
+from torchpipe import Pipe
+
+CALLS = ["forward", "step"]
+
+
+def _block() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _train(model, call: str, x, y) -> None:
+    if call == "step":
+        model.step(x, y, nn.MSELoss(), schedule="1f1b")
+    else:
+        nn.MSELoss()(model(x), y).backward()
+
+
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("how", ["appended", "replaced"])
+def test_a_batch_norm_put_inside_a_layer_later_counts_each_step_once_under_checkpointing(call, how):
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+    plain = _block()
+    # The caller's intra-op thread count: a bitwise comparison with the plain model.
+    with Pipe(copy.deepcopy(plain), balance=[2, 2, 1], chunks=1, checkpoint="always",
+              intra_op_threads=torch.get_num_threads()) as pipe:
+        pipe(x)  # run once as built: the Pipe has read its partitions
+        if how == "appended":
+            changed = nn.BatchNorm1d(8)
+            pipe[2].append(changed), plain[2].append(copy.deepcopy(changed))
+        else:
+            changed = nn.Sequential(copy.deepcopy(plain[2][0]), nn.BatchNorm1d(8))
+            pipe[2][0], plain[2][0] = changed, copy.deepcopy(changed)
+        for _ in range(3):
+            _train(pipe, call, x, y)
+            _train(plain, call="forward", x=x, y=y)
+        norm, plain_norm = [m for m in pipe[2].modules() if isinstance(m, nn.BatchNorm1d)], \
+            [m for m in plain[2].modules() if isinstance(m, nn.BatchNorm1d)]
+        assert len(norm) == len(plain_norm) == 1
+        assert int(norm[0].num_batches_tracked) == int(plain_norm[0].num_batches_tracked) == 3
+        assert torch.equal(norm[0].running_mean, plain_norm[0].running_mean)
+        assert torch.equal(norm[0].running_var, plain_norm[0].running_var)
+        for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        pipe.eval(), plain.eval()
+        assert torch.equal(pipe(x), plain(x))
+
+
+def test_functional_call_reaches_a_parameter_registered_after_building():
+    # functional_call puts the module's own tensors back before backward recomputes: the
+    # recompute must run with the tensors the forward ran with, those of a parametrization
+    # registered after the Pipe was built too, or the gradient goes to the module's own tensor.
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    plain = _block().double()
+    with Pipe(copy.deepcopy(plain), balance=[2, 2, 1], chunks=2, checkpoint="always") as pipe:
+        pipe(x)
+        grads = []
+        for model in (pipe, plain):
+            parametrize.register_parametrization(model[2][0], "weight", Doubled())
+            w = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            nn.MSELoss()(functional_call(model, {"2.0.parametrizations.weight.original": w}, (x,)), y).backward()
+            grads.append(w.grad)
+            assert model[2][0].parametrizations.weight.original.grad is None
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_an_in_place_first_layer_put_in_later_trains_as_the_plain_model(call):
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    torch.manual_seed(0)  # partition 0 ends with a layer that does not save its output
+    plain = nn.Sequential(nn.Tanh(), nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 3))
+    with Pipe(copy.deepcopy(plain), balance=[2, 2, 1], chunks=1, checkpoint="always",
+              intra_op_threads=torch.get_num_threads()) as pipe:
+        pipe(x)
+        for model in (pipe, plain):
+            model[2].insert(0, nn.ReLU(inplace=True))  # partition 1 now starts in place
+        _train(pipe, call, x, y)
+        _train(plain, "forward", x, y)
+        for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # x does not require grad
+@pytest.mark.parametrize("method", ["step", "evaluate"])
+@pytest.mark.parametrize("kind", ["forward_pre_hook", "forward_hook", "full_backward_hook", "full_backward_pre_hook"])
+def test_hooks_on_the_pipe_itself_are_refused_by_step_and_evaluate_before_anything_runs(method, kind):
+    # They wrap pipe(x); step() and evaluate() run the layers micro-batch by micro-batch and
+    # would skip them silently (a pre-hook that normalises the input among them).
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    with Pipe(_block(), balance=[2, 2, 1], chunks=2) as pipe:
+        fired = []
+        hook = {"forward_pre_hook": lambda m, a: fired.append(kind),
+                "forward_hook": lambda m, a, out: fired.append(kind),
+                "full_backward_hook": lambda m, gi, go: fired.append(kind),
+                "full_backward_pre_hook": lambda m, go: fired.append(kind)}[kind]
+        handle = getattr(pipe, f"register_{kind}")(hook)
+        words = kind.replace("full_", "").replace("_pre_hook", " pre-hook").replace("_hook", " hook")
+        with pytest.raises(RuntimeError, match=rf"Pipe.{method} cannot run this Pipe's own module hooks \(.*{words}"):
+            getattr(pipe, method)(x, y, nn.MSELoss())
+        assert fired == [] and all(p.grad is None for p in pipe.parameters())
+        nn.MSELoss()(pipe(x), y).backward()  # pipe(x) runs them
+        assert fired
+        handle.remove()
+        pipe.zero_grad()
+        getattr(pipe, method)(x, y, nn.MSELoss())
