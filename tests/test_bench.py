@@ -116,6 +116,29 @@ def test_a_json_path_in_a_folder_that_takes_no_files_is_refused_up_front(tmp_pat
     assert f"cannot write in {tmp_path} (Read-only file system)" in capsys.readouterr().err
 
 
+def test_an_existing_json_file_is_judged_by_opening_it_not_by_its_folder(tmp_path, capsys, monkeypatch):
+    # Review (s31): a writable results.json in a folder that takes no new file (chattr +i) was
+    # refused, though the writer opens it in place; one that cannot be opened still is.
+    import tempfile
+
+    def no_files(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_files)
+    existing = tmp_path / "results.json"
+    existing.write_text("kept")
+    assert parse_args(["overhead", "--json", str(existing)]).json == str(existing)
+    assert existing.read_text() == "kept"  # looked at, not changed
+    import builtins
+
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: (_ for _ in ()).throw(OSError(30, "Read-only file system"))
+                        if str(path) == str(existing) else real_open(path, *a, **k))
+    with pytest.raises(SystemExit):
+        parse_args(["overhead", "--json", str(existing)])
+    assert "is a file that cannot be written (Read-only file system)" in capsys.readouterr().err
+
+
 def test_stage_ms_sets_the_simulated_latency():
     from torchpipe.bench.registry import Options
 

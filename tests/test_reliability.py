@@ -611,6 +611,40 @@ def test_a_pipeline_used_in_a_forked_child_is_refused_at_once_not_a_hang():
     assert out.splitlines()[-2:] == ["['refused', 'refused', 'refused', True] True", "child 0"], out
 
 
+_FORKED_DURING_A_CALL_SCRIPT = """
+import os, signal, threading, time
+from torchpipe.train import PipelineStage, StagedPipeline
+
+gate = threading.Event()
+staged = StagedPipeline([PipelineStage("wait", lambda x: gate.wait(30) and x, "device")], device="cpu")
+caller = threading.Thread(target=lambda: staged.progress(iter([1, 2])))
+caller.start()
+time.sleep(0.5)  # the other thread is inside progress(), holding its call lock
+child = os.fork()
+if child == 0:  # the lock came along held, its holder did not
+    signal.alarm(10)
+    try:
+        staged.progress(iter([9]))
+        print("ran", flush=True)
+    except RuntimeError as exc:
+        print("refused" if "forked from it afterwards" in str(exc) else repr(exc), flush=True)
+    os._exit(0)
+_, status = os.waitpid(child, 0)
+gate.set()
+caller.join()
+staged.close()
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_train_pipeline_forked_while_another_thread_calls_it_is_refused_not_a_hang():
+    # Review (s31): the check sat inside progress()'s call lock, which the child inherits held
+    # when another thread was in a call at the fork: the child waited on it forever.
+    out = _run_script(_FORKED_DURING_A_CALL_SCRIPT)
+    assert out.splitlines()[-2:] == ["refused", "child 0"], out
+
+
 # ------------------------------------------------------------------------- thread leaks
 def _new_threads(before):
     return torchpipe_threads() - before

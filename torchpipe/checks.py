@@ -98,8 +98,15 @@ def why_unwritable(path: str, *, folder: bool) -> Optional[str]:
         return "is a file; give a folder"
     if not folder and os.path.isdir(target):
         return "is a folder; give a file name, such as out/results.json"
-    if not folder and os.path.exists(target) and not os.access(target, os.W_OK):
-        return "is a file that cannot be written"
+    if not folder and os.path.exists(target):
+        # The writer opens it in place: that is the test (append mode changes nothing), also on a
+        # read-only file system, and a folder that takes no new file does not matter.
+        try:
+            with open(target, "ab"):
+                pass
+        except OSError as error:
+            return f"is a file that cannot be written ({error.strerror or error})"
+        return None
     nearest = target if folder else os.path.dirname(target)
     while not os.path.exists(nearest):
         nearest = os.path.dirname(nearest)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from rec_helpers import SumOfPooled, integer_weights, make_tables, zipf_batches
-from torchrec import EmbeddingBagCollection
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from torchpipe.rec import CachedEmbeddingBagCollection, RowWiseAdagrad
 
@@ -303,3 +303,19 @@ def test_embedding_bags_reads_each_table_as_torchrec_names_it_as_a_flushed_copy(
         bags["tx"]
     with pytest.raises(AttributeError, match="no table named 'tx'"):
         bags.tx
+
+
+@pytest.mark.parametrize("name", ["get", "_ads", "_entries"])
+def test_a_table_named_like_the_views_own_attributes_is_walked_to_by_its_key(name) -> None:
+    # Review: view.get was Mapping.get and "_..." names were refused, so get_model_state_dict
+    # failed on tables TorchRec's EBC accepts (it walks each key's path by attribute).
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    tables = [EmbeddingBagConfig(num_embeddings=8, embedding_dim=4, name=name, feature_names=["f"]),
+              EmbeddingBagConfig(num_embeddings=8, embedding_dim=4, name="t1", feature_names=["g"])]
+    model = CachedEmbeddingBagCollection(tables, 8)
+    state = get_model_state_dict(_Ranker(model))
+    assert torch.equal(state[f"sparse.embedding_bags.{name}.weight"], model.full_weight(name))
+    bags = model.embedding_bags
+    assert torch.equal(getattr(bags, name).weight, model.full_weight(name))
+    assert list(bags) == [name, "t1"] and len(bags) == 2 and bags["t1"] is bags.t1

@@ -36,19 +36,32 @@ class TableWeight:
 
 
 class EmbeddingBagsView(Mapping[str, TableWeight]):
-    """Table name -> `TableWeight`, by key (``view["t0"]``) or by attribute (``view.t0``)."""
+    """Table name -> `TableWeight`, by key (``view["t0"]``) or by attribute (``view.t0``).
+
+    A table's name wins over the view's own attributes (a table called ``get``, ``keys`` or
+    ``_ads``): a key's path is walked by attribute, so ``view.get`` must be that table.
+    Double-underscore names stay the object's own (``__class__``, copy and pickle probes).
+    """
 
     def __init__(self, tables: list[str], read: Callable[[str], torch.Tensor]) -> None:
-        self._entries = {name: TableWeight(name, read) for name in tables}
+        object.__setattr__(self, "_entries", {name: TableWeight(name, read) for name in tables})
+
+    def __getattribute__(self, name: str) -> object:
+        if not name.startswith("__"):
+            entry = _entries(self).get(name)
+            if entry is not None:
+                return entry
+        return object.__getattribute__(self, name)
 
     def __getitem__(self, table: str) -> TableWeight:
-        entry = self._entries.get(table) if isinstance(table, str) else None
+        entries = _entries(self)
+        entry = entries.get(table) if isinstance(table, str) else None
         if entry is None:
-            raise KeyError(f"no table named {table!r}; the tables are {list(self._entries)}")
+            raise KeyError(f"no table named {table!r}; the tables are {list(entries)}")
         return entry
 
     def __getattr__(self, table: str) -> TableWeight:
-        if table.startswith("_"):  # copy/pickle probes, and _entries before __init__ set it
+        if table.startswith("__"):  # copy/pickle probes
             raise AttributeError(table)
         try:
             return self[table]
@@ -56,10 +69,15 @@ class EmbeddingBagsView(Mapping[str, TableWeight]):
             raise AttributeError(missing.args[0]) from None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter(_entries(self))
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(_entries(self))
 
     def __repr__(self) -> str:
-        return f"EmbeddingBagsView({list(self._entries)})"
+        return f"EmbeddingBagsView({list(_entries(self))})"
+
+
+def _entries(view: EmbeddingBagsView) -> dict[str, TableWeight]:
+    """The view's tables, read past its own attribute lookup (a table may be called ``_entries``)."""
+    return object.__getattribute__(view, "__dict__").get("_entries", {})

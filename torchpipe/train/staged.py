@@ -618,13 +618,14 @@ class StagedPipeline(OwnsThreads):
         self._refuse_own_work("progress()")
         refuse_untransferable_state("progress()")
         warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
+        # Before the lock: a child forked while another thread held it inherits it held.
+        self._runtime.refuse_if_forked()
         return self._lock.call(self._progress_holding_lock, dataloader_iter)
 
     def _progress_holding_lock(self, dataloader_iter: Iterator[Any]) -> Any:
         """``progress``'s work, under ``_lock``."""
         if self._closed:
             raise RuntimeError("this pipeline is closed")
-        self._runtime.refuse_if_forked()  # before a batch is taken from the iterator
         if self._before_call is not None:
             self._before_call()
 
