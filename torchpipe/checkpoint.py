@@ -46,7 +46,9 @@ def _set_flag(name: str) -> Iterator[None]:
 # Checkpointing with RNG replay
 # --------------------------------------------------------------------------------------------
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import inspect  # noqa: E402
+import weakref  # noqa: E402
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple  # noqa: E402
 
 import torch  # noqa: E402
@@ -610,6 +612,12 @@ def _requires_grad(output: Any) -> bool:
     return isinstance(output, tuple) and any(t.requires_grad for t in nested_tensors(output))
 
 
+def _graph_exec_group() -> Any:
+    """torch's ``GraphExecGroup`` in effect on this thread (torch 2.13), or None."""
+    current = getattr(torch._C, "_get_graph_exec_group", None)
+    return None if current is None else current()
+
+
 class _CountingHooks:
     """The checkpoint's own hooks, with each save counted and numbered on the way through.
 
@@ -623,20 +631,52 @@ class _CountingHooks:
         self._unpack = unpack
         self.versions = versions
         self.saved = 0
+        self._holders: List["weakref.ReferenceType[Any]"] = []  # torch's, for _release_recomputed
+        self._release_queued: Set[int] = set()
 
     @torch.compiler.disable
     def pack(self, tensor: torch.Tensor) -> Any:
         index = self.saved
         self.saved += 1
         self.versions.forward_saved(index, tensor)
-        return self._pack(tensor), index
+        holder = self._pack(tensor)
+        if isinstance(getattr(holder, "handles", None), dict):
+            self._holders.append(weakref.ref(holder))
+        return holder, index
 
     @torch.compiler.disable
     def unpack(self, packed: Any) -> Any:
         holder, index = packed
         tensor = self._unpack(holder)  # the first one recomputes the partition
         self.versions.check(index)
+        self._release_after_this_backward()
         return tensor
+
+    def _release_after_this_backward(self) -> None:
+        """Let go of this backward call's recomputed tensors when it ends, also those it never read.
+
+        torch's checkpoint keeps what a recompute saved per backward call, until the call
+        reads it, or else until the graph goes. A backward that reads only part of it and
+        keeps the graph (a zero-bubble ``I`` reads the input-gradient path; ``W`` then runs
+        backward calls of its own, which recompute again) left the rest alive until ``W``
+        ended: activations of every micro-batch between its ``I`` and its ``W``, which
+        checkpointing was to spare. The call's last step drops them (an engine callback).
+        """
+        if not self._holders:
+            return
+        gid = torch._C._current_graph_task_id()
+        if gid == -1 or gid in self._release_queued or _graph_exec_group() is not None:
+            return  # outside backward, or torch's own grouping of calls: it keeps what it keeps
+        self._release_queued.add(gid)
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._release_recomputed, gid))
+
+    def _release_recomputed(self, gid: int) -> None:
+        self._release_queued.discard(gid)
+        self.versions.recompute_released()
+        for ref in self._holders:
+            holder = ref()
+            if holder is not None:
+                holder.handles.pop(gid, None)  # the handle keys the recomputed tensor (weakly)
 
     @torch.compiler.disable
     def recording_pack(self, tensor: torch.Tensor) -> Any:

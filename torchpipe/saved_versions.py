@@ -80,6 +80,11 @@ class CheckpointVersions:
     def recompute_saved(self, tensor: Tensor) -> None:
         self.at_recompute.append((tensor.detach(), tensor._version))
 
+    def recompute_released(self) -> None:
+        """The backward call that read the recompute has ended: its tensors may go (their
+        aliases here would keep them alive until the next recompute or the graph's end)."""
+        self.at_recompute = []
+
     def check(self, index: int) -> None:
         """Raise autograd's error if the tensor saved ``index``-th changed in place since."""
         where = self._where
