@@ -1,6 +1,7 @@
 """The benchmark command runs and writes well-formed results (never timing asserts)."""
 import json
 import math
+import os
 import threading
 
 import pytest
@@ -137,6 +138,15 @@ def test_an_existing_json_file_is_judged_by_opening_it_not_by_its_folder(tmp_pat
     with pytest.raises(SystemExit):
         parse_args(["overhead", "--json", str(existing)])
     assert "is a file that cannot be written (Read-only file system)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+@pytest.mark.timeout(20)
+def test_an_existing_fifo_as_json_path_is_not_opened_by_the_check(tmp_path):
+    # Review (s31): opening a FIFO to test it blocks until a reader comes (argument parsing hung).
+    fifo = tmp_path / "results.fifo"
+    os.mkfifo(fifo)
+    assert parse_args(["overhead", "--json", str(fifo)]).json == str(fifo)
 
 
 def test_stage_ms_sets_the_simulated_latency():

@@ -5,6 +5,7 @@ it starts in place) to set up checkpointing; a layer changed after the Pipe was 
 read again, or a recompute updates a new batch norm's statistics twice, silently.
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -79,6 +80,26 @@ def test_functional_call_reaches_a_parameter_registered_after_building():
             grads.append(w.grad)
             assert model[2][0].parametrizations.weight.original.grad is None
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+
+
+def test_functional_call_reaches_parameters_weight_norm_adds_to_a_layer_after_building():
+    # weight_norm adds weight_g and weight_v to the Linear itself (no module is added): the
+    # recompute must find them too.
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    plain = _block().double()
+    with Pipe(copy.deepcopy(plain), balance=[2, 2, 1], chunks=2, checkpoint="always") as pipe:
+        pipe(x)
+        grads = []
+        for model in (pipe, plain):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
+                torch.nn.utils.weight_norm(model[2][0])
+            g = model[2][0].weight_g.detach().clone().mul(1.5).requires_grad_()
+            v = model[2][0].weight_v.detach().clone().requires_grad_()
+            nn.MSELoss()(functional_call(model, {"2.0.weight_g": g, "2.0.weight_v": v}, (x,)), y).backward()
+            grads.append((g.grad, v.grad))
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("call", CALLS)

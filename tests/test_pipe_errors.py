@@ -180,6 +180,31 @@ def test_layers_swapped_through_the_partitions_or_pipe_items_are_refused():
         assert torch.equal(pipe(x), pipe[3](torch.tanh(pipe[2][0](pipe[1](pipe[0](x))))))
 
 
+@pytest.mark.parametrize("spread_tuples", [False, True])
+def test_a_pipe_pickled_with_plain_partition_containers_loads_with_them_fixed(spread_tuples):
+    # Review (s31): a Pipe pickled before the containers were fixed kept plain ones, which took a
+    # swapped layer that ran without being the Pipe's.
+    from collections import OrderedDict
+
+    from torchpipe.partition import SpreadingSequential
+
+    x = torch.randn(3, 2)
+    with Pipe(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)), [2, 1], spread_tuples=spread_tuples) as pipe:
+        expected = pipe(x)
+        state = pipe.__getstate__()
+    plain = SpreadingSequential if spread_tuples else nn.Sequential
+    state["partitions"] = nn.ModuleList([plain(OrderedDict(p._modules)) for p in state["partitions"]])
+    old = Pipe.__new__(Pipe)
+    old.__setstate__(state)
+    with old:
+        assert type(old.partitions[1]).__name__ == ("SpreadingPartition" if spread_tuples else "PartitionSequential")
+        with pytest.raises(TypeError, match=r"child '2' of pipe.partitions\[0\] cannot be added"):
+            old.partitions[0].append(nn.ReLU())
+        with pytest.raises(TypeError, match="child '2' of pipe.partitions cannot be added"):
+            old.partitions.append(nn.Sequential())
+        assert torch.equal(old(x), expected)
+
+
 def test_too_few_devices_is_an_index_error():
     with pytest.raises(IndexError, match="devices: 2, partitions: 3"):
         Pipe(model(3), [1, 1, 1], devices=["cpu", "cpu"])

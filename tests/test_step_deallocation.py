@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import torchpipe
 import torchpipe.step as step_module
 from torchpipe import Pipe
 from torchpipe.microbatch import Batch, map_nested
@@ -212,3 +213,40 @@ def test_a_checkpointed_stage_keeps_no_recomputed_activation_between_a_split_bac
         torch.testing.assert_close(loss, expected.detach())
         for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class _ChangedInPlaceWithAProbe(nn.Module):
+    """Changes a tensor sigmoid saved, in place (backward must fail, as in the plain model); a
+    hook on it runs a nested backward call in the middle of the outer one (a gradient probe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.probe = None
+
+    def forward(self, h):
+        s = torch.sigmoid(h)
+        s.mul_(2)
+        if self.probe is not None and not torchpipe.is_recomputing():
+            s.register_hook(self.probe)
+        return self.lin(s)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_nested_backward_call_ending_keeps_the_outer_calls_in_place_check(checkpoint):
+    # Review (s31): the end of a nested backward call dropped the recompute's version records
+    # that the outer call still had to check, so its read of the overwritten tensor passed
+    # and trained on it, silently.
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    with Pipe(nn.Sequential(nn.Linear(4, 4), _ChangedInPlaceWithAProbe()), [2], chunks=1,
+              checkpoint=checkpoint) as pipe:
+        layer = pipe[1]
+        total = None
+        def probe(grad):
+            torch.autograd.grad(total, layer.lin.weight, retain_graph=True)  # nested backward call
+
+        layer.probe = probe
+        total = pipe(x).sum()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            total.backward(retain_graph=True)

@@ -57,7 +57,7 @@ import torch.utils.checkpoint as _torch_checkpoint  # noqa: E402
 from .call_chain import RNGSection, enter_rng_section, leave_rng_section  # noqa: E402
 from .devices import get_backend  # noqa: E402
 from .microbatch import Batch, map_nested, nested_tensors, rebuild  # noqa: E402
-from .saved_versions import CheckpointVersions  # noqa: E402
+from .saved_versions import CheckpointVersions, backward_call_key  # noqa: E402
 from .notes import add_note  # noqa: E402
 from .thread_state import CHECKPOINT_HOOK_MARK, current_saved_tensors_hooks  # noqa: E402
 
@@ -612,12 +612,6 @@ def _requires_grad(output: Any) -> bool:
     return isinstance(output, tuple) and any(t.requires_grad for t in nested_tensors(output))
 
 
-def _graph_exec_group() -> Any:
-    """torch's ``GraphExecGroup`` in effect on this thread (torch 2.13), or None."""
-    current = getattr(torch._C, "_get_graph_exec_group", None)
-    return None if current is None else current()
-
-
 class _CountingHooks:
     """The checkpoint's own hooks, with each save counted and numbered on the way through.
 
@@ -664,15 +658,15 @@ class _CountingHooks:
         """
         if not self._holders:
             return
-        gid = torch._C._current_graph_task_id()
-        if gid == -1 or gid in self._release_queued or _graph_exec_group() is not None:
+        gid = backward_call_key()
+        if not isinstance(gid, int) or gid == -1 or gid in self._release_queued:
             return  # outside backward, or torch's own grouping of calls: it keeps what it keeps
         self._release_queued.add(gid)
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._release_recomputed, gid))
 
     def _release_recomputed(self, gid: int) -> None:
         self._release_queued.discard(gid)
-        self.versions.recompute_released()
+        self.versions.recompute_released(gid)
         for ref in self._holders:
             holder = ref()
             if holder is not None:

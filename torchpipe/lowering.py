@@ -87,7 +87,7 @@ class PartitionLayout:
     differs.
     """
 
-    __slots__ = ("modules", "has_skips", "norms", "tensor_slots", "starts_in_place", "checkpointed_function")
+    __slots__ = ("modules", "has_skips", "norms", "starts_in_place", "checkpointed_function")
 
     def __init__(self, partition: nn.Module) -> None:
         self.modules: Tuple[nn.Module, ...] = ()
@@ -102,8 +102,6 @@ class PartitionLayout:
         # Batch norms a recompute must not update a second time (those that track statistics
         # then: running_statistics_frozen reads track_running_stats when it runs).
         self.norms = statistics_updating_norms(partition)
-        # Where its parameters and buffers live: a recompute runs with the forward's (ForwardTensors).
-        self.tensor_slots = tensor_slots(partition)
         # What checkpointing runs: the partition, on a private copy if it starts in place.
         # Pipe.step runs it so too: its stage inputs are leaves, which nothing may change in place.
         self.starts_in_place = _starts_in_place(partition)
@@ -303,7 +301,9 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
     training = stage.partition.training
     replay = stage.rng.new_replay(training) if checkpointed else None
     if replay is not None:
-        replay.recompute_extras.append(ForwardTensors(layout.tensor_slots).restored)
+        # Where its parameters and buffers live, read per checkpointed forward (weight_norm or
+        # pruning adds some to a module after the Pipe was built): the recompute runs with these.
+        replay.recompute_extras.append(ForwardTensors(tensor_slots(stage.partition)).restored)
     if replay is not None and layout.norms:
         norms = layout.norms
         replay.recompute_extras.append(lambda: running_statistics_frozen(norms))

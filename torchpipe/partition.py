@@ -12,7 +12,8 @@ from torch import nn
 from .devices import as_device
 
 __all__ = ["verify_module", "verify_balance", "split_module", "infer_placement", "BalanceError", "as_positive_int",
-           "SpreadingSequential", "PartitionSequential", "SpreadingPartition", "PartitionList", "layers_fixed_error"]
+           "SpreadingSequential", "PartitionSequential", "SpreadingPartition", "PartitionList", "layers_fixed_error",
+           "fixed_partitions"]
 
 
 class BalanceError(ValueError):
@@ -242,6 +243,29 @@ class PartitionList(_FixedChildren, nn.ModuleList):
     """``pipe.partitions``: an ``nn.ModuleList`` whose partitions are fixed once the Pipe is built."""
 
 
+def fixed_partitions(partitions: Sequence[nn.Module]) -> PartitionList:
+    """``partitions`` as a Pipe keeps them: a :class:`PartitionList` of fixed containers.
+
+    Containers of a Pipe pickled before they were fixed (a plain ``nn.Sequential`` or
+    ``nn.ModuleList``) become the fixed classes in place: those add no state of their own.
+    """
+    for index, partition in enumerate(partitions):
+        if not isinstance(partition, _FixedChildren):
+            partition.__class__ = SpreadingPartition if isinstance(partition, SpreadingSequential) \
+                else PartitionSequential
+        partition.fix_children(f"pipe.partitions[{index}]", "the pipeline would run it, but the Pipe's parameters() "
+                                                            "and state_dict() would not hold it")
+    if isinstance(partitions, nn.ModuleList):
+        if not isinstance(partitions, PartitionList):
+            partitions.__class__ = PartitionList
+        listed = cast(PartitionList, partitions)
+    else:
+        listed = PartitionList(partitions)
+    listed.fix_children("pipe.partitions", "a worker was started for each partition the Pipe was built with, and "
+                                           "runs only that one")
+    return listed
+
+
 def split_module(
     module: nn.Sequential, balance: Sequence[int], devices: Sequence[torch.device], spread_tuples: bool = False
 ) -> Tuple[List[nn.Sequential], List[Tuple[str, nn.Module]]]:
@@ -249,20 +273,18 @@ def split_module(
 
     Returns the partitions and the children's original ``(name, layer)`` pairs, so that the
     pipeline can keep the Sequential's parameter names. With ``spread_tuples`` the partitions
-    are :class:`SpreadingSequential` (the retired torch ``Pipe``'s calling convention). Each
-    partition's children are fixed (:class:`PartitionSequential`).
+    are :class:`SpreadingSequential` (the retired torch ``Pipe``'s calling convention). The
+    containers are :class:`PartitionSequential`; :func:`fixed_partitions` fixes them.
     """
     named = list(module.named_children())
     _refuse_dataless_layers(named, balance, devices)  # before any layer moves
     partitions: List[nn.Sequential] = []
     container = SpreadingPartition if spread_tuples else PartitionSequential
     start = 0
-    for index, (size, device) in enumerate(zip(balance, devices)):
+    for size, device in zip(balance, devices):
         layers = OrderedDict(named[start : start + size])
         partition = container(layers)
         partition.to(as_device(device))
-        partition.fix_children(f"pipe.partitions[{index}]", "the pipeline would run it, but the Pipe's parameters() "
-                                                            "and state_dict() would not hold it")
         partitions.append(partition)
         start += size
     return partitions, named

@@ -27,7 +27,7 @@ from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward, seed_rng
 from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
                          nested_tensors, samples, scatter)
-from .partition import (BalanceError, PartitionList, SpreadingSequential, as_positive_int, infer_placement,
+from .partition import (BalanceError, SpreadingSequential, as_positive_int, fixed_partitions, infer_placement,
                         layers_fixed_error, split_module, verify_balance, verify_module)
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, InvalidPlanError, Plan, build, schedule_options
@@ -428,10 +428,7 @@ class Pipe(nn.Module):
         self.reproducible = reproducible
         self._given_batch_dims = given_batch_dims
         self._batch_dims = batch_dims
-        partition_list = PartitionList(partitions)
-        partition_list.fix_children("pipe.partitions", "a worker was started for each partition the Pipe was built "
-                                                       "with, and runs only that one")
-        object.__setattr__(self, "partitions", partition_list)
+        object.__setattr__(self, "partitions", fixed_partitions(partitions))
 
         self._intra_op_threads = budget.intra_op_threads
         self.last_memory: Optional[MemoryRecord] = None  # what the last Pipe.step saved for backward
@@ -492,6 +489,7 @@ class Pipe(nn.Module):
                 state[f"_{name}"] = state.pop(name)
         state.setdefault("_spread_tuples", False)
         super().__setstate__(state)
+        object.__setattr__(self, "partitions", fixed_partitions(self.partitions))  # pickled before they were fixed
         self._start_workers()
 
     # ------------------------------------------------------------------ the layers are fixed

@@ -8,8 +8,9 @@ on the overwritten values, silently, where the plain model raises.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
+import torch
 from torch import Tensor
 
 __all__ = ["CheckpointVersions", "check_unchanged"]
@@ -35,6 +36,14 @@ def _raise_changed(alias: Tensor, now: int, version: int, where: Callable[[], st
     )
 
 
+def backward_call_key() -> Any:
+    """Which backward call runs on this thread, as torch's checkpoint tells them apart: the
+    ``GraphExecGroup`` in effect (torch 2.13), else the graph task (-1 outside backward)."""
+    group = getattr(torch._C, "_get_graph_exec_group", None)
+    current = None if group is None else group()
+    return current if current is not None else torch._C._current_graph_task_id()
+
+
 class CheckpointVersions:
     """Autograd's in-place check for one checkpointed call, made when backward reads a tensor.
 
@@ -54,7 +63,9 @@ class CheckpointVersions:
         # recompute) was done with them; changed before a recompute starts: which, how.
         self.at_forward: Dict[int, Tuple[Tensor, int]] = {}
         self.changed_before: Dict[int, Tuple[int, int]] = {}
-        self.at_recompute: List[Tuple[Tensor, int]] = []
+        # Per backward call (see backward_call_key): a nested or concurrent call recomputes on
+        # its own, and its end must not drop what another call still has to check.
+        self.at_recompute: Dict[Any, List[Tuple[Tensor, int]]] = {}
 
     def forward_saved(self, index: int, tensor: Tensor) -> None:
         base = tensor._base if tensor._base is not None else tensor
@@ -69,7 +80,7 @@ class CheckpointVersions:
         """Note the leaves changed since: by the caller (an optimizer step), not by the replay."""
         self.changed_before = {index: (alias._version, version) for index, (alias, version) in self.at_forward.items()
                                if alias._version != version}
-        self.at_recompute = []
+        self.at_recompute[backward_call_key()] = []
 
     def recompute_finished(self) -> None:
         self._settle_leaves()  # a second recompute (a split backward) replays them again
@@ -78,12 +89,12 @@ class CheckpointVersions:
         self.at_forward = {index: (alias, alias._version) for index, (alias, _) in self.at_forward.items()}
 
     def recompute_saved(self, tensor: Tensor) -> None:
-        self.at_recompute.append((tensor.detach(), tensor._version))
+        self.at_recompute.setdefault(backward_call_key(), []).append((tensor.detach(), tensor._version))
 
-    def recompute_released(self) -> None:
-        """The backward call that read the recompute has ended: its tensors may go (their
-        aliases here would keep them alive until the next recompute or the graph's end)."""
-        self.at_recompute = []
+    def recompute_released(self, key: Any) -> None:
+        """Backward call ``key`` has ended: its recompute's tensors may go (their aliases here
+        would keep them alive until the graph's end)."""
+        self.at_recompute.pop(key, None)
 
     def check(self, index: int) -> None:
         """Raise autograd's error if the tensor saved ``index``-th changed in place since."""
@@ -91,8 +102,9 @@ class CheckpointVersions:
         changed = self.changed_before.get(index)
         if changed is not None:
             _raise_changed(self.at_forward[index][0], *changed, where)
-        if index < len(self.at_recompute):
-            check_unchanged(*self.at_recompute[index], where)
+        recomputed = self.at_recompute.get(backward_call_key(), ())
+        if index < len(recomputed):
+            check_unchanged(*recomputed[index], where)
 
     def _where(self) -> str:
         return self.where

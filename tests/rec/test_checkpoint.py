@@ -319,3 +319,13 @@ def test_a_table_named_like_the_views_own_attributes_is_walked_to_by_its_key(nam
     bags = model.embedding_bags
     assert torch.equal(getattr(bags, name).weight, model.full_weight(name))
     assert list(bags) == [name, "t1"] and len(bags) == 2 and bags["t1"] is bags.t1
+
+
+@pytest.mark.parametrize("name", ["keys", "items", "values"])
+def test_a_table_named_like_a_mapping_call_leaves_the_views_mapping_calls_working(name) -> None:
+    # Review (s31): with table names first, a table called "keys" broke dict(view), "items" ==.
+    tables = [EmbeddingBagConfig(num_embeddings=8, embedding_dim=4, name=name, feature_names=["f"]),
+              EmbeddingBagConfig(num_embeddings=8, embedding_dim=4, name="t1", feature_names=["g"])]
+    bags = CachedEmbeddingBagCollection(tables, 8).embedding_bags
+    assert sorted(dict(bags)) == sorted([name, "t1"]) and bags == bags
+    assert list(bags.keys()) == [name, "t1"] and len(list(bags.items())) == len(list(bags.values())) == 2

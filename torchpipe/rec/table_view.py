@@ -35,19 +35,24 @@ class TableWeight:
         return f"TableWeight({self._table!r})"
 
 
+_MAPPING_CALLS = frozenset({"keys", "items", "values"})
+
+
 class EmbeddingBagsView(Mapping[str, TableWeight]):
     """Table name -> `TableWeight`, by key (``view["t0"]``) or by attribute (``view.t0``).
 
-    A table's name wins over the view's own attributes (a table called ``get``, ``keys`` or
-    ``_ads``): a key's path is walked by attribute, so ``view.get`` must be that table.
-    Double-underscore names stay the object's own (``__class__``, copy and pickle probes).
+    A table's name wins over the view's own attributes (a table called ``get`` or ``_ads``,
+    which TorchRec's EBC accepts): a key's path is walked by attribute, so ``view.get`` must
+    be that table. ``keys``, ``items`` and ``values`` stay the Mapping's (``dict(view)`` and
+    ``==`` call them; TorchRec refuses those table names), and so do double-underscore names
+    (``__class__``, copy and pickle probes).
     """
 
     def __init__(self, tables: list[str], read: Callable[[str], torch.Tensor]) -> None:
         object.__setattr__(self, "_entries", {name: TableWeight(name, read) for name in tables})
 
     def __getattribute__(self, name: str) -> object:
-        if not name.startswith("__"):
+        if not name.startswith("__") and name not in _MAPPING_CALLS:
             entry = _entries(self).get(name)
             if entry is not None:
                 return entry
