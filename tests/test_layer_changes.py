@@ -60,44 +60,42 @@ def test_a_batch_norm_put_inside_a_layer_later_counts_each_step_once_under_check
         assert torch.equal(pipe(x), plain(x))
 
 
-def test_functional_call_reaches_a_parameter_registered_after_building():
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def _parametrized(linear: nn.Linear) -> dict:
+    """A parametrization: new modules inside the layer. The tensors functional_call swaps in."""
+    parametrize.register_parametrization(linear, "weight", _Doubled())
+    w = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    return {"2.0.parametrizations.weight.original": w}
+
+
+def _weight_normed(linear: nn.Linear) -> dict:
+    """weight_norm: new parameters on the layer itself (no module added)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
+        torch.nn.utils.weight_norm(linear)
+    return {"2.0.weight_g": linear.weight_g.detach().clone().mul(1.5).requires_grad_(),
+            "2.0.weight_v": linear.weight_v.detach().clone().requires_grad_()}
+
+
+@pytest.mark.parametrize("change", [_parametrized, _weight_normed])
+def test_functional_call_reaches_parameters_a_layer_gets_after_building(change):
     # functional_call puts the module's own tensors back before backward recomputes: the
-    # recompute must run with the tensors the forward ran with, those of a parametrization
-    # registered after the Pipe was built too, or the gradient goes to the module's own tensor.
-    class Doubled(nn.Module):
-        def forward(self, w):
-            return 2 * w
-
+    # recompute must run with the tensors the forward ran with, those a layer got after the
+    # Pipe was built too, or the gradient goes to the module's own tensors.
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
     plain = _block().double()
     with Pipe(copy.deepcopy(plain), balance=[2, 2, 1], chunks=2, checkpoint="always") as pipe:
         pipe(x)
         grads = []
         for model in (pipe, plain):
-            parametrize.register_parametrization(model[2][0], "weight", Doubled())
-            w = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
-            nn.MSELoss()(functional_call(model, {"2.0.parametrizations.weight.original": w}, (x,)), y).backward()
-            grads.append(w.grad)
-            assert model[2][0].parametrizations.weight.original.grad is None
-        torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
-
-
-def test_functional_call_reaches_parameters_weight_norm_adds_to_a_layer_after_building():
-    # weight_norm adds weight_g and weight_v to the Linear itself (no module is added): the
-    # recompute must find them too.
-    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
-    plain = _block().double()
-    with Pipe(copy.deepcopy(plain), balance=[2, 2, 1], chunks=2, checkpoint="always") as pipe:
-        pipe(x)
-        grads = []
-        for model in (pipe, plain):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
-                torch.nn.utils.weight_norm(model[2][0])
-            g = model[2][0].weight_g.detach().clone().mul(1.5).requires_grad_()
-            v = model[2][0].weight_v.detach().clone().requires_grad_()
-            nn.MSELoss()(functional_call(model, {"2.0.weight_g": g, "2.0.weight_v": v}, (x,)), y).backward()
-            grads.append((g.grad, v.grad))
+            given = change(model[2][0])
+            nn.MSELoss()(functional_call(model, given, (x,)), y).backward()
+            grads.append([t.grad for t in given.values()])
+            assert all(model.get_parameter(name).grad is None for name in given)  # the module's own
         for got, want in zip(*grads):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
