@@ -642,11 +642,12 @@ class _CountingHooks:
     def unpack(self, packed: Any) -> Any:
         holder, index = packed
         tensor = self._unpack(holder)  # the first one recomputes the partition
-        self.versions.check(index)
-        self._release_after_this_backward()
+        key = backward_call_key()
+        self.versions.check(index, key)
+        self._release_after_this_backward(key)
         return tensor
 
-    def _release_after_this_backward(self) -> None:
+    def _release_after_this_backward(self, gid: Any) -> None:
         """Let go of this backward call's recomputed tensors when it ends, also those it never read.
 
         torch's checkpoint keeps what a recompute saved per backward call, until the call
@@ -658,7 +659,6 @@ class _CountingHooks:
         """
         if not self._holders:
             return
-        gid = backward_call_key()
         if not isinstance(gid, int) or gid == -1 or gid in self._release_queued:
             return  # outside backward, or torch's own grouping of calls: it keeps what it keeps
         self._release_queued.add(gid)

@@ -98,9 +98,9 @@ def why_unwritable(path: str, *, folder: bool) -> Optional[str]:
         return "is a file; give a folder"
     if not folder and os.path.isdir(target):
         return "is a folder; give a file name, such as out/results.json"
-    if not folder and os.path.exists(target) and not os.path.isfile(target):  # a FIFO would block an open
-        return None if os.access(target, os.W_OK) else "cannot be written"
     if not folder and os.path.exists(target):
+        if not os.path.isfile(target):  # a FIFO would block an open
+            return None if os.access(target, os.W_OK) else "cannot be written"
         # The writer opens it in place: that is the test (append mode changes nothing), also on a
         # read-only file system, and a folder that takes no new file does not matter.
         try:

@@ -36,11 +36,13 @@ def _raise_changed(alias: Tensor, now: int, version: int, where: Callable[[], st
     )
 
 
+_GRAPH_EXEC_GROUP = getattr(torch._C, "_get_graph_exec_group", None)  # torch 2.13; looked up once
+
+
 def backward_call_key() -> Any:
     """Which backward call runs on this thread, as torch's checkpoint tells them apart: the
     ``GraphExecGroup`` in effect (torch 2.13), else the graph task (-1 outside backward)."""
-    group = getattr(torch._C, "_get_graph_exec_group", None)
-    current = None if group is None else group()
+    current = None if _GRAPH_EXEC_GROUP is None else _GRAPH_EXEC_GROUP()
     return current if current is not None else torch._C._current_graph_task_id()
 
 
@@ -96,13 +98,14 @@ class CheckpointVersions:
         would keep them alive until the graph's end)."""
         self.at_recompute.pop(key, None)
 
-    def check(self, index: int) -> None:
-        """Raise autograd's error if the tensor saved ``index``-th changed in place since."""
+    def check(self, index: int, key: Any) -> None:
+        """Raise autograd's error if the tensor saved ``index``-th changed in place since; ``key``:
+        the backward call reading it (`backward_call_key`)."""
         where = self._where
         changed = self.changed_before.get(index)
         if changed is not None:
             _raise_changed(self.at_forward[index][0], *changed, where)
-        recomputed = self.at_recompute.get(backward_call_key(), ())
+        recomputed = self.at_recompute.get(key, ())
         if index < len(recomputed):
             check_unchanged(*recomputed[index], where)
 
