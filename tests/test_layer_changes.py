@@ -116,6 +116,128 @@ def test_an_in_place_first_layer_put_in_later_trains_as_the_plain_model(call):
             assert torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("checkpoint,chunks", [("always", 1), ("except_last", 4), ("never", 4)])
+def test_inplace_turned_on_later_in_a_first_layer_trains_as_the_plain_model(call, checkpoint, chunks):
+    # No module is added: only the flag changes, which a comparison of the modules misses.
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    with Pipe(copy.deepcopy(plain), balance=[1, 2, 2], chunks=chunks, checkpoint=checkpoint,
+              intra_op_threads=torch.get_num_threads()) as pipe:
+        pipe(x)
+        pipe[1].inplace = plain[1].inplace = True  # partition 1 now starts in place
+        _train(pipe, call, x, y)
+        _train(plain, "forward", x, y)
+        for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_batch_norm_added_later_under_deferred_batch_norm_counts_the_mini_batch_once(call, checkpoint):
+    # Converted as the build converts: left plain, it updated once per micro-batch (12 against 3).
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    plain = _block().double()
+    with Pipe(copy.deepcopy(plain), balance=[2, 2, 1], chunks=4, checkpoint=checkpoint,
+              deferred_batch_norm=True) as pipe:
+        pipe(x)
+        added = nn.BatchNorm1d(8, dtype=torch.float64)
+        pipe[2].append(added)
+        plain[2].append(copy.deepcopy(added))
+        for _ in range(3):
+            _train(pipe, call, x, y)
+            _train(plain, "forward", x, y)
+        converted = pipe[2][-1]
+        assert type(converted).__name__ == "DeferredBatchNorm"
+        # The same tensors as the layer the user appended, which sees the statistics too.
+        assert converted.running_mean is added.running_mean and converted.weight is added.weight
+        assert int(added.num_batches_tracked) == int(plain[2][-1].num_batches_tracked) == 3
+        torch.testing.assert_close(added.running_mean, plain[2][-1].running_mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(added.running_var, plain[2][-1].running_var, rtol=1e-12, atol=1e-12)
+
+
+def test_track_running_stats_turned_on_later_under_deferred_batch_norm():
+    x = torch.randn(16, 6)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.BatchNorm1d(8, track_running_stats=False)),
+                          nn.BatchNorm1d(8, track_running_stats=False), nn.Sequential(nn.Linear(8, 3)))
+    with Pipe(model, balance=[2, 2], chunks=4, deferred_batch_norm=True) as pipe:
+        pipe(x)
+        # Without running statistics the flag tracks nothing (torch normalises by the batch):
+        # nothing to convert, and the call runs as the plain model does.
+        pipe[1][0].track_running_stats = True
+        pipe(x)
+        assert type(pipe[1][0]) is nn.BatchNorm1d
+        # A layer that is a batch norm itself cannot be converted once the layers are fixed:
+        # found when its partition changes (a layer appended beside it), refused.
+        norm = pipe[2]
+        norm.track_running_stats = True
+        for name, value in (("running_mean", torch.zeros(8)), ("running_var", torch.ones(8)),
+                            ("num_batches_tracked", torch.tensor(0))):
+            norm.register_buffer(name, value)
+        pipe[3].append(nn.Identity())
+        with pytest.raises(ValueError, match="layer '2' is a BatchNorm1d that tracks running statistics now but did not"):
+            pipe(x)
+        assert int(norm.num_batches_tracked) == 0
+
+
+def test_a_failed_call_puts_back_the_statistics_of_a_batch_norm_added_later():
+    x = torch.randn(16, 6)
+    with Pipe(_block(), balance=[2, 2, 1], chunks=4, deferred_batch_norm=True) as pipe:
+        pipe(x)
+        pipe[2].append(nn.BatchNorm1d(8))
+
+        def fail(module, args, output):
+            raise ValueError("the last layer fails")
+
+        pipe[4].register_forward_hook(fail)
+        with pytest.raises(ValueError, match="the last layer fails"):
+            pipe(x)
+        assert int(pipe[2][-1].num_batches_tracked) == 0
+        assert torch.equal(pipe[2][-1].running_mean, torch.zeros(8))
+
+
+@pytest.mark.parametrize("shared", ["parameter", "batch norm"])
+def test_a_tensor_two_layers_share_since_building_is_refused_as_at_build(shared):
+    # Two workers would update a shared running statistic at once: the build refuses it, and
+    # so does the next call, before anything runs.
+    x = torch.randn(8, 6)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.Tanh()), nn.Linear(8, 8), nn.Sequential(nn.Tanh()),
+                          nn.Linear(8, 3))
+    with Pipe(model, balance=[2, 2, 1], chunks=4, deferred_batch_norm=True) as pipe:
+        pipe(x)
+        if shared == "parameter":
+            pipe[1].append(pipe[2])  # partition 1's Linear, in partition 0 too
+        else:
+            norm = nn.BatchNorm1d(8)
+            pipe[1].append(norm), pipe[3].append(norm)
+        kind = "parameter" if shared == "parameter" else "(parameter|buffer)"
+        with pytest.raises(ValueError, match=rf"changed inside since the Pipe was built: .*duplicate {kind}s.*'1' and '[23]'"):
+            nn.MSELoss()(pipe(x), torch.zeros(8, 3)).backward()
+        assert all(p.grad is None for p in pipe.parameters())  # nothing ran
+        assert all(type(m) is nn.BatchNorm1d for m in pipe.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+        pipe[1].pop(-1)
+        if shared == "batch norm":
+            pipe[3].pop(-1)
+        pipe(x)  # the layers as built again: it runs
+
+
+def test_weight_norm_between_a_forward_and_its_recompute_is_a_clear_error():
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    with Pipe(_block(), balance=[2, 2, 1], chunks=1, checkpoint="always") as pipe:
+        loss = nn.MSELoss()(pipe(x), y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
+            torch.nn.utils.weight_norm(pipe[2][0])
+        with pytest.raises(RuntimeError, match=r"partition 1 changed between a checkpointed forward and its "
+                                               r"recompute in backward: parameter '2\.0\.weight' was there"):
+            loss.backward()
+        pipe.zero_grad()
+        nn.MSELoss()(pipe(x), y).backward()  # the layer as it is now: trains
+        assert pipe[2][0].weight_g.grad is not None
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # x does not require grad
 @pytest.mark.parametrize("method", ["step", "evaluate"])
 @pytest.mark.parametrize("kind", ["forward_pre_hook", "forward_hook", "full_backward_hook", "full_backward_pre_hook"])

@@ -221,7 +221,8 @@ class DeferredBatchNorm(_BatchNorm):
             module.chunks = chunks
             module.set_microbatches(chunks)
             return module
-        if isinstance(module, _BatchNorm) and module.track_running_stats:
+        if isinstance(module, _BatchNorm) and module.track_running_stats and module.running_mean is not None:
+            # (Built with track_running_stats=False, the flag turned on later: no statistics to track.)
             return cls._from_batch_norm(module, chunks)  # type: ignore[return-value]
         for name, child in module.named_children():
             converted = cls._convert(child, chunks)

@@ -525,12 +525,14 @@ class ForwardTensors:
     exactly those), and the slot gets its tensor back afterwards.
     """
 
-    __slots__ = ("slots", "values", "swapped")
+    __slots__ = ("slots", "values", "swapped", "owner", "what")
 
-    def __init__(self, slots: List[TensorSlot]) -> None:
+    def __init__(self, slots: List[TensorSlot], owner: Optional[torch.nn.Module] = None, what: str = "the module") -> None:
         self.slots = slots
         self.values = [holder.get(name, _MISSING) for holder, name in slots]
         self.swapped: List[Tuple[Dict[str, Any], str, Any]] = []
+        self.owner = owner  # the module the slots were read from, ``what`` in a refusal: named there
+        self.what = what
 
     def restored(self) -> "ForwardTensors":
         """The context a recompute runs under (a factory for ``recompute_extras``)."""
@@ -542,18 +544,36 @@ class ForwardTensors:
             for (holder, name), value in zip(self.slots, self.values):
                 current = holder.get(name, _MISSING)
                 if current is not value and value is not _MISSING:
+                    if current is _MISSING:
+                        raise self._slot_gone(holder, name)
                     swapped.append((holder, name, current))
                     holder[name] = value
         except BaseException:  # noqa: B902 - the caller will not call __exit__: put them back
             self.__exit__()
             raise
 
+    def _slot_gone(self, holder: Dict[str, Any], name: str) -> RuntimeError:
+        """The refusal for a parameter or buffer removed between the forward and its recompute.
+
+        ``weight_norm``, a parametrization or pruning registered in between turn ``weight``
+        into a computed attribute: putting the old parameter back would fight the hook that
+        now sets it, and the layer no longer runs as it did in the forward.
+        """
+        kind, qualified = "parameter or buffer", name
+        for path, module in self.owner.named_modules() if self.owner is not None else ():
+            if holder is module._parameters or holder is module._buffers:
+                kind = "parameter" if holder is module._parameters else "buffer"
+                qualified = f"{path}.{name}" if path else name
+                break
+        return RuntimeError(
+            f"{self.what} changed between a checkpointed forward and its recompute in backward: {kind} "
+            f"{qualified!r} was there in the forward and is gone now (weight_norm, a parametrization or pruning "
+            "registered in between?). The recompute must run the layers the forward ran: change layers after "
+            "backward, between steps, or use checkpoint='never'")
+
     def __exit__(self, *exc: Any) -> None:
         for holder, name, current in reversed(self.swapped):
-            if current is _MISSING:
-                del holder[name]
-            else:
-                holder[name] = current
+            holder[name] = current
         self.swapped = []
 
 

@@ -80,33 +80,36 @@ class PartitionLayout:
     """What a partition's modules say about how to run it, read again when its modules change.
 
     Changes inside a layer between calls are the user's to make (a batch norm or a
-    parametrization added to ``pipe[i]``), and run; facts read only when the Pipe was built
-    would miss them, and a batch norm added later would count its statistics twice under
-    checkpointing. :meth:`refresh` runs before each step, under the Pipe's step lock: one
-    walk of the modules, compared by identity, and the facts are read again only when that
-    differs.
+    parametrization added to ``pipe[i]``, ``inplace`` turned on), and run; facts read only
+    when the Pipe was built would miss them, and a batch norm added later would count its
+    statistics twice under checkpointing. Before each step, under the Pipe's step lock,
+    :meth:`changed` walks the modules once and compares them by identity (and the leading
+    in-place flag, which changes no module); :meth:`read` reads the facts again when it says so.
     """
 
     __slots__ = ("modules", "has_skips", "norms", "starts_in_place", "checkpointed_function")
 
     def __init__(self, partition: nn.Module) -> None:
         self.modules: Tuple[nn.Module, ...] = ()
-        self.refresh(partition)
+        self.read(partition)
 
-    def refresh(self, partition: nn.Module) -> None:
-        """Read the facts again if ``partition``'s modules are not those read last time."""
+    def changed(self, partition: nn.Module) -> bool:
+        """Whether ``partition``'s modules, or whether it starts in place, differ from what was read."""
         modules = tuple(partition.modules())
-        if modules == self.modules:
-            return
+        return modules != self.modules or _starts_in_place(modules) != self.starts_in_place
+
+    def read(self, partition: nn.Module) -> None:
+        """Read the facts from ``partition``'s modules as they are now."""
+        modules = tuple(partition.modules())
         self.has_skips = any(isinstance(m, Skippable) for m in modules)
         # Batch norms a recompute must not update a second time (those that track statistics
         # then: running_statistics_frozen reads track_running_stats when it runs).
         self.norms = statistics_updating_norms(partition)
         # What checkpointing runs: the partition, on a private copy if it starts in place.
         # Pipe.step runs it so too: its stage inputs are leaves, which nothing may change in place.
-        self.starts_in_place = _starts_in_place(partition)
+        self.starts_in_place = _starts_in_place(modules)
         self.checkpointed_function = _on_private_copy(partition) if self.starts_in_place else partition
-        self.modules = modules  # last: a refresh cut short is done again
+        self.modules = modules  # last: a read cut short leaves the layout changed, so it runs again
 
 
 class ForwardContext:
@@ -142,14 +145,15 @@ def _forward_seed(ctx: Any, stage: int, microbatch: int) -> Optional[int]:
 _PASS_THROUGH = (nn.Identity, nn.Flatten, nn.Unflatten)
 
 
-def _starts_in_place(partition: nn.Module) -> bool:
-    """Whether the partition overwrites its input first thing (``ReLU(inplace=True)`` and kin).
+def _starts_in_place(modules: Sequence[nn.Module]) -> bool:
+    """Whether a partition, given as its ``modules()`` in order, overwrites its input first
+    thing (``ReLU(inplace=True)`` and kin).
 
     Looks past leading layers that pass the input through (``Identity``, ``Flatten``).
     Anything this misses is caught after the fact by :func:`_check_input_untouched`.
     """
-    for module in partition.modules():
-        if list(module.children()):
+    for module in modules:
+        if next(module.children(), None) is not None:
             continue
         if getattr(module, "inplace", False):
             return True
@@ -303,7 +307,8 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
     if replay is not None:
         # Where its parameters and buffers live, read per checkpointed forward (weight_norm or
         # pruning adds some to a module after the Pipe was built): the recompute runs with these.
-        replay.recompute_extras.append(ForwardTensors(tensor_slots(stage.partition)).restored)
+        forward_tensors = ForwardTensors(tensor_slots(stage.partition), stage.partition, f"partition {stage.index}")
+        replay.recompute_extras.append(forward_tensors.restored)
     if replay is not None and layout.norms:
         norms = layout.norms
         replay.recompute_extras.append(lambda: running_statistics_frozen(norms))

@@ -11,7 +11,8 @@ from torch import nn
 
 from .devices import as_device
 
-__all__ = ["verify_module", "verify_balance", "split_module", "infer_placement", "BalanceError", "as_positive_int",
+__all__ = ["verify_module", "verify_unshared", "verify_balance", "split_module", "infer_placement", "BalanceError",
+           "as_positive_int",
            "SpreadingSequential", "PartitionSequential", "SpreadingPartition", "PartitionList", "layers_fixed_error",
            "fixed_partitions"]
 
@@ -25,24 +26,35 @@ def verify_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}")
     # named_children() drops repeats, so count the Sequential's own slots.
-    slots = list(module._modules.items())
+    verify_unshared(list(module._modules.items()))
+
+
+def verify_unshared(layers: Sequence[Tuple[str, Optional[nn.Module]]], since: str = "") -> None:
+    """Reject a layer found twice in ``layers`` (name, layer), or a parameter or buffer two of them share.
+
+    Checked when a Pipe is built, and again before a call once a layer changed inside
+    (``since`` then says so in the message): two workers would update a shared running
+    statistic at once.
+    """
     owners: dict = {}
-    for name, child in slots:
+    for name, child in layers:
         first = owners.setdefault(id(child), name)
         if first != name:
             raise ValueError(
-                "module with duplicate children is not supported: the same layer object is "
+                f"{since}module with duplicate children is not supported: the same layer object is "
                 f"children {first!r} and {name!r}"
             )
     # Shared parameters, or buffers (running statistics), would be updated by two workers at once.
     seen: dict = {}
-    for name, child in slots:
+    for name, child in layers:
+        if child is None:
+            continue
         for kind, tensors in (("parameter", child.parameters()), ("buffer", child.buffers())):
             for tensor in tensors:
                 owner = seen.setdefault(id(tensor), name)
                 if owner != name:
                     raise ValueError(
-                        f"module with duplicate {kind}s on distinct children is not supported "
+                        f"{since}module with duplicate {kind}s on distinct children is not supported "
                         f"(children {owner!r} and {name!r} share a {kind})"
                     )
 

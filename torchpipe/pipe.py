@@ -28,7 +28,7 @@ from .lowering import ForwardContext, StageRunner, lower_forward, seed_rng
 from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
                          nested_tensors, samples, scatter)
 from .partition import (BalanceError, SpreadingSequential, as_positive_int, fixed_partitions, infer_placement,
-                        layers_fixed_error, split_module, verify_balance, verify_module)
+                        layers_fixed_error, split_module, verify_balance, verify_module, verify_unshared)
 from .runtime import Program, Runtime, StepRecord
 from .schedule import SCHEDULES, InvalidPlanError, Plan, build, schedule_options
 from .schedule.names import resolve as resolve_schedule
@@ -1042,8 +1042,7 @@ class Pipe(nn.Module):
         """``_run``'s step itself, under ``_step_lock``."""
         if not self._finalizer.alive:  # closed by another thread since the caller's check
             raise RuntimeError("this Pipe is closed")
-        for stage in self._stages:  # a layer changed inside since the last step (a batch norm added)
-            stage.layout.refresh(stage.partition)
+        self._adopt_layer_changes()
         previous = self._runtime.last_step
         without_grad = []
         if step_leaves is not None:
@@ -1108,6 +1107,32 @@ class Pipe(nn.Module):
             record = self._runtime.last_step
             if record is not None and record is not previous:  # this plan ran (part of it)
                 self._last_run = (plan, record)
+
+    def _adopt_layer_changes(self) -> None:
+        """Take in what changed inside the layers since the last step (a batch norm added, say).
+
+        Checked as the build checks, before anything changes: a parameter or buffer now shared
+        by two layers (two workers would update a running statistic at once) is refused. Under
+        ``deferred_batch_norm`` a batch norm added later is converted, as the build converts
+        those it finds (same parameters and buffers); left plain, it would update its running
+        statistics once per micro-batch. Then the partitions' layouts are read again.
+        """
+        changed = [stage for stage in self._stages if stage.layout.changed(stage.partition)]
+        if not changed:
+            return
+        verify_unshared(list(self._modules.items()), since="a layer changed inside since the Pipe was built: ")
+        if self._deferred_batch_norm:
+            from .batchnorm import DeferredBatchNorm
+
+            for stage in changed:
+                for name, layer in stage.partition.named_children():
+                    if DeferredBatchNorm.convert_deferred_batch_norm(layer, self.chunks) is not layer:
+                        raise ValueError(
+                            f"layer {name!r} is a {type(layer).__name__} that tracks running statistics now but did "
+                            "not when the Pipe was built, so deferred_batch_norm=True could not convert it, and the "
+                            "layers are fixed once built; build the Pipe with track_running_stats=True on it")
+        for stage in changed:
+            stage.layout.read(stage.partition)
 
     def _worker_streams(self) -> List[Tuple[torch.device, Any]]:
         """Each distinct (device, stream) the stages queue work on, copy streams included."""
