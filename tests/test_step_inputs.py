@@ -1,5 +1,6 @@
 """Pipe.step's inputs and targets: graphs built before the step, and how targets weigh micro-batches."""
 import copy
+import functools
 import warnings
 
 import pytest
@@ -249,6 +250,53 @@ def test_functional_class_index_losses_weigh_micro_batches_by_their_counted_targ
         assert_same_grads((pipe,), (reference,))
         pipe.eval()
         torch.testing.assert_close(pipe.evaluate(x, y, loss_fn, loss_kwargs=loss_kwargs), expected.detach())
+
+
+# Regression (review): a wrapped loss hid its settings. torch.compile(nn.CrossEntropyLoss())
+# was weighted by samples, not by its counted targets (padding skewed the loss by 2 %, the
+# gradients by 0.2), and partial(F.cross_entropy, reduction='sum') was weighted as a mean.
+@pytest.mark.parametrize("wrapped", [
+    "compiled module", "compiled function", "partial", "partial sum", "compiled partial sum", "partial then kwargs",
+])
+def test_a_compiled_or_partial_loss_weighs_micro_batches_as_the_loss_inside(wrapped):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(10, 4, dtype=torch.float64)
+    y = torch.tensor([-100, -100, -100, 1, 0, 2, 1, 0, 2, 2])  # padding in micro-batch 0 of 3
+    compiled = functools.partial(torch.compile, backend="eager")
+    loss_fn, loss_kwargs, plain = {
+        "compiled module": (compiled(nn.CrossEntropyLoss()), None, nn.CrossEntropyLoss()),
+        "compiled function": (compiled(F.cross_entropy), None, F.cross_entropy),
+        "partial": (functools.partial(F.cross_entropy, label_smoothing=0.1), None,
+                    functools.partial(F.cross_entropy, label_smoothing=0.1)),
+        "partial sum": (functools.partial(F.cross_entropy, reduction="sum"), None,
+                        functools.partial(F.cross_entropy, reduction="sum")),
+        "compiled partial sum": (compiled(functools.partial(F.cross_entropy, reduction="sum")), None,
+                                 functools.partial(F.cross_entropy, reduction="sum")),
+        # loss_kwargs come after the partial's keywords, as partial itself merges them
+        "partial then kwargs": (functools.partial(F.cross_entropy, reduction="sum"), {"reduction": "mean"},
+                                F.cross_entropy),
+    }[wrapped]
+    reference = copy.deepcopy(model)
+    expected = plain(reference(x), y)
+    expected.backward()
+    with Pipe(copy.deepcopy(model), [2, 1], chunks=3) as pipe:
+        loss = pipe.step(x, y, loss_fn, loss_kwargs=loss_kwargs)
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+        assert_same_grads((pipe,), (reference,))
+        torch.testing.assert_close(pipe.evaluate(x, y, loss_fn, loss_kwargs=loss_kwargs), expected.detach(),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_a_partial_that_reduces_per_element_is_refused_naming_the_partial():
+    with Pipe(body(), [1, 1, 1, 1], chunks=2) as pipe:
+        with pytest.raises(ValueError, match=r"the partial's reduction='none' makes the loss one value per element"):
+            pipe.step(torch.randn(4, 4), torch.randn(4, 2), functools.partial(F.mse_loss, reduction="none"))
+        with pytest.raises(ValueError, match=r"reduction='mean', but the loss itself reduces by 'sum' \(its "
+                                             r"reduction, a partial's or loss_kwargs'\)"):
+            pipe.step(torch.randn(4, 4), torch.randn(4, 2), functools.partial(F.mse_loss, reduction="sum"),
+                      reduction="mean")
+        assert pipe.last_step is None
 
 
 def test_a_reduction_that_disagrees_with_loss_kwargs_is_refused():

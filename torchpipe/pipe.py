@@ -35,7 +35,7 @@ from .schedule.names import resolve as resolve_schedule
 from .skip import inspect_skip_layout, verify_skippables
 from .state_keys import check_not_renumbered, retired_pipe_state_dict
 from .step import MemoryRecord, StepContext, lower_step
-from .step_inputs import Upstream, microbatch_weights, scalar_loss, split_targets
+from .step_inputs import Upstream, loss_settings, microbatch_weights, scalar_loss, split_targets
 from .step_report import StepReport, report
 from .thread_state import (first_frame_outside_torchpipe, in_torch_checkpoint, records_graphs,
                            refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only)
@@ -880,7 +880,8 @@ class Pipe(nn.Module):
         (``reduction='sum'``). ``CrossEntropyLoss`` and ``NLLLoss`` (or their functional
         forms, configured through ``loss_kwargs``) with class-index targets
         average over their class-weighted targets that are not ``ignore_index``: their
-        micro-batches are weighted by that count instead (see ``torchpipe.step_inputs``); a
+        micro-batches are weighted by that count instead (see ``torchpipe.step_inputs``;
+        read through ``torch.compile`` and a keywords-only ``functools.partial``); a
         custom loss that normalises otherwise should sum, with ``reduction='sum'``, and
         divide the result. ``target`` is split along ``target_batch_dim`` (dim 0, or the
         output's batch dim when that was set) and must have the input's batch size there;
@@ -1244,17 +1245,19 @@ def _check_loss_arguments(loss_fn: Any, reduction: Optional[str], return_outputs
                         f"{reduction!r}")
     if reduction not in (None, "mean", "batchmean", "sum"):
         raise ValueError(f"reduction must be 'mean', 'batchmean', 'sum' or None (read from the loss), got {reduction!r}")
-    from_kwargs = loss_kwargs is not None and "reduction" in loss_kwargs
-    own = (loss_kwargs or {}).get("reduction", getattr(loss_fn, "reduction", None))
-    if own == "none" and (from_kwargs or isinstance(loss_fn, nn.modules.loss._Loss)):
-        where = "loss_kwargs['reduction']" if from_kwargs else f"{type(loss_fn).__name__}(reduction='none')"
+    loss, keywords = loss_settings(loss_fn, loss_kwargs)  # through torch.compile and functools.partial
+    from_kwargs = "reduction" in keywords
+    own = keywords.get("reduction", getattr(loss, "reduction", None))
+    if own == "none" and (from_kwargs or isinstance(loss, nn.modules.loss._Loss)):
+        where = ("loss_kwargs['reduction']" if loss_kwargs and "reduction" in loss_kwargs
+                 else "the partial's reduction='none'" if from_kwargs else f"{type(loss).__name__}(reduction='none')")
         raise ValueError(f"{where} makes the loss one value per element, but each micro-batch needs a scalar loss "
                          "to back-propagate: use reduction='mean' or 'sum' in the loss")
     if reduction is None:
         reduction = "mean" if own is None else own
     elif own in ("mean", "sum") and own != reduction:  # 'batchmean' may be told which it is
-        raise ValueError(f"reduction={reduction!r}, but the loss itself reduces by {own!r} (its reduction, or "
-                         "loss_kwargs'); give one reduction")
+        raise ValueError(f"reduction={reduction!r}, but the loss itself reduces by {own!r} (its reduction, a "
+                         "partial's or loss_kwargs'); give one reduction")
     if reduction == "batchmean":  # KLDivLoss: the sum over the output's dim 0 divided by its size
         if isinstance(output_dim, int) and output_dim >= 0:
             reduction = "mean" if output_dim == 0 else "sum"

@@ -4,9 +4,10 @@
 that their sum is the loss of the whole mini-batch. With ``reduction='sum'`` each weighs 1.
 With ``reduction='mean'`` the weight is the micro-batch's share of the loss's denominator:
 its share of the samples for most losses, but for ``CrossEntropyLoss`` and ``NLLLoss`` (or
-``F.cross_entropy``/``F.nll_loss`` given their settings in ``loss_kwargs``) with class-index
-targets the denominator is the (class-weighted) count of targets that are not
-``ignore_index``, so padding in one micro-batch must not skew the others.
+``F.cross_entropy``/``F.nll_loss`` given their settings in ``loss_kwargs`` or a partial's
+keywords; compiled ones too) with class-index targets the denominator is the
+(class-weighted) count of targets that are not ``ignore_index``, so padding in one
+micro-batch must not skew the others.
 
 An input or target that is itself the output of a graph built before the step (an encoder
 run outside the pipeline) is cut from that graph for the step (:class:`Upstream`):
@@ -16,6 +17,8 @@ leaf and sent upstream once, after the step, as one ``loss.backward()`` would.
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,7 +27,7 @@ from torch.nn import functional as F
 
 from .microbatch import Batch, BatchDim, batch_size, rebuild, samples, scatter
 
-__all__ = ["split_targets", "microbatch_weights", "Upstream", "scalar_loss"]
+__all__ = ["split_targets", "microbatch_weights", "Upstream", "scalar_loss", "loss_settings"]
 
 
 class Upstream:
@@ -91,10 +94,48 @@ def split_targets(target: Any, size: int, num_microbatches: int, chunks: int, ba
     return targets
 
 
+_UNWRAP_DEPTH = 16  # a compiled partial of a compiled module, say; a cycle stops here
+
+
+def loss_settings(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Tuple[Any, Dict[str, Any]]:
+    """The loss ``loss_fn`` computes and the keywords it gets: wrappers that keep a loss's
+    arithmetic are looked through.
+
+    ``torch.compile`` of a loss module or function, and ``functools.partial`` with keywords
+    only (``partial(F.cross_entropy, reduction='sum')``), hide the reduction and the
+    ``ignore_index`` that weigh the micro-batches: read through the wrapper, a sum is not
+    taken for a mean, nor padding for samples. A partial's keywords come first, then
+    ``loss_kwargs`` (given at the call, as ``partial`` itself merges them).
+    """
+    keywords = dict(loss_kwargs or {})
+    for _ in range(_UNWRAP_DEPTH):
+        if isinstance(loss_fn, functools.partial) and not loss_fn.args:
+            keywords = {**loss_fn.keywords, **keywords}
+            loss_fn = loss_fn.func
+        elif isinstance(getattr(loss_fn, "_orig_mod", None), nn.Module):  # torch.compile(module)
+            loss_fn = loss_fn._orig_mod
+        elif callable(getattr(loss_fn, "_torchdynamo_orig_callable", None)):  # torch.compile(function)
+            loss_fn = loss_fn._torchdynamo_orig_callable
+        elif _dynamo_frame_wrapper(loss_fn):  # what torch.compile put around a torch function or a partial
+            loss_fn = loss_fn.__wrapped__
+        else:
+            break
+    return loss_fn, keywords
+
+
+def _dynamo_frame_wrapper(fn: Any) -> bool:
+    """Whether ``fn`` is the pass-through frame ``torch.compile`` wraps some callables in
+    (``torch._dynamo.external_utils.wrap_inline``): it calls ``fn.__wrapped__`` as it is."""
+    code = getattr(fn, "__code__", None)
+    return (code is not None and hasattr(fn, "__wrapped__") and code.co_name == "inner"
+            and code.co_filename.endswith(os.path.join("_dynamo", "external_utils.py")))
+
+
 def _counted_targets(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Optional[Tuple[int, Optional[Tensor]]]:
     """``(ignore_index, class weights)`` when ``loss_fn`` averages over its (class-weighted,
     non-ignored) class-index targets, or None: a module's own settings, or those the
-    functional form gets through ``loss_kwargs``."""
+    functional form gets through ``loss_kwargs`` (or a partial's keywords)."""
+    loss_fn, loss_kwargs = loss_settings(loss_fn, loss_kwargs)
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
         return loss_fn.ignore_index, loss_fn.weight
     if loss_fn is F.cross_entropy or loss_fn is F.nll_loss:
