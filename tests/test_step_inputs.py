@@ -299,6 +299,17 @@ def test_a_partial_that_reduces_per_element_is_refused_naming_the_partial():
         assert pipe.last_step is None
 
 
+def test_a_target_tuple_with_its_tensors_nested_deeper_says_so():
+    with Pipe(body(), [1, 1, 1, 1], chunks=2) as pipe:
+        y = torch.randn(4, 2)
+        with pytest.raises(TypeError, match=r"target is a tuple without tensors at its top level \(it holds lists "
+                                            r"and tuples, which are not looked into"):
+            pipe.step(torch.randn(4, 4), ((y, y), [y]), lambda output, target: output.sum())
+        with pytest.raises(TypeError, match=r"target is a tuple without tensors: it needs one"):
+            pipe.step(torch.randn(4, 4), (1, "a"), lambda output, target: output.sum())
+        assert pipe.last_step is None
+
+
 def test_a_reduction_that_disagrees_with_loss_kwargs_is_refused():
     with Pipe(body(), [1, 1, 1, 1], chunks=2) as pipe:
         with pytest.raises(ValueError, match="reduction='sum', but the loss itself reduces by 'mean'"):

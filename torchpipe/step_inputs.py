@@ -81,7 +81,10 @@ def split_targets(target: Any, size: int, num_microbatches: int, chunks: int, ba
         raise TypeError(f"target must be a tensor, a tuple of tensors (split along {along} like the input) or None; "
                         f"got {type(target).__name__}")
     if isinstance(target, tuple) and not any(isinstance(v, Tensor) for v in target):
-        raise TypeError(f"target is a tuple without tensors: it needs one to split along {along} like the input")
+        nested = sorted({f"{type(v).__name__}s" for v in target if isinstance(v, (tuple, list, dict))})
+        why = (f" at its top level (it holds {' and '.join(nested)}, which are not looked into: put the tensors "
+               "in the tuple itself)" if nested else "")
+        raise TypeError(f"target is a tuple without tensors{why}: it needs one to split along {along} like the input")
     if isinstance(target, Tensor) and target.dim() == 0:
         raise ValueError(f"target has no batch dimension (a 0-dim tensor); it must split along {along} like the "
                          f"input of {size} samples")

@@ -167,6 +167,23 @@ def test_a_micro_batch_typo_says_where_the_inferred_count_came_from() -> None:
         Plan.from_lists("typo", [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F2", "1B1"]], num_microbatches=3)
 
 
+def test_a_stage_typo_says_where_the_inferred_stage_count_came_from() -> None:
+    # A stray 2F0 in a plan of two stages was reported as "missing action 2B0" with a hint
+    # about the micro-batch count, which had nothing to do with it.
+    lists = [["0F0", "0F1", "0B0", "0B1", "2F0"], ["1F0", "1B0", "1F1", "1B1"]]
+    with pytest.raises(InvalidPlanError, match=r"missing action 2B0 .*; the plan's 3 stages were counted from the "
+                                               r"highest index in the lists \(2F0 on worker 0\): pass num_stages= if "
+                                               r"that is not the count you meant$") as caught:
+        Plan.from_lists("typo", lists)
+    assert caught.value.missing == Action(2, "B", 0)
+
+
+@pytest.mark.parametrize("bad, error", [("1b1", ValueError), (7, TypeError)])
+def test_an_entry_that_is_not_an_action_is_named_by_its_worker_and_position(bad, error) -> None:
+    with pytest.raises(error, match=rf"^worker 1, entry 3: .*{bad!r}"):
+        Plan.from_lists("mine", [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", bad]])
+
+
 def _moved(lists, action: str, to: int):
     """``lists`` with ``action`` taken from its worker and appended to worker ``to``'s list."""
     moved = [[a for a in acts if a != action] for acts in lists]

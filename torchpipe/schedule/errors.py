@@ -5,6 +5,8 @@ already catch ``ValueError`` for bad configuration keep working.
 """
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["InvalidPlanError", "ScheduleDeadlockError"]
 
 
@@ -12,8 +14,13 @@ class InvalidPlanError(ValueError):
     """A plan breaks a rule (duplicate, missing or misplaced action, impossible order).
 
     The message always names the offending action, so a hand-written plan can be fixed
-    without re-deriving the rules.
+    without re-deriving the rules. ``missing`` is the action a plan lacks, when that is the
+    rule broken (a hand-written plan's hint reads it).
     """
+
+    def __init__(self, message: str, missing: Any = None) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 class ScheduleDeadlockError(InvalidPlanError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..checks import as_int
 from .action import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action
@@ -34,6 +34,25 @@ def _is_sequence(value: Any) -> bool:
 def _is_idle(entry: Any) -> bool:
     """An idle slot of a hand-written or imported order: ``None`` or a blank string."""
     return entry is None or (isinstance(entry, str) and not entry.strip())
+
+
+def _parsed(entry: Any, worker: int, position: int) -> Action:
+    """``entry`` of a hand-written list as an Action; a text that does not parse is named by
+    its worker and position (as ``load_csv`` names its row and entry)."""
+    if isinstance(entry, Action):
+        return entry
+    try:
+        return Action.parse(entry)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"worker {worker}, entry {position}: {exc}") from None
+
+
+def _counted_from(worker_actions: Sequence[Sequence[Action]], what: str, count: int,
+                  is_last: Callable[[Action], bool], option: str) -> str:
+    """Where an inferred count of ``what`` came from: the actions with the highest index."""
+    last = [f"{a} on worker {w}" for w, acts in enumerate(worker_actions) for a in acts if is_last(a)]
+    return (f"the plan's {count} {what} were counted from the highest index in the lists ({', '.join(last[:3])}"
+            f"{', ...' if len(last) > 3 else ''}): pass {option}= if that is not the count you meant")
 
 
 def _inferred_placement(worker_actions: Sequence[Sequence[Action]], num_stages: int) -> tuple[int, ...]:
@@ -205,9 +224,11 @@ class Plan:
         if not _is_sequence(lists) or not all(_is_sequence(acts) for acts in lists):
             raise TypeError(f"lists must hold one list of actions per worker (e.g. [['0F0', '0B0']]), got {lists!r}")
         worker_actions = tuple(
-            tuple(a if isinstance(a, Action) else Action.parse(a) for a in acts if not _is_idle(a)) for acts in lists
+            tuple(_parsed(a, worker, entry) for entry, a in enumerate(acts) if not _is_idle(a))
+            for worker, acts in enumerate(lists)
         )
         everything = [a for acts in worker_actions for a in acts]
+        inferred_stages = num_stages is None
         if num_stages is None:
             num_stages = max((a.stage for a in everything), default=-1) + 1
             if stage_to_worker is not None:
@@ -223,16 +244,20 @@ class Plan:
         try:
             plan.validate()
         except InvalidPlanError as exc:
-            if not (inferred_microbatches and str(exc).startswith("missing action")):
+            # A typo in an index ("1F2" for "1F1", "2F0" in a plan of two stages) raises the
+            # inferred count and shows up as an action missing elsewhere, in the last stage or
+            # micro-batch: say where that count came from.
+            missing = exc.missing
+            counted = []
+            if inferred_stages and missing is not None and missing.stage == num_stages - 1:
+                counted.append(_counted_from(worker_actions, "stages", num_stages,
+                                             lambda a: a.stage == num_stages - 1, "num_stages"))
+            if inferred_microbatches and missing is not None and missing.microbatch == num_microbatches - 1:
+                counted.append(_counted_from(worker_actions, "micro-batches", num_microbatches,
+                                             lambda a: a.microbatch == num_microbatches - 1, "num_microbatches"))
+            if not counted:
                 raise
-            # A typo in a micro-batch index ("1F2" for "1F1") raises the inferred count and
-            # shows up as actions missing elsewhere: say where the count came from.
-            last = [f"{a} on worker {w}" for w, acts in enumerate(worker_actions) for a in acts
-                    if a.microbatch == num_microbatches - 1]
-            raise InvalidPlanError(f"{exc}; the plan's {num_microbatches} micro-batches were counted from the "
-                                   f"highest index in the lists ({', '.join(last[:3])}"
-                                   f"{', ...' if len(last) > 3 else ''}): pass num_microbatches= if that is "
-                                   "not the count you meant") from None
+            raise InvalidPlanError(f"{exc}; {'; '.join(counted)}", missing) from None
         return plan
 
     @classmethod

@@ -105,7 +105,7 @@ def _check_completeness(plan: "Plan", where: dict[Action, tuple[int, int]]) -> N
             fwd, full = Action(s, FORWARD, m), Action(s, BACKWARD, m)
             inp, wgt = Action(s, INPUT_GRAD, m), Action(s, WEIGHT_GRAD, m)
             if fwd not in where:
-                raise InvalidPlanError(f"missing action {fwd} (every stage runs F for every micro-batch)")
+                raise InvalidPlanError(f"missing action {fwd} (every stage runs F for every micro-batch)", fwd)
             if wgt in where and inp not in where:
                 raise InvalidPlanError(f"action {wgt} on worker {where[wgt][0]} has no matching {inp} (W without I)")
             if full in where and inp in where:
@@ -114,11 +114,11 @@ def _check_completeness(plan: "Plan", where: dict[Action, tuple[int, int]]) -> N
                     f"(use either B or I+W per stage and micro-batch)"
                 )
             if inp in where and wgt not in where:
-                raise InvalidPlanError(f"missing action {wgt}: {inp} has no weight-gradient step")
+                raise InvalidPlanError(f"missing action {wgt}: {inp} has no weight-gradient step", wgt)
             if with_backward and full not in where and inp not in where:
                 raise InvalidPlanError(
                     f"missing action {full} (or {inp} + {wgt}): the plan has backward actions, "
-                    f"so every stage needs a backward for every micro-batch"
+                    f"so every stage needs a backward for every micro-batch", full
                 )
 
 
