@@ -187,6 +187,8 @@ class Returns(nn.Module):
     (lambda x: [x, x], 2, "takes and returns a Tensor or a tuple.*got list"),
     (lambda x: None, 2, "takes and returns a Tensor or a tuple.*got NoneType"),
     (lambda x: (x, [x]), 2, "output 1 of the pipeline is a list holding tensors"),
+    (lambda x: (x, (x, x)), 2, r"output 1 of the pipeline is a tuple holding tensors.*: return them there, or give "
+                               r"that item None in output_batch_dim"),
     (lambda x: (x, x.sum()), 2, "output 1 of the pipeline is a 0-dim tensor"),
     (lambda x: x.sum(), 2, "output is a 0-dim tensor per micro-batch"),
 ])

@@ -328,7 +328,9 @@ def why_not_gatherable(output: Batch, batch_dim: BatchDim = 0) -> Optional[str]:
             if isinstance(batch_dim, tuple) or not _holds_tensor(value):
                 continue  # passed on from the first micro-batch, by the caller's own spec
             return (f"output {i} of the pipeline is a {type(value).__name__} holding tensors; only tensors "
-                    "at the top level of the output tuple are concatenated across micro-batches")
+                    "at the top level of the output tuple are concatenated across micro-batches: return them "
+                    "there, or give that item None in output_batch_dim (a tuple, one entry per item) to keep "
+                    "the first micro-batch's")
         if value.dim() == 0:
             return (f"output {i} of the pipeline is a 0-dim tensor per micro-batch, which cannot be "
                     "concatenated into the mini-batch's output; return it with a batch dimension "
