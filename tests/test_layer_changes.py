@@ -177,9 +177,88 @@ def test_track_running_stats_turned_on_later_under_deferred_batch_norm():
                             ("num_batches_tracked", torch.tensor(0))):
             norm.register_buffer(name, value)
         pipe[3].append(nn.Identity())
-        with pytest.raises(ValueError, match="layer '2' is a BatchNorm1d that tracks running statistics now but did not"):
+        with pytest.raises(ValueError, match="layer '2' is a BatchNorm1d with running statistics it did not have when the Pipe was built"):
             pipe(x)
         assert int(norm.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "a layer"])
+@pytest.mark.parametrize("frozen_at_build", [True, False])
+def test_track_running_stats_toggled_under_deferred_batch_norm_follows_the_plain_model(frozen_at_build, nested):
+    # Frozen at build (the flag off, the statistics kept) and turned on later, the layer was
+    # left plain and counted once per micro-batch (8 against 2); converted and then frozen,
+    # it went on counting (3 against 1).
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(8)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.Sequential(norm) if nested else norm, nn.Tanh(), nn.Linear(8, 3)).double()
+    the_norm = (lambda model: model[1][0]) if nested else (lambda model: model[1])
+    the_norm(plain).track_running_stats = not frozen_at_build
+    with Pipe(copy.deepcopy(plain), balance=[2, 2], chunks=4, deferred_batch_norm=True) as pipe:
+        for flag in (not frozen_at_build, frozen_at_build):  # as built, then toggled
+            the_norm(pipe).track_running_stats = the_norm(plain).track_running_stats = flag
+            for _ in range(2):
+                _train(pipe, "forward", x, y)
+                _train(plain, "forward", x, y)
+            got, want = the_norm(pipe), the_norm(plain)
+            assert type(got).__name__ == "DeferredBatchNorm"
+            assert int(got.num_batches_tracked) == int(want.num_batches_tracked)
+            torch.testing.assert_close(got.running_mean, want.running_mean, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got.running_var, want.running_var, rtol=1e-12, atol=1e-12)
+        assert int(the_norm(plain).num_batches_tracked) == 2  # tracked in one of the two phases
+        pipe.eval(), plain.eval()
+        torch.testing.assert_close(pipe(x), plain(x), rtol=1e-12, atol=1e-12)
+
+
+class _Aliased(nn.Module):
+    """One batch norm in two slots (``self.norm = self.alias = norm``), run through the alias."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.alias = norm
+
+    def forward(self, x):
+        return self.alias(x)
+
+
+@pytest.mark.parametrize("when", ["at build", "added later"])
+def test_a_batch_norm_held_in_two_slots_of_a_layer_is_converted_in_both(when):
+    # named_children() skips a repeat: the second slot stayed a plain batch norm, counting
+    # once per micro-batch on the converted one's buffers (5 against 2).
+    x = torch.randn(16, 6, dtype=torch.float64)
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(8, dtype=torch.float64)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.Sequential(), nn.Linear(8, 3)).double()
+    if when == "at build":
+        plain[1].append(_Aliased(norm))
+    with Pipe(copy.deepcopy(plain), balance=[1, 2], chunks=4, deferred_batch_norm=True) as pipe:
+        if when == "added later":
+            pipe(x)
+            pipe[1].append(_Aliased(copy.deepcopy(norm)))
+            plain[1].append(_Aliased(copy.deepcopy(norm)))
+        for _ in range(2):
+            pipe(x), plain(x)
+        layer, want = pipe[1][0], plain[1][0].norm
+        assert type(layer.norm).__name__ == "DeferredBatchNorm" and layer.alias is layer.norm
+        assert int(layer.norm.num_batches_tracked) == int(want.num_batches_tracked) == 2
+        torch.testing.assert_close(layer.norm.running_mean, want.running_mean, rtol=1e-12, atol=1e-12)
+
+
+def test_an_uninitialized_lazy_batch_norm_added_later_is_refused_naming_its_layer():
+    x = torch.randn(16, 6)
+    with Pipe(nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.BatchNorm1d(8)), nn.Sequential(nn.Linear(8, 8)),
+                            nn.Linear(8, 3)), balance=[2, 2], chunks=4, deferred_batch_norm=True) as pipe:
+        pipe(x)
+        pipe[1].append(nn.BatchNorm1d(8))  # fine on its own: not converted while another layer is refused
+        pipe[2].append(nn.LazyBatchNorm1d())
+        with pytest.raises(ValueError, match=r"layer '2' holds an uninitialized LazyBatchNorm1d \(2\.1\) added since "
+                                             r"the Pipe was built; .*pipe\[2\]\(sample\)"):
+            pipe(x)
+        assert type(pipe[1][1]) is nn.BatchNorm1d
+        pipe[2][1](torch.randn(4, 8))  # initialized outside the Pipe: converted at the next call
+        pipe(x)
+        assert type(pipe[1][1]).__name__ == type(pipe[2][1]).__name__ == "DeferredBatchNorm"
 
 
 def test_a_failed_call_puts_back_the_statistics_of_a_batch_norm_added_later():

@@ -34,7 +34,7 @@ from torchpipe.checkpoint import is_recomputing
 from torchpipe.checks import check_positive_int
 
 __all__ = ["DeferredBatchNorm", "set_microbatches", "undo_commits", "statistics_updating_norms",
-           "running_statistics_frozen"]
+           "running_statistics_frozen", "uninitialized_lazy_norm"]
 
 TModule = TypeVar("TModule", bound=nn.Module)
 
@@ -118,7 +118,8 @@ class DeferredBatchNorm(_BatchNorm):
         # micro-batch could corrupt the pending statistics.
         output = F.batch_norm(input, None, None, self.weight, self.bias, training=True,
                               momentum=0.0, eps=self.eps)
-        self._track(input)
+        if self.track_running_stats:  # turned off (frozen statistics), a plain batch norm updates nothing
+            self._track(input)
         return output
 
     @torch.compiler.disable
@@ -196,38 +197,50 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: TModule, chunks: int = 1) -> TModule:
-        """Return ``module`` with every batch norm that tracks running stats made deferred.
+        """Return ``module`` with every batch norm that keeps running statistics made deferred.
 
-        Nested ``BatchNorm1d/2d/3d`` (any ``_BatchNorm`` with ``track_running_stats``) are
-        replaced in place in their parents; a batch norm passed directly is returned
-        replaced. The replacement keeps the SAME ``Parameter`` objects (``weight``, ``bias``)
-        and the same buffer tensors, so an optimizer built before the conversion still
-        updates the converted model, and its ``training`` flag. An existing
+        Nested ``BatchNorm1d/2d/3d`` (any ``_BatchNorm`` with running statistics) are
+        replaced in place in their parents, in every slot that holds one; a batch norm passed
+        directly is returned replaced. The replacement keeps the SAME ``Parameter`` objects
+        (``weight``, ``bias``) and the same buffer tensors, so an optimizer built before the
+        conversion still updates the converted model, and its ``training`` and
+        ``track_running_stats`` flags (statistics frozen by turning the flag off stay frozen,
+        and are tracked again once it is turned on, as in a plain batch norm). An existing
         ``DeferredBatchNorm`` is kept and its ``chunks`` updated.
         """
         chunks = _check_microbatches(chunks)
         if not isinstance(module, nn.Module):
             raise TypeError(f"convert_deferred_batch_norm takes an nn.Module, got {module!r}")
         # Refuse before replacing anything: a failure halfway would leave a half-converted model.
-        for name, norm in module.named_modules():
-            if isinstance(norm, LazyModuleMixin) and isinstance(norm, _BatchNorm) and norm.has_uninitialized_params():
-                raise ValueError(f"cannot convert the uninitialized {type(norm).__name__} {name or 'module'!r}: "
-                                 "run one forward first to set num_features")
-        return cls._convert(module, chunks)
+        lazy = uninitialized_lazy_norm(module)
+        if lazy is not None:
+            name, norm = lazy
+            raise ValueError(f"cannot convert the uninitialized {type(norm).__name__} {name or 'module'!r}: "
+                             "run one forward first to set num_features")
+        return cls._convert(module, chunks, {})
 
     @classmethod
-    def _convert(cls, module: TModule, chunks: int) -> TModule:
+    def _convert(cls, module: TModule, chunks: int, done: Dict[int, nn.Module]) -> TModule:
+        """``module`` converted; ``done`` maps the modules met so far to what they became, so a
+        batch norm held in two slots (``self.a = self.b = norm``) is one deferred layer in both."""
+        converted = done.get(id(module))
+        if converted is not None:
+            return cast(TModule, converted)
         if isinstance(module, DeferredBatchNorm):
             module.chunks = chunks
             module.set_microbatches(chunks)
-            return module
-        if isinstance(module, _BatchNorm) and module.track_running_stats and module.running_mean is not None:
-            # (Built with track_running_stats=False, the flag turned on later: no statistics to track.)
-            return cls._from_batch_norm(module, chunks)  # type: ignore[return-value]
-        for name, child in module.named_children():
-            converted = cls._convert(child, chunks)
-            if converted is not child:
-                setattr(module, name, converted)
+        elif isinstance(module, _BatchNorm) and module.running_mean is not None:
+            # (Built with track_running_stats=False has no running statistics: nothing to track.)
+            done[id(module)] = cls._from_batch_norm(module, chunks)
+            return cast(TModule, done[id(module)])
+        else:
+            done[id(module)] = module  # before the children: a module that holds itself ends here
+            for name, child in list(module._modules.items()):  # every slot: named_children() skips repeats
+                if child is not None:
+                    replaced = cls._convert(child, chunks, done)
+                    if replaced is not child:
+                        setattr(module, name, replaced)
+        done[id(module)] = module
         return module
 
     @classmethod
@@ -246,7 +259,17 @@ class DeferredBatchNorm(_BatchNorm):
         deferred.input_dims = next(
             (dims for kind, dims in _INPUT_DIMS.items() if isinstance(source, kind)), None)
         deferred.train(source.training)
+        deferred.track_running_stats = source.track_running_stats
         return deferred
+
+
+def uninitialized_lazy_norm(module: nn.Module) -> Optional[Tuple[str, _BatchNorm]]:
+    """A lazy batch norm in ``module`` that has not run yet (its ``num_features`` unknown, so
+    it cannot be converted), with its qualified name; or None."""
+    for name, norm in module.named_modules():
+        if isinstance(norm, LazyModuleMixin) and isinstance(norm, _BatchNorm) and norm.has_uninitialized_params():
+            return name, norm
+    return None
 
 
 def set_microbatches(module: nn.Module, microbatches: int) -> None:

@@ -1123,15 +1123,25 @@ class Pipe(nn.Module):
             return
         verify_unshared(list(self._modules.items()), since="a layer changed inside since the Pipe was built: ")
         if self._deferred_batch_norm:
-            from .batchnorm import DeferredBatchNorm
+            from .batchnorm import DeferredBatchNorm, uninitialized_lazy_norm
 
+            for stage in changed:  # all refused before any is converted
+                for name, layer in stage.partition.named_children():
+                    lazy = uninitialized_lazy_norm(layer)
+                    if lazy is not None:
+                        raise ValueError(
+                            f"layer {name!r} holds an uninitialized {type(lazy[1]).__name__} ({name}.{lazy[0]}) added "
+                            "since the Pipe was built; deferred_batch_norm=True must convert it, which needs its "
+                            f"num_features: run the layer once outside the Pipe (pipe[{name}](sample)), or use a "
+                            "batch norm with num_features")
             for stage in changed:
                 for name, layer in stage.partition.named_children():
                     if DeferredBatchNorm.convert_deferred_batch_norm(layer, self.chunks) is not layer:
                         raise ValueError(
-                            f"layer {name!r} is a {type(layer).__name__} that tracks running statistics now but did "
-                            "not when the Pipe was built, so deferred_batch_norm=True could not convert it, and the "
-                            "layers are fixed once built; build the Pipe with track_running_stats=True on it")
+                            f"layer {name!r} is a {type(layer).__name__} with running statistics it did not have "
+                            "when the Pipe was built (track_running_stats=False then), so deferred_batch_norm=True "
+                            "did not convert it, and the layers are fixed once built; build the Pipe with the "
+                            "layer as it is now")
         for stage in changed:
             stage.layout.read(stage.partition)
 
@@ -1282,7 +1292,7 @@ def _undo_for(module: nn.Module) -> Callable[[], None]:
     are now (deferred batch norm's conversion replaces children in place)."""
     from .batchnorm import DeferredBatchNorm
 
-    children = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()]
+    children = [(parent, name, child) for parent in module.modules() for name, child in parent._modules.items()]
     counts = [(norm, norm.chunks, norm.microbatches) for norm in module.modules() if isinstance(norm, DeferredBatchNorm)]
 
     def undo() -> None:

@@ -18,6 +18,7 @@ leaf and sent upstream once, after the step, as one ``loss.backward()`` would.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -121,6 +122,8 @@ def loss_settings(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Tuple[
             loss_fn = loss_fn._torchdynamo_orig_callable
         elif _dynamo_frame_wrapper(loss_fn):  # what torch.compile put around a torch function or a partial
             loss_fn = loss_fn.__wrapped__
+        elif _bound_forward(loss_fn):  # loss.forward: compiled, or a compiled module compiled again
+            loss_fn = loss_fn.__self__
         else:
             break
     return loss_fn, keywords
@@ -132,6 +135,13 @@ def _dynamo_frame_wrapper(fn: Any) -> bool:
     code = getattr(fn, "__code__", None)
     return (code is not None and hasattr(fn, "__wrapped__") and code.co_name == "inner"
             and code.co_filename.endswith(os.path.join("_dynamo", "external_utils.py")))
+
+
+def _bound_forward(fn: Any) -> bool:
+    """Whether ``fn`` is a module's own ``forward``, bound to it (``loss.forward``): what the
+    module computes when called, hooks aside."""
+    return (inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module)
+            and getattr(fn, "__func__", None) is getattr(type(fn.__self__), "forward", None))
 
 
 def _counted_targets(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Optional[Tuple[int, Optional[Tensor]]]:

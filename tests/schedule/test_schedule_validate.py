@@ -178,6 +178,17 @@ def test_a_stage_typo_says_where_the_inferred_stage_count_came_from() -> None:
     assert caught.value.missing == Action(2, "B", 0)
 
 
+@pytest.mark.parametrize("lists, hint", [
+    ([["0F0", "0F1"], ["1F0", "2F1"]], r"missing action 1F1 .*; the plan's 3 stages were counted from the highest "
+                                       r"index in the lists \(2F1 on worker 1\): pass num_stages=[^;]*$"),
+    ([["0F0", "0F2"], ["1F0", "1F1"]], r"missing action 0F1 .*; the plan's 3 micro-batches were counted from the "
+                                       r"highest index in the lists \(0F2 on worker 0\): pass num_microbatches=[^;]*$"),
+], ids=["stage typo", "micro-batch typo"])
+def test_a_typo_that_replaces_an_action_gets_the_hint_for_the_count_it_inflated(lists, hint) -> None:
+    with pytest.raises(InvalidPlanError, match=hint):
+        Plan.from_lists("typo", lists)
+
+
 @pytest.mark.parametrize("bad, error", [("1b1", ValueError), (7, TypeError)])
 def test_an_entry_that_is_not_an_action_is_named_by_its_worker_and_position(bad, error) -> None:
     with pytest.raises(error, match=rf"^worker 1, entry 3: .*{bad!r}"):

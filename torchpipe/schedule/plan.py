@@ -6,6 +6,7 @@ cannot differ from the executed one.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -45,6 +46,15 @@ def _parsed(entry: Any, worker: int, position: int) -> Action:
         return Action.parse(entry)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"worker {worker}, entry {position}: {exc}") from None
+
+
+def _last_index_rare(worker_actions: Sequence[Sequence[Action]], index: Callable[[Action], int], count: int) -> bool:
+    """Whether the highest index (of a stage or micro-batch) is named by at most half as many
+    actions as the most-named lower one: a typo's mark, not a plan's last stage or micro-batch."""
+    if count < 2:
+        return False
+    named = collections.Counter(index(a) for acts in worker_actions for a in acts)
+    return 2 * named[count - 1] <= max(named[i] for i in range(count - 1))
 
 
 def _counted_from(worker_actions: Sequence[Sequence[Action]], what: str, count: int,
@@ -245,19 +255,20 @@ class Plan:
             plan.validate()
         except InvalidPlanError as exc:
             # A typo in an index ("1F2" for "1F1", "2F0" in a plan of two stages) raises the
-            # inferred count and shows up as an action missing elsewhere, in the last stage or
-            # micro-batch: say where that count came from.
-            missing = exc.missing
+            # inferred count and shows up as an action missing elsewhere: say where that count
+            # came from, when its highest index is rare (the typo) and the plan is incomplete.
+            if exc.missing is None:
+                raise
             counted = []
-            if inferred_stages and missing is not None and missing.stage == num_stages - 1:
+            if inferred_stages and _last_index_rare(worker_actions, lambda a: a.stage, num_stages):
                 counted.append(_counted_from(worker_actions, "stages", num_stages,
                                              lambda a: a.stage == num_stages - 1, "num_stages"))
-            if inferred_microbatches and missing is not None and missing.microbatch == num_microbatches - 1:
+            if inferred_microbatches and _last_index_rare(worker_actions, lambda a: a.microbatch, num_microbatches):
                 counted.append(_counted_from(worker_actions, "micro-batches", num_microbatches,
                                              lambda a: a.microbatch == num_microbatches - 1, "num_microbatches"))
             if not counted:
                 raise
-            raise InvalidPlanError(f"{exc}; {'; '.join(counted)}", missing) from None
+            raise InvalidPlanError(f"{exc}; {'; '.join(counted)}", exc.missing) from None
         return plan
 
     @classmethod
