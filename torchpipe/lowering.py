@@ -153,7 +153,7 @@ def _starts_in_place(modules: Sequence[nn.Module]) -> bool:
     Anything this misses is caught after the fact by :func:`_check_input_untouched`.
     """
     for module in modules:
-        if next(module.children(), None) is not None:
+        if module._modules:  # a container (read per call: no generator, as children() would be)
             continue
         if getattr(module, "inplace", False):
             return True
