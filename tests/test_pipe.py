@@ -1082,6 +1082,19 @@ def test_step_trace_has_a_track_per_plan_worker_and_matches_the_plan_trace(sched
         assert e["name"] == f"stage {twin['args']['stage']} {twin['cat']} mb {twin['args']['microbatch']}"
 
 
+def test_a_trace_track_names_the_stage_a_plan_placed_on_another_worker():
+    # Worker threads are named after their partition: with stage 1 on worker 0, the track read
+    # "torchpipe-stage-0" for stage 1's actions.
+    from torchpipe.schedule import Plan
+
+    plan = Plan.from_lists("swapped", [["1F0", "1B0", "1F1", "1B1"], ["0F0", "0F1", "0B0", "0B1"]])
+    with Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], devices=["cpu"] * 2, chunks=2) as pipe:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.MSELoss(), schedule=plan)
+        trace = pipe.last_step.chrome_trace()
+    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert tracks == {0: "torchpipe-stage-0 (stage 1)", 1: "torchpipe-stage-1 (stage 0)"}
+
+
 def test_profiler_sees_labelled_tasks_from_worker_threads():
     with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
         with torchpipe.profiling.profile() as prof:

@@ -215,7 +215,8 @@ class StepRecord:
         fields (a plan's action) puts them in each event's ``args`` and ``cat``, with the
         key's text (``"2F0"``) as ``args["action"]``, as in ``Plan.chrome_trace()``: a planned
         and a measured trace can be matched action by action. A worker that ran several
-        stages (interleaved plans) says which in its track's name.
+        stages (interleaved plans), or another stage than its own number (a plan's placement),
+        says which in its track's name.
         """
         events: List[Dict[str, Any]] = []
         stages: Dict[int, List[Any]] = {}
@@ -228,6 +229,8 @@ class StepRecord:
             name = self.worker_names[w]
             if len(stages[w]) > 1:
                 name += f" (stages {', '.join(str(s) for s in sorted(stages[w]))})"
+            elif stages[w] and stages[w] != [w]:  # a plan's own placement: threads are named by partition
+                name += f" (stage {stages[w][0]})"
             events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": w, "args": {"name": name}})
         origin = min((s for s in self.starts if s >= 0), default=self.wall_start)
         keys = self.keys or [None] * len(self.labels)
