@@ -157,29 +157,21 @@ def test_a_batch_norm_added_later_under_deferred_batch_norm_counts_the_mini_batc
         torch.testing.assert_close(added.running_var, plain[2][-1].running_var, rtol=1e-12, atol=1e-12)
 
 
-def test_track_running_stats_turned_on_later_under_deferred_batch_norm():
+def test_track_running_stats_turned_on_later_without_running_statistics_runs_as_the_plain_model():
     x = torch.randn(16, 6)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(nn.BatchNorm1d(8, track_running_stats=False)),
-                          nn.BatchNorm1d(8, track_running_stats=False), nn.Sequential(nn.Linear(8, 3)))
-    with Pipe(model, balance=[2, 2], chunks=4, deferred_batch_norm=True) as pipe:
+                          nn.BatchNorm1d(8, track_running_stats=False), nn.Linear(8, 3))
+    plain = copy.deepcopy(model)
+    with Pipe(model, balance=[2, 2], chunks=1, deferred_batch_norm=True,
+              intra_op_threads=torch.get_num_threads()) as pipe:
         pipe(x)
         # Without running statistics the flag tracks nothing (torch normalises by the batch):
-        # nothing to convert, and the call runs as the plain model does.
-        pipe[1][0].track_running_stats = True
-        pipe(x)
-        assert type(pipe[1][0]) is nn.BatchNorm1d
-        # A layer that is a batch norm itself cannot be converted once the layers are fixed:
-        # found when its partition changes (a layer appended beside it), refused.
-        norm = pipe[2]
-        norm.track_running_stats = True
-        for name, value in (("running_mean", torch.zeros(8)), ("running_var", torch.ones(8)),
-                            ("num_batches_tracked", torch.tensor(0))):
-            norm.register_buffer(name, value)
-        pipe[3].append(nn.Identity())
-        with pytest.raises(ValueError, match="layer '2' is a BatchNorm1d with running statistics it did not have when the Pipe was built"):
-            pipe(x)
-        assert int(norm.num_batches_tracked) == 0
+        # nothing to convert or refuse, and the call runs as the plain model does.
+        for model_ in (pipe, plain):
+            model_[1][0].track_running_stats = model_[2].track_running_stats = True
+        assert torch.equal(pipe(x), plain(x))
+        assert type(pipe[1][0]) is type(pipe[2]) is nn.BatchNorm1d
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "a layer"])
@@ -187,7 +179,9 @@ def test_track_running_stats_turned_on_later_under_deferred_batch_norm():
 def test_track_running_stats_toggled_under_deferred_batch_norm_follows_the_plain_model(frozen_at_build, nested):
     # Frozen at build (the flag off, the statistics kept) and turned on later, the layer was
     # left plain and counted once per micro-batch (8 against 2); converted and then frozen,
-    # it went on counting (3 against 1).
+    # it went on counting (3 against 1). Left plain while frozen (its own forward and hooks
+    # kept, as torchgpipe leaves it), it is converted once the flag is on; a layer that is
+    # the batch norm itself cannot be, and is refused.
     x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(8)
@@ -197,17 +191,43 @@ def test_track_running_stats_toggled_under_deferred_batch_norm_follows_the_plain
     with Pipe(copy.deepcopy(plain), balance=[2, 2], chunks=4, deferred_batch_norm=True) as pipe:
         for flag in (not frozen_at_build, frozen_at_build):  # as built, then toggled
             the_norm(pipe).track_running_stats = the_norm(plain).track_running_stats = flag
+            if flag and frozen_at_build and not nested:
+                with pytest.raises(ValueError, match="layer '1' is a BatchNorm1d that tracks running statistics "
+                                                     "now but did not when the Pipe was built"):
+                    pipe(x)
+                assert int(the_norm(pipe).num_batches_tracked) == 0
+                return
             for _ in range(2):
                 _train(pipe, "forward", x, y)
                 _train(plain, "forward", x, y)
             got, want = the_norm(pipe), the_norm(plain)
-            assert type(got).__name__ == "DeferredBatchNorm"
+            assert type(got).__name__ == ("DeferredBatchNorm" if flag or not frozen_at_build else "BatchNorm1d")
             assert int(got.num_batches_tracked) == int(want.num_batches_tracked)
             torch.testing.assert_close(got.running_mean, want.running_mean, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(got.running_var, want.running_var, rtol=1e-12, atol=1e-12)
         assert int(the_norm(plain).num_batches_tracked) == 2  # tracked in one of the two phases
         pipe.eval(), plain.eval()
         torch.testing.assert_close(pipe(x), plain(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_frozen_batch_norm_keeps_its_own_forward_and_hooks_under_deferred_batch_norm():
+    # Converted since frozen ones were (one session), a subclass's forward and a hook were lost.
+    class AlwaysRunning(nn.BatchNorm1d):
+        def forward(self, x):
+            return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False)
+
+    x = torch.randn(8, 6)
+    torch.manual_seed(0)
+    frozen = AlwaysRunning(8)
+    frozen.track_running_stats = False
+    hooked = nn.BatchNorm1d(8)
+    hooked.track_running_stats = False
+    hooked.register_forward_hook(lambda module, args, output: output * 2)
+    plain = nn.Sequential(nn.Linear(6, 8), frozen, nn.Sequential(hooked), nn.Linear(8, 3))
+    with Pipe(copy.deepcopy(plain), balance=[2, 2], chunks=1, deferred_batch_norm=True,
+              intra_op_threads=torch.get_num_threads()) as pipe:
+        assert type(pipe[1]) is AlwaysRunning and type(pipe[2][0]) is nn.BatchNorm1d
+        assert torch.equal(pipe(x), plain(x))
 
 
 class _Aliased(nn.Module):
@@ -252,13 +272,44 @@ def test_an_uninitialized_lazy_batch_norm_added_later_is_refused_naming_its_laye
         pipe(x)
         pipe[1].append(nn.BatchNorm1d(8))  # fine on its own: not converted while another layer is refused
         pipe[2].append(nn.LazyBatchNorm1d())
-        with pytest.raises(ValueError, match=r"layer '2' holds an uninitialized LazyBatchNorm1d \(2\.1\) added since "
-                                             r"the Pipe was built; .*pipe\[2\]\(sample\)"):
+        with pytest.raises(ValueError, match=r"layer '2' holds a LazyBatchNorm1d \(2\.1\) added since the Pipe was "
+                                             r"built, .*cannot: it is uninitialized; .*pipe\[2\]\.eval\(\); "
+                                             r"pipe\[2\]\(sample\)"):
             pipe(x)
         assert type(pipe[1][1]) is nn.BatchNorm1d
         pipe[2][1](torch.randn(4, 8))  # initialized outside the Pipe: converted at the next call
         pipe(x)
         assert type(pipe[1][1]).__name__ == type(pipe[2][1]).__name__ == "DeferredBatchNorm"
+
+
+class _Positive(nn.Module):
+    def forward(self, weight):
+        return weight.abs() + 0.5
+
+
+@pytest.mark.parametrize("when", ["at build", "added later"])
+def test_a_parametrized_batch_norm_is_refused_before_anything_is_converted(when):
+    # Its weight is computed, not a Parameter: the conversion failed halfway with torch's
+    # "cannot assign 'torch.FloatTensor' as parameter 'weight'", a batch norm before it
+    # already converted in the model of a refused Pipe.
+    first, second = nn.BatchNorm1d(8), nn.BatchNorm1d(8)
+    parametrize.register_parametrization(second, "weight", _Positive())
+    layers = [nn.Linear(6, 8), first, nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 3)]
+    if when == "at build":
+        layers[2].append(second)
+        model = nn.Sequential(*layers)
+        with pytest.raises(ValueError, match=r"cannot convert the ParametrizedBatchNorm1d '2\.1': its parameters are parametrized"):
+            Pipe(model, balance=[2, 2], chunks=2, deferred_batch_norm=True)
+        assert model[1] is first and model[2][1] is second
+        return
+    with Pipe(nn.Sequential(*layers), balance=[2, 2], chunks=2, deferred_batch_norm=True) as pipe:
+        pipe(torch.randn(8, 6))
+        pipe[2].append(second)
+        pipe[0].register_forward_pre_hook(lambda module, args: None)  # nothing else changes
+        with pytest.raises(ValueError, match=r"layer '2' holds a ParametrizedBatchNorm1d \(2\.1\) added since the Pipe was "
+                                             r"built, .*cannot: its parameters are parametrized"):
+            pipe(torch.randn(8, 6))
+        assert pipe[2][1] is second
 
 
 def test_a_failed_call_puts_back_the_statistics_of_a_batch_norm_added_later():

@@ -257,7 +257,7 @@ def test_functional_class_index_losses_weigh_micro_batches_by_their_counted_targ
 # gradients by 0.2), and partial(F.cross_entropy, reduction='sum') was weighted as a mean.
 @pytest.mark.parametrize("wrapped", [
     "compiled module", "compiled function", "partial", "partial sum", "compiled partial sum", "partial then kwargs",
-    "compiled twice", "compiled forward sum",
+    "compiled twice", "compiled forward sum", "bound call",
 ])
 def test_a_compiled_or_partial_loss_weighs_micro_batches_as_the_loss_inside(wrapped):
     torch.manual_seed(0)
@@ -280,6 +280,7 @@ def test_a_compiled_or_partial_loss_weighs_micro_batches_as_the_loss_inside(wrap
         "compiled twice": (compiled(compiled(nn.CrossEntropyLoss())), None, nn.CrossEntropyLoss()),
         "compiled forward sum": (compiled(nn.CrossEntropyLoss(reduction="sum").forward), None,
                                  nn.CrossEntropyLoss(reduction="sum")),
+        "bound call": (nn.CrossEntropyLoss().__call__, None, nn.CrossEntropyLoss()),
     }[wrapped]
     reference = copy.deepcopy(model)
     expected = plain(reference(x), y)

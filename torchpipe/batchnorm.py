@@ -29,12 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
 
 from torchpipe.checkpoint import is_recomputing
 from torchpipe.checks import check_positive_int
 
 __all__ = ["DeferredBatchNorm", "set_microbatches", "undo_commits", "statistics_updating_norms",
-           "running_statistics_frozen", "uninitialized_lazy_norm"]
+           "running_statistics_frozen", "converts", "unconvertible_norm"]
 
 TModule = TypeVar("TModule", bound=nn.Module)
 
@@ -197,26 +198,25 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: TModule, chunks: int = 1) -> TModule:
-        """Return ``module`` with every batch norm that keeps running statistics made deferred.
+        """Return ``module`` with every batch norm that tracks running statistics made deferred.
 
-        Nested ``BatchNorm1d/2d/3d`` (any ``_BatchNorm`` with running statistics) are
+        Nested ``BatchNorm1d/2d/3d`` (any ``_BatchNorm`` that tracks running statistics) are
         replaced in place in their parents, in every slot that holds one; a batch norm passed
         directly is returned replaced. The replacement keeps the SAME ``Parameter`` objects
         (``weight``, ``bias``) and the same buffer tensors, so an optimizer built before the
-        conversion still updates the converted model, and its ``training`` and
-        ``track_running_stats`` flags (statistics frozen by turning the flag off stay frozen,
-        and are tracked again once it is turned on, as in a plain batch norm). An existing
-        ``DeferredBatchNorm`` is kept and its ``chunks`` updated.
+        conversion still updates the converted model, and its ``training`` flag; it follows
+        ``track_running_stats`` as a plain batch norm does (turned off, the statistics stay as
+        they are). An existing ``DeferredBatchNorm`` is kept and its ``chunks`` updated.
         """
         chunks = _check_microbatches(chunks)
         if not isinstance(module, nn.Module):
             raise TypeError(f"convert_deferred_batch_norm takes an nn.Module, got {module!r}")
         # Refuse before replacing anything: a failure halfway would leave a half-converted model.
-        lazy = uninitialized_lazy_norm(module)
-        if lazy is not None:
-            name, norm = lazy
-            raise ValueError(f"cannot convert the uninitialized {type(norm).__name__} {name or 'module'!r}: "
-                             "run one forward first to set num_features")
+        refused = unconvertible_norm(module)
+        if refused is not None:
+            name, norm, why = refused
+            state = "uninitialized " if isinstance(norm, LazyModuleMixin) else ""
+            raise ValueError(f"cannot convert the {state}{type(norm).__name__} {name or 'module'!r}: {why}")
         return cls._convert(module, chunks, {})
 
     @classmethod
@@ -229,8 +229,7 @@ class DeferredBatchNorm(_BatchNorm):
         if isinstance(module, DeferredBatchNorm):
             module.chunks = chunks
             module.set_microbatches(chunks)
-        elif isinstance(module, _BatchNorm) and module.running_mean is not None:
-            # (Built with track_running_stats=False has no running statistics: nothing to track.)
+        elif converts(module):
             done[id(module)] = cls._from_batch_norm(module, chunks)
             return cast(TModule, done[id(module)])
         else:
@@ -263,12 +262,29 @@ class DeferredBatchNorm(_BatchNorm):
         return deferred
 
 
-def uninitialized_lazy_norm(module: nn.Module) -> Optional[Tuple[str, _BatchNorm]]:
-    """A lazy batch norm in ``module`` that has not run yet (its ``num_features`` unknown, so
-    it cannot be converted), with its qualified name; or None."""
+def converts(module: nn.Module) -> bool:
+    """Whether conversion replaces ``module``: a plain batch norm that tracks running statistics.
+
+    One with the flag off (statistics frozen, or none kept) is left as it is, with its own
+    forward and hooks, as torchgpipe and fairscale leave it; the Pipe converts it if the flag
+    is turned on later. A converted layer follows the flag from then on.
+    """
+    return (isinstance(module, _BatchNorm) and not isinstance(module, DeferredBatchNorm)
+            and module.track_running_stats and module.running_mean is not None)
+
+
+def unconvertible_norm(module: nn.Module) -> Optional[Tuple[str, _BatchNorm, str]]:
+    """A batch norm in ``module`` that conversion would replace but cannot, with its qualified
+    name and why; or None. Checked before anything is replaced."""
     for name, norm in module.named_modules():
-        if isinstance(norm, LazyModuleMixin) and isinstance(norm, _BatchNorm) and norm.has_uninitialized_params():
-            return name, norm
+        if not isinstance(norm, _BatchNorm):
+            continue
+        if isinstance(norm, LazyModuleMixin) and norm.has_uninitialized_params():
+            return name, norm, "run one forward first to set num_features"
+        if converts(norm) and parametrize.is_parametrized(norm):
+            return name, norm, ("its parameters are parametrized (computed from others), and the deferred layer "
+                                "takes over the parameters themselves: register the parametrization on the converted "
+                                "layer (after building the Pipe), or build without deferred_batch_norm")
     return None
 
 

@@ -17,7 +17,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
+from .batchnorm import DeferredBatchNorm, converts, set_microbatches, unconvertible_norm, undo_commits
 from .call_chain import current as current_chain
 from .call_chain import holds_rng_section
 from .call_lock import CallLock
@@ -404,13 +406,10 @@ class Pipe(nn.Module):
         verify_skippables(module)
         _check_skip_routes(module, balance_list)
 
-        undo_conversion = None
-        if deferred_batch_norm:
-            from .batchnorm import DeferredBatchNorm
-
-            undo_conversion = _undo_for(module)
-            module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
+        undo_conversion = _undo_for(module) if deferred_batch_norm else None
         try:
+            if deferred_batch_norm:
+                module = DeferredBatchNorm.convert_deferred_batch_norm(module, chunks)
             partitions, named = split_module(module, balance_list, device_list, spread_tuples)
         except BaseException:
             if undo_conversion is not None:  # a refused Pipe leaves the user's model as it was
@@ -1100,8 +1099,6 @@ class Pipe(nn.Module):
             for tensor in without_grad:
                 tensor.grad = None
             if self._deferred_batch_norm:
-                from .batchnorm import undo_commits
-
                 undo_commits(self)
             raise
         finally:
@@ -1114,36 +1111,45 @@ class Pipe(nn.Module):
 
         Checked as the build checks, before anything changes: a parameter or buffer now shared
         by two layers (two workers would update a running statistic at once) is refused. Under
-        ``deferred_batch_norm`` a batch norm added later is converted, as the build converts
-        those it finds (same parameters and buffers); left plain, it would update its running
-        statistics once per micro-batch. Then the partitions' layouts are read again.
+        ``deferred_batch_norm`` a batch norm added later, or one whose ``track_running_stats``
+        was turned on since, is converted, as the build converts those it finds (same
+        parameters and buffers); left plain, it would update its running statistics once per
+        micro-batch. Then the partitions' layouts are read again.
         """
-        changed = [stage for stage in self._stages if stage.layout.changed(stage.partition)]
+        deferred = self._deferred_batch_norm
+        changed = [stage for stage in self._stages
+                   if stage.layout.changed(stage.partition) or (deferred and any(map(converts, stage.layout.norms)))]
         if not changed:
             return
         verify_unshared(list(self._modules.items()), since="a layer changed inside since the Pipe was built: ")
-        if self._deferred_batch_norm:
-            from .batchnorm import DeferredBatchNorm, uninitialized_lazy_norm
-
-            for stage in changed:  # all refused before any is converted
-                for name, layer in stage.partition.named_children():
-                    lazy = uninitialized_lazy_norm(layer)
-                    if lazy is not None:
-                        raise ValueError(
-                            f"layer {name!r} holds an uninitialized {type(lazy[1]).__name__} ({name}.{lazy[0]}) added "
-                            "since the Pipe was built; deferred_batch_norm=True must convert it, which needs its "
-                            f"num_features: run the layer once outside the Pipe (pipe[{name}](sample)), or use a "
-                            "batch norm with num_features")
-            for stage in changed:
-                for name, layer in stage.partition.named_children():
-                    if DeferredBatchNorm.convert_deferred_batch_norm(layer, self.chunks) is not layer:
-                        raise ValueError(
-                            f"layer {name!r} is a {type(layer).__name__} with running statistics it did not have "
-                            "when the Pipe was built (track_running_stats=False then), so deferred_batch_norm=True "
-                            "did not convert it, and the layers are fixed once built; build the Pipe with the "
-                            "layer as it is now")
+        if deferred:
+            self._convert_batch_norms_in(changed)
         for stage in changed:
             stage.layout.read(stage.partition)
+
+    def _convert_batch_norms_in(self, stages: List[StageRunner]) -> None:
+        """``deferred_batch_norm``'s conversion of what the layers of ``stages`` hold now; every
+        layer is checked before any is converted."""
+        layers = [(name, layer) for stage in stages for name, layer in stage.partition.named_children()]
+        for name, layer in layers:
+            refused = unconvertible_norm(layer)
+            if refused is not None:
+                inner, norm, why = refused
+                if isinstance(norm, LazyModuleMixin):  # the build's advice, for a layer inside a built Pipe
+                    index = list(self._modules).index(name)
+                    why = (f"it is uninitialized; give it num_features, or run the layer once outside the Pipe in "
+                           f"eval mode, which leaves its statistics alone (pipe[{index}].eval(); pipe[{index}](sample); "
+                           f"pipe[{index}].train())")
+                raise ValueError(f"layer {name!r} holds a {type(norm).__name__} ({name}.{inner}) added since the Pipe "
+                                 f"was built, which deferred_batch_norm=True must convert, and cannot: {why}")
+            if converts(layer):
+                raise ValueError(
+                    f"layer {name!r} is a {type(layer).__name__} that tracks running statistics now but did not when "
+                    "the Pipe was built, so deferred_batch_norm=True did not convert it, and the layers are fixed once "
+                    "built; build the Pipe with track_running_stats on (turned off later, a converted layer keeps "
+                    "its statistics as they are)")
+        for _, layer in layers:
+            DeferredBatchNorm.convert_deferred_batch_norm(layer, self.chunks)
 
     def _worker_streams(self) -> List[Tuple[torch.device, Any]]:
         """Each distinct (device, stream) the stages queue work on, copy streams included."""
@@ -1155,8 +1161,6 @@ class Pipe(nn.Module):
 
     def _prepare_batch_norm(self, num_microbatches: int) -> None:
         if self._deferred_batch_norm:
-            from .batchnorm import set_microbatches
-
             set_microbatches(self, num_microbatches)
 
     def _input_events(self, batches: List[Batch]) -> List[Any]:
@@ -1290,7 +1294,6 @@ def _loss_call(loss_fn: Callable[..., Tensor], loss_kwargs: Optional[Dict[str, A
 def _undo_for(module: nn.Module) -> Callable[[], None]:
     """What puts ``module``'s children, and its deferred batch norms' ``chunks``, back as they
     are now (deferred batch norm's conversion replaces children in place)."""
-    from .batchnorm import DeferredBatchNorm
 
     children = [(parent, name, child) for parent in module.modules() for name, child in parent._modules.items()]
     counts = [(norm, norm.chunks, norm.microbatches) for norm in module.modules() if isinstance(norm, DeferredBatchNorm)]

@@ -122,7 +122,7 @@ def loss_settings(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Tuple[
             loss_fn = loss_fn._torchdynamo_orig_callable
         elif _dynamo_frame_wrapper(loss_fn):  # what torch.compile put around a torch function or a partial
             loss_fn = loss_fn.__wrapped__
-        elif _bound_forward(loss_fn):  # loss.forward: compiled, or a compiled module compiled again
+        elif _bound_forward(loss_fn):  # loss.forward or loss.__call__ (a compiled module compiled again, say)
             loss_fn = loss_fn.__self__
         else:
             break
@@ -138,10 +138,12 @@ def _dynamo_frame_wrapper(fn: Any) -> bool:
 
 
 def _bound_forward(fn: Any) -> bool:
-    """Whether ``fn`` is a module's own ``forward``, bound to it (``loss.forward``): what the
-    module computes when called, hooks aside."""
-    return (inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module)
-            and getattr(fn, "__func__", None) is getattr(type(fn.__self__), "forward", None))
+    """Whether ``fn`` is a module's own ``forward`` or ``__call__``, bound to it (``loss.forward``,
+    ``loss.__call__``): what the module computes when called, hooks aside for ``forward``."""
+    if not (inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module)):
+        return False
+    own = type(fn.__self__)
+    return getattr(fn, "__func__", None) in (getattr(own, "forward", None), getattr(own, "__call__", None))
 
 
 def _counted_targets(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Optional[Tuple[int, Optional[Tensor]]]:

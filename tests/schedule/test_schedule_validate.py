@@ -189,6 +189,13 @@ def test_a_typo_that_replaces_an_action_gets_the_hint_for_the_count_it_inflated(
         Plan.from_lists("typo", lists)
 
 
+def test_no_stage_hint_when_stage_to_worker_gives_the_count() -> None:
+    lists = [[str(a) for a in acts] for acts in build("1f1b", 3, 2).worker_actions]
+    lists[2] = []
+    with pytest.raises(InvalidPlanError, match=r"^missing action 2F0 \(every stage runs F for every micro-batch\)$"):
+        Plan.from_lists("x", lists, stage_to_worker=(0, 1, 2))
+
+
 @pytest.mark.parametrize("bad, error", [("1b1", ValueError), (7, TypeError)])
 def test_an_entry_that_is_not_an_action_is_named_by_its_worker_and_position(bad, error) -> None:
     with pytest.raises(error, match=rf"^worker 1, entry 3: .*{bad!r}"):

@@ -239,6 +239,7 @@ class Plan:
         )
         everything = [a for acts in worker_actions for a in acts]
         inferred_stages = num_stages is None
+        stage_to_worker_given = stage_to_worker  # then the stage count may come from it, not from the lists
         if num_stages is None:
             num_stages = max((a.stage for a in everything), default=-1) + 1
             if stage_to_worker is not None:
@@ -260,7 +261,8 @@ class Plan:
             if exc.missing is None:
                 raise
             counted = []
-            if inferred_stages and _last_index_rare(worker_actions, lambda a: a.stage, num_stages):
+            if inferred_stages and stage_to_worker_given is None and _last_index_rare(worker_actions, lambda a: a.stage,
+                                                                                      num_stages):
                 counted.append(_counted_from(worker_actions, "stages", num_stages,
                                              lambda a: a.stage == num_stages - 1, "num_stages"))
             if inferred_microbatches and _last_index_rare(worker_actions, lambda a: a.microbatch, num_microbatches):
