@@ -258,9 +258,24 @@ def test_a_skip_from_another_partition_changed_in_place_under_checkpointing_is_r
         pipe(torch.randn(6, 4)).sum().backward()  # usable afterwards
 
 
-def test_pipe_step_names_a_popped_skip_changed_in_place():
-    with Pipe(in_place_pop_model(), [1, 2], chunks=2, checkpoint="never") as pipe:
-        with pytest.raises(RuntimeError, match="partition 1: .*leaf.*If that leaf is a popped skip tensor: Pipe.step receives"):
+@skippable(pop=["halved"])
+class AddsInPlace(nn.Module):
+    """A torchvision-style residual add: the partition's input changed in place, the skip read."""
+
+    def forward(self, x):
+        skip = yield pop("halved")
+        x += skip
+        return x
+
+
+@pytest.mark.parametrize("changed", ["the skip", "the input"])
+def test_pipe_step_names_both_leaves_a_partition_that_pops_may_have_changed_in_place(changed):
+    # The message named only the popped skip, also when the partition's input was the one changed.
+    model = in_place_pop_model() if changed == "the skip" else nn.Sequential(
+        StashCopy(), nn.Linear(4, 4), AddsInPlace(), nn.Linear(4, 4))
+    with Pipe(model, [1, len(model) - 1] if changed == "the skip" else [2, 2], chunks=2, checkpoint="never") as pipe:
+        with pytest.raises(RuntimeError, match="partition 1: .*leaf.* That leaf is the partition's input or a skip "
+                                               "tensor it popped: Pipe.step makes each of them a leaf"):
             pipe.step(torch.randn(6, 4), torch.randn(6, 4), nn.MSELoss())
 
 

@@ -260,12 +260,12 @@ def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, r
 
 
 def _leaf_changed_in_place(index: int, exc: RuntimeError, popped: bool) -> str:
-    if popped:
+    if popped:  # either may be the leaf: the error does not say which tensor
         return (
-            f"partition {index}: {exc} If that leaf is a popped skip tensor: Pipe.step receives a skip from "
-            "another partition as a leaf of the stage's graph, which cannot be changed in place; pop it into "
-            "an out-of-place operation (skip = skip * 0.5, not skip.mul_(0.5)), or train through pipe(x) and "
-            "backward()"
+            f"partition {index}: {exc} That leaf is the partition's input or a skip tensor it popped: Pipe.step "
+            "makes each of them a leaf of the stage's graph (their gradients go to other partitions), and a leaf "
+            "cannot be changed in place. Make that operation out-of-place (x = x + skip, not x += skip; "
+            "skip * 0.5, not skip.mul_(0.5)), or train through pipe(x) and backward()"
         )
     return (
         f"partition {index}: {exc} If that leaf is the partition's input: Pipe.step makes each partition's "
