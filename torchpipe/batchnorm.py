@@ -226,20 +226,18 @@ class DeferredBatchNorm(_BatchNorm):
         converted = done.get(id(module))
         if converted is not None:
             return cast(TModule, converted)
+        if converts(module):
+            done[id(module)] = replacement = cls._from_batch_norm(module, chunks)
+            return cast(TModule, replacement)
+        done[id(module)] = module  # before the children: a module that holds itself ends here
         if isinstance(module, DeferredBatchNorm):
             module.chunks = chunks
             module.set_microbatches(chunks)
-        elif converts(module):
-            done[id(module)] = cls._from_batch_norm(module, chunks)
-            return cast(TModule, done[id(module)])
-        else:
-            done[id(module)] = module  # before the children: a module that holds itself ends here
-            for name, child in list(module._modules.items()):  # every slot: named_children() skips repeats
-                if child is not None:
-                    replaced = cls._convert(child, chunks, done)
-                    if replaced is not child:
-                        setattr(module, name, replaced)
-        done[id(module)] = module
+        for name, child in list(module._modules.items()):  # every slot: named_children() skips repeats
+            if child is not None:
+                replaced = cls._convert(child, chunks, done)
+                if replaced is not child:
+                    setattr(module, name, replaced)
         return module
 
     @classmethod
@@ -258,7 +256,6 @@ class DeferredBatchNorm(_BatchNorm):
         deferred.input_dims = next(
             (dims for kind, dims in _INPUT_DIMS.items() if isinstance(source, kind)), None)
         deferred.train(source.training)
-        deferred.track_running_stats = source.track_running_stats
         return deferred
 
 

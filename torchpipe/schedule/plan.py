@@ -48,19 +48,17 @@ def _parsed(entry: Any, worker: int, position: int) -> Action:
         raise type(exc)(f"worker {worker}, entry {position}: {exc}") from None
 
 
-def _last_index_rare(worker_actions: Sequence[Sequence[Action]], index: Callable[[Action], int], count: int) -> bool:
-    """Whether the highest index (of a stage or micro-batch) is named by at most half as many
-    actions as the most-named lower one: a typo's mark, not a plan's last stage or micro-batch."""
+def _count_hint(worker_actions: Sequence[Sequence[Action]], index: Callable[[Action], int], count: int, what: str,
+                option: str) -> str | None:
+    """Where an inferred count of ``what`` came from, when its highest index is named by at most
+    half as many actions as the most-named lower one (a typo's mark, not a plan's last stage or
+    micro-batch); None otherwise."""
     if count < 2:
-        return False
+        return None
     named = collections.Counter(index(a) for acts in worker_actions for a in acts)
-    return 2 * named[count - 1] <= max(named[i] for i in range(count - 1))
-
-
-def _counted_from(worker_actions: Sequence[Sequence[Action]], what: str, count: int,
-                  is_last: Callable[[Action], bool], option: str) -> str:
-    """Where an inferred count of ``what`` came from: the actions with the highest index."""
-    last = [f"{a} on worker {w}" for w, acts in enumerate(worker_actions) for a in acts if is_last(a)]
+    if 2 * named[count - 1] > max(named[i] for i in range(count - 1)):
+        return None
+    last = [f"{a} on worker {w}" for w, acts in enumerate(worker_actions) for a in acts if index(a) == count - 1]
     return (f"the plan's {count} {what} were counted from the highest index in the lists ({', '.join(last[:3])}"
             f"{', ...' if len(last) > 3 else ''}): pass {option}= if that is not the count you meant")
 
@@ -238,8 +236,7 @@ class Plan:
             for worker, acts in enumerate(lists)
         )
         everything = [a for acts in worker_actions for a in acts]
-        inferred_stages = num_stages is None
-        stage_to_worker_given = stage_to_worker  # then the stage count may come from it, not from the lists
+        stages_from_lists = num_stages is None and stage_to_worker is None
         if num_stages is None:
             num_stages = max((a.stage for a in everything), default=-1) + 1
             if stage_to_worker is not None:
@@ -260,14 +257,13 @@ class Plan:
             # came from, when its highest index is rare (the typo) and the plan is incomplete.
             if exc.missing is None:
                 raise
-            counted = []
-            if inferred_stages and stage_to_worker_given is None and _last_index_rare(worker_actions, lambda a: a.stage,
-                                                                                      num_stages):
-                counted.append(_counted_from(worker_actions, "stages", num_stages,
-                                             lambda a: a.stage == num_stages - 1, "num_stages"))
-            if inferred_microbatches and _last_index_rare(worker_actions, lambda a: a.microbatch, num_microbatches):
-                counted.append(_counted_from(worker_actions, "micro-batches", num_microbatches,
-                                             lambda a: a.microbatch == num_microbatches - 1, "num_microbatches"))
+            hints = [
+                _count_hint(worker_actions, lambda a: a.stage, num_stages, "stages", "num_stages")
+                if stages_from_lists else None,
+                _count_hint(worker_actions, lambda a: a.microbatch, num_microbatches, "micro-batches",
+                            "num_microbatches") if inferred_microbatches else None,
+            ]
+            counted = [hint for hint in hints if hint is not None]
             if not counted:
                 raise
             raise InvalidPlanError(f"{exc}; {'; '.join(counted)}", exc.missing) from None
