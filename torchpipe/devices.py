@@ -58,9 +58,11 @@ class Backend:
     type: str = "cpu"
 
     def is_available(self) -> bool:
+        """Whether this device type can be used in this process (its library loads, a device is present)."""
         return True
 
     def device_count(self) -> int:
+        """How many devices of this type there are, to check an index before anything is placed."""
         return 1
 
     def check(self, device: torch.device) -> None:
@@ -75,15 +77,19 @@ class Backend:
         return device
 
     def current_stream(self, device: torch.device) -> Any:
+        """The stream the calling thread queues work on for ``device``: the one a step must wait for."""
         return CPU_STREAM
 
     def new_stream(self, device: torch.device) -> Any:
+        """A stream of its own for a worker or a copy, so that compute and copies can overlap."""
         return CPU_STREAM
 
     def use_stream(self, stream: Any) -> ContextManager[None]:
+        """Make ``stream`` current on this thread while the block runs (a worker's task, a copy)."""
         return contextlib.nullcontext()
 
     def use_device(self, device: torch.device) -> ContextManager[None]:
+        """Make ``device`` current on this thread, so that kernels and allocations land on it."""
         return contextlib.nullcontext()
 
     def wait_stream(self, waiting: Any, waited: Any) -> None:
@@ -93,16 +99,17 @@ class Backend:
         """Tell the allocator that ``tensor`` is in use on ``stream`` (never for CPU tensors)."""
 
     def new_event(self) -> Any:
+        """An event to mark a point in a stream that another stream (or the host) waits for."""
         return None
 
     def record_event(self, event: Any, stream: Any) -> None:
-        pass
+        """Mark in ``event`` the work queued on ``stream`` so far."""
 
     def wait_event(self, stream: Any, event: Any) -> None:
-        pass
+        """Make ``stream`` wait for the work marked in ``event``, without blocking the host."""
 
     def synchronize(self, device: torch.device) -> None:
-        pass
+        """Block the host until ``device`` has finished its queued work (timings, teardown)."""
 
     def default_generator(self, device: torch.device) -> torch.Generator:
         """The generator that random ops on ``device`` draw from (for RNG replay)."""

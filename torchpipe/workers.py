@@ -449,6 +449,7 @@ class HostPool(OwnsThreads):
 
     @property
     def num_threads(self) -> int:
+        """How many host threads the pool runs (each capped to its share of intra-op threads)."""
         return len(self.workers)
 
     def worker_for(self, key: Optional[int] = None) -> Worker:

@@ -76,8 +76,8 @@ def _decay(w: torch.Tensor, grad: torch.Tensor, lr: float, weight_decay: float,
 class RowOptimizer:
     """A sparse optimizer that updates whole rows ``[emb | state]`` in one fused step."""
 
-    #: names of the state columns, in order, for readers of `optimizer_state`.
     def state_names(self, dim: int) -> list[str]:
+        """Names of the state columns, in order, for readers of `optimizer_state`."""
         return []
 
     def state_width(self, dim: int) -> int:

@@ -507,6 +507,7 @@ def refuse_if_superseded(collection: CachedEmbeddingBagCollection, pipeline: Any
 
 
 def find_collection(model: nn.Module) -> CachedEmbeddingBagCollection:
+    """The one cached collection in ``model``, so that a pipeline can plan its swaps without being told."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"the model is a {type(model).__name__}, not an nn.Module whose modules hold the "
                         "CachedEmbeddingBagCollection: pass collection= explicitly")
@@ -994,6 +995,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         return outputs
 
     def hit_rate(self) -> float:
+        """Share of looked-up rows found in the device cache, over every table since the cache was built."""
         stats = self.collection.cache_stats().values()
         hits = sum(s.hits for s in stats)
         total = hits + sum(s.misses for s in stats)

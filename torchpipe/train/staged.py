@@ -365,6 +365,7 @@ class StagedPipeline(OwnsThreads):
 
     @property
     def depth(self) -> int:
+        """How many stages there are: the number of batches in flight once the pipeline is full."""
         return len(self.stages)
 
     def in_flight(self) -> List[int]:
@@ -377,6 +378,7 @@ class StagedPipeline(OwnsThreads):
         return schedule_table([s.name for s in self.stages], [short[w] for w in self.stage_workers], num_batches)
 
     def print_schedule(self, num_batches: int) -> None:
+        """Print `schedule_table` (a check, before training, that stages overlap as intended)."""
         print(self.schedule_table(num_batches))
 
     # -- execution -----------------------------------------------------------------
