@@ -1218,12 +1218,19 @@ def interrupt():  # a real Ctrl-C: interrupt_main() cannot wake a blocked wait
         time.sleep(0.5); os.kill(os.getpid(), signal.SIGINT)
 
 pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=1)
+pipe(-torch.ones(1, 1))
+before = pipe.last_step
 threading.Thread(target=interrupt, daemon=True).start()
 start = time.perf_counter()
 try:
     pipe(torch.ones(1, 1))
 except KeyboardInterrupt:
     print("interrupted after %.1f s" % (time.perf_counter() - start), flush=True)
+print("record", pipe.last_step is not before, pipe.last_step.error, flush=True)
+try:
+    pipe.last_report()
+except ValueError as exc:
+    print("no report:", exc, flush=True)
 try:
     pipe(torch.zeros(1, 1))
 except RuntimeError as exc:
@@ -1283,6 +1290,10 @@ def test_a_stage_that_never_returns_is_left_behind_at_a_second_interrupt_or_afte
     waited = float(re.search(r"interrupted after ([0-9.]+) s", out).group(1))
     assert (0.9 <= waited < 30) if interrupts == 2 else (1.4 <= waited < 30), out
     assert "refused while stuck" in out and "after -1.0" in out, out
+    # The step left behind has a record of its own that says it was interrupted (s33: the
+    # previous step's record and report were still shown, as if they were this one's).
+    assert "record True KeyboardInterrupt" in out, out
+    assert "no report: the step failed (KeyboardInterrupt)" in out, out
 
 
 _ABORT_CUT_SHORT = """

@@ -1,4 +1,7 @@
 """pipe.last_report(): a finished step next to its own plan fed the measured durations."""
+import json
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -63,7 +66,72 @@ def test_no_report_before_a_step_or_after_a_failed_one():
     with Pipe(nn.Sequential(nn.Linear(8, 8), Fail()), [1, 1], devices=["cpu"] * 2, chunks=2) as pipe:
         with pytest.raises(KeyError):
             pipe(torch.randn(4, 8))
-        with pytest.raises(ValueError, match="did not complete"):
+        with pytest.raises(ValueError, match=r"the step failed \(KeyError: 'stage fails'\)"):
+            pipe.last_report()
+
+
+class SlowThenFail(nn.Module):
+    """Sleeps, then raises on its ``fail_at``-th call (counting from 0); a plain layer otherwise."""
+
+    def __init__(self, fail_at=0, seconds=0.05):
+        super().__init__()
+        self.linear, self.calls, self.fail_at, self.seconds = nn.Linear(8, 8), 0, fail_at, seconds
+
+    def forward(self, x):
+        call, self.calls = self.calls, self.calls + 1
+        if call == self.fail_at:
+            time.sleep(self.seconds)
+            raise ArithmeticError("stage 1 gave up")
+        return self.linear(x)
+
+
+def test_a_failed_step_is_recorded_as_failed_with_the_job_that_raised_and_its_time():
+    # Review (s33): a failed step's record looked like a finished one, and the job that raised,
+    # which took most of the step's time, was missing from it (a 0.3 ms makespan for 50 ms).
+    failing = SlowThenFail(fail_at=-1)
+    model = nn.Sequential(nn.Linear(8, 8), failing, nn.Linear(8, 8))
+    with Pipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=4, checkpoint="never") as pipe:
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        pipe.step(x, y, nn.MSELoss(), schedule="1f1b")
+        finished = pipe.last_step
+        assert finished.error is None and finished.failed_job is None
+        assert "otherData" not in finished.chrome_trace()
+        failing.fail_at = failing.calls  # the next step's first forward in stage 1
+        with pytest.raises(ArithmeticError):
+            pipe.step(x, y, nn.MSELoss(), schedule="1f1b")
+        record = pipe.last_step
+        assert record is not finished
+        assert record.error == "ArithmeticError: stage 1 gave up"
+        assert record.labels[record.failed_job] == "stage 1 F mb 0"
+        took = record.ends[record.failed_job] - record.starts[record.failed_job]
+        assert took >= 0.05 and record.makespan >= took
+        trace = json.loads(json.dumps(record.chrome_trace()))
+        assert trace["otherData"] == {"error": "ArithmeticError: stage 1 gave up"}
+        failed = [e for e in trace["traceEvents"] if e.get("args", {}).get("error")]
+        assert [(e["name"], e["args"]["action"]) for e in failed] == [("stage 1 F mb 0", "1F0")]
+        with pytest.raises(ValueError, match=r"the step failed \(ArithmeticError: stage 1 gave up\)"):
+            pipe.last_report()
+        failing.fail_at = -1
+        pipe.step(x, y, nn.MSELoss(), schedule="1f1b")  # a finished step reports again
+        assert pipe.last_step.error is None and pipe.last_report().schedule == "1f1b"
+
+
+def test_a_check_after_the_run_marks_the_step_failed_and_a_refused_call_changes_nothing():
+    # Review (s33): a step whose plan ran and that then raised (no loss with a graph) was
+    # reported as a good one; a call refused before its plan started is no step at all.
+    with make_pipe() as pipe:
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        pipe.step(x, y, nn.MSELoss(), schedule="1f1b")
+        finished = pipe.last_step
+        with pytest.raises(ValueError, match="target has 6 samples"):
+            pipe.step(x, y[:6], nn.MSELoss(), schedule="gpipe")
+        assert pipe.last_step is finished and pipe.last_report().schedule == "1f1b"
+        with pytest.raises(RuntimeError, match="no loss with a graph"):
+            pipe.step(x, y, lambda out, target: torch.zeros(()), schedule="zb-h1")
+        record = pipe.last_step
+        assert record is not finished and record.error.startswith("RuntimeError: loss_fn returned no loss")
+        assert record.failed_job is None and all(s >= 0 for s in record.starts)  # every action ran
+        with pytest.raises(ValueError, match="the step failed"):
             pipe.last_report()
 
 

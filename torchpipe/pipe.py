@@ -31,7 +31,7 @@ from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_bat
                          nested_tensors, samples, scatter)
 from .partition import (BalanceError, SpreadingSequential, as_positive_int, fixed_partitions, infer_placement,
                         layers_fixed_error, split_module, verify_balance, verify_module, verify_unshared)
-from .runtime import Program, Runtime, StepRecord
+from .runtime import Program, Runtime, StepRecord, describe_error
 from .schedule import SCHEDULES, InvalidPlanError, Plan, build, schedule_options
 from .schedule.names import resolve as resolve_schedule
 from .skip import inspect_skip_layout, verify_skippables
@@ -316,6 +316,14 @@ def _built_setting(name: str, doc: str, copy: bool = False) -> property:
         )
 
     return property(read, refuse, doc=doc)
+
+
+
+def _mark_failed(record: Optional[StepRecord], previous: Optional[StepRecord], error: BaseException) -> None:
+    """Say in ``record``, the step a call ran (if it is not ``previous``: it ran one), that the
+    call raised ``error`` in a check after a run that itself ended well: the step failed."""
+    if record is not None and record is not previous and record.error is None:
+        record.error = describe_error(error)
 
 
 class Pipe(nn.Module):
@@ -754,7 +762,12 @@ class Pipe(nn.Module):
 
     @property
     def last_step(self) -> Optional[StepRecord]:
-        """Timings of the most recent step: ``bubble_ratio``, ``chrome_trace()``."""
+        """Timings of the most recent step: ``bubble_ratio``, ``chrome_trace()``.
+
+        Its ``error`` is None when the call returned; otherwise it names what the call raised,
+        and the record holds the actions that ran until then. A call refused before its plan
+        started (bad input) leaves the record of the step before it.
+        """
         return self._runtime.last_step
 
     def last_report(self) -> StepReport:
@@ -762,7 +775,8 @@ class Pipe(nn.Module):
 
         Measured makespan and bubble beside the makespan and bubble the same plan reaches
         with these action durations and free hand-offs (see :class:`StepReport`). Raises
-        RuntimeError before any step, ValueError if the last step failed.
+        RuntimeError before any step, ValueError if the last step failed (``last_step.error``;
+        a call refused before its plan started is no step and leaves the report as it was).
         """
         last = self._last_run
         if last is None:
@@ -969,6 +983,15 @@ class Pipe(nn.Module):
                               output_samples=self._followed_samples(batches) if return_outputs else None,
                               sync_ticket=ticket, stage_to_worker=plan.stage_to_worker)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
+        try:
+            return self._finish_step(context, upstream, scales, output_dim, losses, return_outputs)
+        except BaseException as exc:
+            _mark_failed(context.record, None, exc)
+            raise
+
+    def _finish_step(self, context: StepContext, upstream: Upstream, scales: List[float], output_dim: BatchDim,
+                     losses: Optional[List[Tensor]], return_outputs: bool) -> Any:
+        """What ``step`` does once its plan ran: the loss total, the outputs, the input's backward."""
         if not any(context.loss_has_graph):
             # The plain model's loss.backward() refuses such a loss too; nothing was changed.
             raise RuntimeError(
@@ -1090,7 +1113,8 @@ class Pipe(nn.Module):
             if grad_round is not None:  # under the lock: the next step must not add to .grad meanwhile
                 grad_round.finish(failed=not any(context.loss_has_graph))  # step() raises for that case
             return results
-        except BaseException:
+        except BaseException as exc:
+            _mark_failed(self._runtime.last_step, previous, exc)  # a check after the run: the step failed
             if grad_round is not None:
                 try:  # this rank's collectives still go out: the other ranks learn of the failure at once
                     grad_round.finish(failed=True)
@@ -1105,6 +1129,8 @@ class Pipe(nn.Module):
             record = self._runtime.last_step
             if record is not None and record is not previous:  # this plan ran (part of it)
                 self._last_run = (plan, record)
+                if isinstance(context, StepContext):
+                    context.record = record
 
     def _adopt_layer_changes(self) -> None:
         """Take in what changed inside the layers since the last step (a batch norm added, say).

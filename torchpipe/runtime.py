@@ -169,7 +169,11 @@ class Program:
 
 @dataclass
 class StepRecord:
-    """Start and end time of every job of one step, for the bubble and a Chrome trace."""
+    """Start and end time of every job of one step, for the bubble and a Chrome trace.
+
+    ``starts``/``ends`` are ``time.perf_counter()`` readings, -1.0 for a job that did not run;
+    the job that raised (``failed_job``) has its times up to the failure.
+    """
 
     labels: List[str]
     workers: List[int]
@@ -180,6 +184,15 @@ class StepRecord:
     wall_end: float
     keys: List[Hashable] = field(default_factory=list)
     """Each job's key, in the same order: for a ``Pipe``, the plan's actions."""
+    error: Optional[str] = None
+    """Why the call that ran this step raised (``"TypeName: message"``); None when it returned.
+
+    A failed or interrupted step records the jobs that ran until it was stopped, the job
+    that raised among them (its event in `chrome_trace` says so): its makespan and bubble
+    describe that part, not a step. A call refused before anything ran records nothing.
+    """
+    failed_job: Optional[int] = None
+    """Index (into ``labels``) of the job that raised, when a job did."""
 
     @property
     def makespan(self) -> float:
@@ -234,7 +247,7 @@ class StepRecord:
             events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": w, "args": {"name": name}})
         origin = min((s for s in self.starts if s >= 0), default=self.wall_start)
         keys = self.keys or [None] * len(self.labels)
-        for label, w, s, e, key in zip(self.labels, self.workers, self.starts, self.ends, keys):
+        for index, (label, w, s, e, key) in enumerate(zip(self.labels, self.workers, self.starts, self.ends, keys)):
             if s < 0:
                 continue
             event: Dict[str, Any] = {"ph": "X", "name": label, "pid": 0, "tid": w, "ts": (s - origin) * 1e6,
@@ -243,14 +256,25 @@ class StepRecord:
             if fields:
                 event["cat"] = fields.pop("kind", "")
                 event["args"] = {"action": str(key), **fields}
+            if index == self.failed_job:
+                event.setdefault("args", {})["error"] = self.error
             events.append(event)
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        trace: Dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if self.error is not None:
+            trace["otherData"] = {"error": self.error}
+        return trace
 
     def save_chrome_trace(self, path: Any) -> None:
         """Write :meth:`chrome_trace` as JSON, for chrome://tracing or Perfetto."""
         check_file_path(path, "save_chrome_trace")
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
+
+
+def describe_error(error: BaseException) -> str:
+    """``"TypeName: message"``, the way a traceback's last line names an exception."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def _action_fields(key: Any) -> Dict[str, Any]:
@@ -331,6 +355,7 @@ class _Step:
         self.aborted = False
         self.woken = False
         self.error: Optional[BaseException] = None
+        self.failed_job: Optional[int] = None  # the job that raised ``error``, if a job did
         # Workers queued by the results their first job needs (``launch(w)`` queues them).
         self.launch = launch
         self.unblocks = program.unblocks
@@ -386,13 +411,14 @@ class _Step:
         if last:
             self.finished.set()
 
-    def abort(self, error: Optional[BaseException]) -> None:
+    def abort(self, error: Optional[BaseException], job: Optional[int] = None) -> None:
+        """Stop the step for ``error`` (raised by ``job``, if a job raised it); the first error is kept."""
         # An interrupt (a second Ctrl-C) must not stop the release loop halfway: a job left
         # waiting on a lock nobody releases would hang the step, and the next call behind it.
         pending: Optional[BaseException] = None
         while True:
             try:
-                self._release_all(error)
+                self._release_all(error, job)
                 if not self.woken:  # marked only once done: a cut-short wake runs again
                     self._wake_outside(error)
                     self.woken = True
@@ -402,11 +428,12 @@ class _Step:
         if pending is not None:
             raise pending
 
-    def _release_all(self, error: Optional[BaseException]) -> None:
+    def _release_all(self, error: Optional[BaseException], job: Optional[int] = None) -> None:
         """Mark the step aborted and release every result lock (again, if a pass was cut short)."""
         with self.guard:
             if self.error is None and error is not None:
                 self.error = error
+                self.failed_job = job
             self.aborted = True
             self.state.cancel.cancelled = True  # a job waiting for a generator's lock gives up
             for i, lock in enumerate(self.locks):
@@ -523,6 +550,7 @@ class Runtime:
         def compute() -> None:
             step = runtime._step
             assert step is not None
+            start = -1.0
             try:
                 if step.aborted:
                     return
@@ -545,12 +573,31 @@ class Runtime:
             except StepAborted:
                 pass
             except BaseException as exc:  # noqa: B902 - KeyboardInterrupt in a stage reaches the caller too
-                step.abort(exc)
+                if start >= 0:  # the step's record shows the failed job, up to its failure
+                    step.ends[index] = time.perf_counter()
+                    step.starts[index] = start
+                step.abort(exc, index)
             finally:
                 if last:
                     step.worker_finished()
 
         return compute
+
+    def _record(self, program: Program, step: _Step, wall_start: float, wall_end: float,
+                error: Optional[BaseException]) -> StepRecord:
+        """The record of ``step``: copies, since a job an interrupt left running may still write."""
+        return StepRecord(
+            labels=list(program.labels),
+            workers=list(program.job_workers),
+            worker_names=[w.name for w in self.workers],
+            starts=list(step.starts),
+            ends=list(step.ends),
+            wall_start=wall_start,
+            wall_end=wall_end,
+            keys=list(program.keys),
+            error=None if error is None else describe_error(error),
+            failed_job=step.failed_job if error is not None and error is step.error else None,
+        )
 
     def stop(self, finalizer: Any) -> None:
         """Stop the workers through their owner's ``finalizer`` (`workers.stopped_with`): joined
@@ -644,12 +691,14 @@ class Runtime:
                 self._try_end(step, ABANDON_AFTER_S, exc)
             except BaseException:  # noqa: B902 - a second interrupt: the step stays, the next call ends it
                 pass
+            self.last_step = self._record(program, step, wall_start, time.perf_counter(), exc)
             raise
         # Any exception raised in the wait (Ctrl-C, a test timeout) aborts the step; the caller
         # then waits up to ABANDON_AFTER_S for the jobs to leave it. A second one, or the end of
         # that grace (a job that never returns), stops the wait: the step stays installed (its
         # jobs may still run) and the next call ends it, or refuses while a job runs on.
         interrupt: Optional[BaseException] = None
+        abandoned = False  # the wait for the jobs was given up: they may still be running
         while True:
             try:
                 if interrupt is None:
@@ -657,9 +706,8 @@ class Runtime:
                         break
                 else:
                     step.abort(interrupt)
-                    if step.finished.wait(ABANDON_AFTER_S):
-                        break
-                    raise interrupt
+                    abandoned = not step.finished.wait(ABANDON_AFTER_S)
+                    break
             except BaseException as exc:  # noqa: B902 - KeyboardInterrupt while waiting: abort, drain
                 if interrupt is None:
                     interrupt = exc
@@ -668,8 +716,12 @@ class Runtime:
                     except BaseException:  # noqa: B902 - cut short: the top of the loop aborts again
                         pass
                     continue
-                raise interrupt
+                abandoned = True
+                break
         wall_end = time.perf_counter()
+        if abandoned:  # the step stays installed (the next call ends it); its record says so now
+            self.last_step = self._record(program, step, wall_start, wall_end, interrupt)
+            raise interrupt  # type: ignore[misc]
         if step.half_launched:
             # A worker got part of its tasks (a queue put raised on a worker thread): they must
             # pass before the next step. Uninstalled once drained; past the grace, the next call
@@ -677,17 +729,8 @@ class Runtime:
             self._try_end(step, ABANDON_AFTER_S, None)
         else:
             self._step = None
-        self.last_step = StepRecord(
-            labels=list(program.labels),
-            workers=list(program.job_workers),
-            worker_names=[w.name for w in self.workers],
-            starts=step.starts,
-            ends=step.ends,
-            wall_start=wall_start,
-            wall_end=wall_end,
-            keys=list(program.keys),
-        )
         error = step.error if step.error is not None else interrupt
+        self.last_step = self._record(program, step, wall_start, wall_end, error)
         if error is not None:
             # The error's traceback holds the failed job's frame, which holds ``step``: drop
             # what the step owns, so that its activations and the cycle through ``step.error``

@@ -107,6 +107,7 @@ class StepContext:
         # Whether each micro-batch's loss has a graph; one without (a constant for a fully
         # masked micro-batch) contributes nothing to the gradients, as a constant term would.
         self.loss_has_graph: List[bool] = [False] * len(batches)
+        self.record: Any = None  # the runtime's record of this step, once it ran (a StepRecord)
         # The last stage's outputs, detached, for ``Pipe.step(..., return_outputs=True)``.
         self.keep_outputs = keep_outputs
         self.output_batch_dim = output_batch_dim

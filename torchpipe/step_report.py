@@ -52,6 +52,9 @@ class StepReport:
 
 def report(plan: Plan, record: StepRecord) -> StepReport:
     """Measure ``record`` (a step of ``plan``) against ``plan``; ValueError if it did not complete."""
+    if record.error is not None:
+        raise ValueError(f"the step failed ({record.error}): nothing to report against its plan; its record "
+                         "(pipe.last_step) holds the actions that ran before it stopped")
     durations: Dict[Action, float] = {}
     per_kind: Dict[str, list] = {}
     for key, start, end in zip(record.keys, record.starts, record.ends):
