@@ -660,3 +660,41 @@ def test_steps_from_two_threads_are_numbered_in_the_order_they_run(tmp_path) -> 
     for rank in range(WORLD):
         errors, averaged = eval(open(f"{result_file}.{rank}").read())
         assert errors == [] and averaged, (rank, errors)
+
+
+def half_average_worker(rank: int, init_file: str, result_file: str) -> None:
+    start(rank, init_file)
+    try:
+        def build() -> nn.Sequential:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)).half()
+
+        x = torch.full((2, 4), 1.0 + rank, dtype=torch.float16)
+
+        def loss_fn(out: torch.Tensor, target: object) -> torch.Tensor:
+            return out.float().sum() * 25000.0  # a large loss scale: each rank's gradient nears fp16's max
+
+        model = build()
+        with Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=1) as pipe:
+            GradientSync(pipe)
+            pipe.step(x, None, loss_fn)
+        plain = build()
+        ddp = nn.parallel.DistributedDataParallel(plain)
+        loss_fn(ddp(x), None).backward()
+        del ddp
+        got, want = [p.grad for p in model.parameters()], [p.grad for p in plain.parameters()]
+        finite = int(torch.isfinite(want[2]).sum())  # the sum of the two ranks' shares would overflow here
+        with open(f"{result_file}.{rank}", "w") as out:
+            out.write(repr(([torch.equal(g, w) for g, w in zip(got, want)], finite)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_half_precision_average_is_divided_before_the_sum_as_ddp_does(tmp_path) -> None:
+    """Review (s33): the gradients were summed over the ranks and then divided, so an fp16
+    average that fits overflowed to inf in the sum where DDP's (divided first) did not."""
+    result_file = str(tmp_path / "result")
+    spawn_ranks(half_average_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
+    for rank in range(WORLD):
+        equal, finite = eval(open(f"{result_file}.{rank}").read())
+        assert equal == [True] * 4 and finite == 3, (rank, equal, finite)

@@ -76,7 +76,8 @@ def _by_dtype(tensors: Sequence[Tensor]) -> List[List[Tensor]]:
     return list(groups.values())
 
 
-def grad_buckets(parameters: Sequence[Tensor], extra: Optional[Tensor] = None) -> List[Tuple[Tensor, List[Tensor]]]:
+def grad_buckets(parameters: Sequence[Tensor], extra: Optional[Tensor] = None,
+                 scale: float = 1.0) -> List[Tuple[Tensor, List[Tensor]]]:
     """``parameters``' gradients as flat buffers to all-reduce, one per dtype (as DDP's buckets),
     with the parameters each holds.
 
@@ -86,12 +87,19 @@ def grad_buckets(parameters: Sequence[Tensor], extra: Optional[Tensor] = None) -
     gradients it has. ``extra`` (small counts, such as a flag per rank) is appended to the
     first buffer, or makes a float32 buffer of its own without parameters: it then travels in
     the same collective.
+
+    ``scale`` (``1 / world_size`` for an average) multiplies the gradients before they are
+    summed, as DDP's buckets do: a low-precision average that fits then never overflows in the
+    sum (and the rounding is DDP's).
     """
     buckets = []
     for group in _by_dtype(parameters):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
         flags = torch.tensor([float(p.grad is not None) for p in group], dtype=group[0].dtype, device=group[0].device)
-        buckets.append((flatten(grads + [flags]), group))
+        flat = flatten(grads + [flags])
+        if scale != 1.0:
+            flat.mul_(scale)  # DDP's order: each rank's share first; a flag stays nonzero
+        buckets.append((flat, group))
     if extra is not None:
         if buckets:
             flat, group = buckets[0]
@@ -101,19 +109,16 @@ def grad_buckets(parameters: Sequence[Tensor], extra: Optional[Tensor] = None) -
     return buckets
 
 
-def write_back_grads(flat: Tensor, parameters: Sequence[Tensor], divisor: int) -> None:
-    """Set each parameter's ``.grad`` from its all-reduced `grad_buckets` buffer, divided by
-    ``divisor`` (the world size for an average, 1 for a sum). A parameter no rank gave a
-    gradient keeps ``None``, as in the plain model; one only some ranks gave gets it on every
-    rank."""
-    if divisor != 1:
-        flat /= divisor
+def write_back_grads(flat: Tensor, parameters: Sequence[Tensor]) -> None:
+    """Set each parameter's ``.grad`` from its all-reduced `grad_buckets` buffer. A parameter
+    no rank gave a gradient keeps ``None``, as in the plain model; one only some ranks gave
+    gets it on every rank."""
     offset = 0
     reduced: List[Tensor] = []
     for parameter in parameters:
         reduced.append(flat[offset:offset + parameter.numel()].view_as(parameter))
         offset += parameter.numel()
-    given = flat[offset:offset + len(parameters)]  # how many ranks gave each parameter a gradient (/ divisor)
+    given = flat[offset:offset + len(parameters)]  # how many ranks gave each parameter a gradient (scaled)
     for parameter, value, count in zip(parameters, reduced, given.tolist()):
         if count == 0:
             continue  # no rank gave one: it stays None
@@ -161,7 +166,7 @@ class _Round:
         keeps ``None``, as in the plain model)."""
         import torch.distributed as dist
 
-        for flat, parameters in grad_buckets(self.parameters[index]):
+        for flat, parameters in grad_buckets(self.parameters[index], scale=1.0 / self.sync.world_size):
             work = dist.all_reduce(flat, group=self.sync.process_group, async_op=True)
             self.started.append((work, flat, parameters))
 
@@ -198,7 +203,7 @@ class _Round:
                                  "are its own and the ranks are out of step; rebuild the process group (as after "
                                  "a failed DDP step)")
         for _, flat, parameters in self.started:
-            write_back_grads(flat, parameters, self.sync.world_size)
+            write_back_grads(flat, parameters)
 
 
 class GradientSync:

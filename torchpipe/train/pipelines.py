@@ -110,14 +110,14 @@ def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     votes = torch.zeros(world, device=device)  # where the group reduces (with no dense parameter to go by)
     votes[rank] = float(failed)
-    buckets = grad_buckets(parameters, extra=votes)
+    buckets = grad_buckets(parameters, extra=votes, scale=1.0 / world if average else 1.0)
     works = [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in buckets]
     for work in works:
         work.wait()
     failed_ranks = [r for r, vote in enumerate(buckets[0][0][-world:].tolist()) if vote]
     if not failed_ranks:
         for flat, bucket in buckets:
-            write_back_grads(flat, bucket, world if average else 1)
+            write_back_grads(flat, bucket)
     return failed_ranks
 
 
