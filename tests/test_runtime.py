@@ -495,7 +495,10 @@ def test_step_record_of_an_aborted_step_skips_jobs_that_never_ran(make_runtime):
         runtime.run(program, None)
     record = runtime.last_step
     assert record.starts[1] == -1.0
-    assert [e["name"] for e in record.chrome_trace()["traceEvents"] if e["ph"] == "X"] == []
+    # The job that raised ran until it raised: it is in the record, marked (s33).
+    assert record.starts[0] >= 0 and record.failed_job == 0 and record.error.startswith("Boom")
+    events = [e for e in record.chrome_trace()["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["args"]["error"]) for e in events] == [("A", record.error)]
     assert record.busy()[1] == 0.0
 
 
