@@ -1271,3 +1271,100 @@ def test_pipe_step_under_autocast_follows_the_amp_recipe(schedule, checkpoint):
     assert torch.equal(loss, expected.detach())
     for (name, got), want in zip(model.named_parameters(), reference.parameters()):
         assert torch.equal(got.grad, want.grad), name
+
+
+class _ToDtype(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)  # a head that emits its own low-precision dtype
+
+
+@pytest.mark.parametrize("autocast_dtype,output_dtype", [(torch.bfloat16, torch.float16),
+                                                         (torch.float16, torch.bfloat16)])
+def test_outputs_and_losses_of_another_low_precision_dtype_join_under_autocast(autocast_dtype, output_dtype):
+    """Review (s33): the micro-batch outputs were joined (torch.cat) and the losses totalled
+    (torch.stack) under the caller's autocast, where torch fails on an fp16 tensor under bf16
+    autocast ("Unexpected floating ScalarType"): the plain model joins nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _ToDtype(output_dtype))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+
+    def loss_fn(out, target):
+        return nn.functional.mse_loss(out.float(), target).to(output_dtype)  # a loss kept in low precision
+
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        expected = model(x)
+        expected_halves = [loss_fn(model(part), target) for part, target in zip(x.chunk(2), y.chunk(2))]
+    expected_loss = torch.stack(expected_halves).float().mean().to(output_dtype)
+    with Pipe(model, [1, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="never") as pipe:
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            out = pipe(x)
+            loss, stepped = pipe.step(x, y, loss_fn, return_outputs=True)
+            evaluated_loss, evaluated = pipe.evaluate(x, y, loss_fn, return_outputs=True)
+    for got in (out, stepped, evaluated):
+        assert got.dtype == output_dtype and torch.equal(got, expected.detach())
+    for got in (loss, evaluated_loss):
+        assert got.dtype == output_dtype
+        torch.testing.assert_close(got.float(), expected_loss.float(), rtol=1e-2, atol=0)
+
+
+class _AutocastInBackward(torch.autograd.Function):
+    """``x @ w.T`` whose backward opens ``torch.autocast('cpu')`` without a dtype: the thread's
+    default dtype then decides how the gradients are computed."""
+
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        with torch.autocast("cpu"):
+            _AutocastInBackward.seen.append((torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled()))
+            return (grad @ w).float(), (grad.flatten(0, -2).t() @ x.flatten(0, -2)).float()
+
+
+class _AutocastInBackwardLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return _AutocastInBackward.apply(x, self.weight)
+
+
+def test_backward_runs_with_the_thread_defaults_of_autocast_as_after_the_recipes_block():
+    """Review (s33): step's backward actions turned autocast off inside the forward's autocast,
+    so its dtype (fp16) and cache flag (off) stayed; after the recipe's block a backward sees the
+    defaults (bf16, cache on). A backward into the input's own graph (an encoder in front of the
+    Pipe) ran under the caller's autocast itself; attention's backward then casts otherwise."""
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(8, 8), _SelfAttention())
+    model = nn.Sequential(_AutocastInBackwardLinear(), _AutocastInBackwardLinear())
+    reference_encoder, reference = copy.deepcopy(encoder), copy.deepcopy(model)
+    x = torch.randn(2, 5, 8)
+
+    def loss_fn(out, target):
+        return out.float().pow(2).sum()
+
+    _AutocastInBackward.seen.clear()
+    with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+        expected = loss_fn(reference(reference_encoder(x)), None)
+    expected.backward()
+    assert _AutocastInBackward.seen == [(torch.bfloat16, True)] * 2
+    _AutocastInBackward.seen.clear()
+    with Pipe(model, [1, 1], devices=["cpu", "cpu"], chunks=1, checkpoint="never",
+              intra_op_threads=torch.get_num_threads()) as pipe:
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = pipe.step(encoder(x), None, loss_fn, schedule="1f1b")
+    assert _AutocastInBackward.seen == [(torch.bfloat16, True)] * 2
+    assert torch.equal(loss, expected.detach())
+    for (name, got), want in zip([*encoder.named_parameters(), *model.named_parameters()],
+                                 [*reference_encoder.parameters(), *reference.parameters()]):
+        assert torch.equal(got.grad, want.grad), name

@@ -39,7 +39,7 @@ from .state_keys import check_not_renumbered, retired_pipe_state_dict
 from .step import MemoryRecord, StepContext, lower_step
 from .step_inputs import Upstream, loss_settings, microbatch_weights, scalar_loss, split_targets
 from .step_report import StepReport, report
-from .thread_state import (first_frame_outside_torchpipe, in_torch_checkpoint, records_graphs,
+from .thread_state import (first_frame_outside_torchpipe, in_torch_checkpoint, leave_autocast, records_graphs,
                            refuse_untransferable_state, warn_if_the_profiler_records_this_thread_only)
 from .workers import (STOP_TIMEOUT_S, ThreadBudget, Worker, available_cores, spawn_workers, stop_workers,
                       stopped_with)
@@ -796,7 +796,11 @@ class Pipe(nn.Module):
         input_dim, output_dim, _ = self._batch_dims
         batches = scatter(input, self.chunks, input_dim)
         sizes = self._followed_samples(batches)
-        return gather(self._forward_batches(batches), output_dim, sizes)
+        outputs = self._forward_batches(batches)
+        if len(outputs) == 1:  # nothing to join
+            return outputs[0].value
+        with leave_autocast(self._device_types):  # the join is no part of the model's forward
+            return gather(outputs, output_dim, sizes)
 
     def _followed_samples(self, batches: List[Batch]) -> Optional[List[int]]:
         """Each micro-batch's samples, when the output's batch dim was not given but follows a
@@ -862,8 +866,9 @@ class Pipe(nn.Module):
                 if isinstance(part, Tensor):  # where the output is (nested in it, or else the last stage's device)
                     part = part.to(next((t.device for t in nested_tensors(output.values)), self._devices[-1]))
                 each.append(scalar_loss(loss_call(output.value, part)).detach())
-        total = _weighted_total(each, scales)
-        gathered = gather(outputs, output_dim, sizes) if return_outputs else None  # may fail: before losses
+        with leave_autocast(self._device_types):  # as after the recipe's autocast block
+            total = _weighted_total(each, scales)
+            gathered = gather(outputs, output_dim, sizes) if return_outputs else None  # may fail: before losses
         if losses is not None:
             losses[:] = each
         if return_outputs:
@@ -984,7 +989,8 @@ class Pipe(nn.Module):
                               sync_ticket=ticket, stage_to_worker=plan.stage_to_worker)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
         try:
-            return self._finish_step(context, upstream, scales, output_dim, losses, return_outputs)
+            with leave_autocast(self._device_types):  # the recipe's backward and totals come after its block
+                return self._finish_step(context, upstream, scales, output_dim, losses, return_outputs)
         except BaseException as exc:
             _mark_failed(context.record, None, exc)
             raise

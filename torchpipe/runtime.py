@@ -30,7 +30,7 @@ import torch
 from . import call_chain
 from .call_chain import adopt
 from .checks import check_file_path
-from .thread_state import ThreadState
+from .thread_state import ThreadState, runs_outside_autocast
 from .workers import STOP_TIMEOUT_S, Task, Worker, fork_generation, stop_workers
 
 __all__ = ["Program", "Runtime", "StepRecord", "ThreadState", "StepAborted", "Latch"]
@@ -545,6 +545,7 @@ class Runtime:
         """
         runtime = self
         index, deps, function, label = job.index, job.deps, job.function, job.label
+        with_autocast = not runs_outside_autocast(function)  # a backward leaves the caller's autocast
         only_dep = deps[0] if len(deps) == 1 else None  # the common case, without a generator
 
         def compute() -> None:
@@ -565,7 +566,7 @@ class Runtime:
                 if state.plain:
                     value = function(step.context, inputs)
                 else:
-                    with state.contexts(label):
+                    with state.contexts(label, with_autocast):
                         value = function(step.context, inputs)
                 step.ends[index] = time.perf_counter()
                 step.starts[index] = start

@@ -31,7 +31,7 @@ from .saved_versions import check_unchanged
 from .skip.portal import SkipStore, StageSkips
 from .split_backward import WeightSplit
 from .step_inputs import scalar_loss
-from .thread_state import current_saved_tensors_hooks
+from .thread_state import current_saved_tensors_hooks, outside_autocast
 
 __all__ = ["StepContext", "lower_step", "MemoryRecord"]
 
@@ -427,36 +427,11 @@ def _leaf_grads(stage: StageRunner, saved: _Saved, grads: List[Optional[Tensor]]
     return _Handoff(Batch(tuple(grads)), None if on_cpu else mark_ready(stage.backend, stage.stream), None)
 
 
-def _runs_outside_autocast(stage: StageRunner) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a backward action's body: it leaves the caller's autocast, as torch's AMP recipe does.
-
-    Jobs run under the caller's thread state, autocast included (see ``ThreadState``); the
-    recipe runs ``loss.backward()`` after the autocast block, and a backward under autocast
-    casts differently (``scaled_dot_product_attention``'s, a custom Function's). A
-    checkpoint's recompute restores the forward's autocast state by itself.
-    """
-    device_types = [t for t in dict.fromkeys(("cpu", stage.backend.type)) if torch.amp.is_autocast_available(t)]
-
-    def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
-        def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> Any:
-            active = [t for t in device_types if torch.is_autocast_enabled(t)]
-            if not active:
-                return body(ctx, inputs)
-            with contextlib.ExitStack() as stack:
-                for device_type in active:
-                    stack.enter_context(torch.autocast(device_type, enabled=False))
-                return body(ctx, inputs)
-
-        return run
-
-    return decorate
-
-
 def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool,
               final: bool) -> Callable[[StepContext, Tuple[Any, ...]], Optional[_Handoff]]:
     index = stage.index
 
-    @_runs_outside_autocast(stage)
+    @outside_autocast
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> Optional[_Handoff]:
         saved: _Saved = inputs[0].saved
         grads = _received_grads(stage, saved, inputs[1] if len(inputs) > 1 else None, last, microbatch, ctx)
@@ -476,7 +451,7 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool,
 def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
     """Gradients for the stage inputs (and popped skips) only; the graph is kept for ``W``."""
 
-    @_runs_outside_autocast(stage)
+    @outside_autocast
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
         saved: _Saved = inputs[0].saved
         grads = _received_grads(stage, saved, inputs[1] if len(inputs) > 1 else None, last, microbatch, ctx)
@@ -501,7 +476,7 @@ def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) ->
 def _weight_grad(stage: StageRunner, microbatch: int, final: bool) -> Callable[[StepContext, Tuple[Any, ...]], None]:
     index = stage.index
 
-    @_runs_outside_autocast(stage)
+    @outside_autocast
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> None:
         saved: _Saved = inputs[0].saved
         assert saved.grads is not None

@@ -9,18 +9,23 @@ transform, a tracer) is refused before a call starts: :func:`refuse_untransferab
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
+import threading
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
 from .call_chain import Cancel, Chain
 from .call_chain import current as current_chain
 
-__all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "current_saved_tensors_hooks", "in_torch_checkpoint",
-           "records_graphs", "refuse_untransferable_state", "warn_if_the_profiler_records_this_thread_only"]
+__all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "current_saved_tensors_hooks", "in_torch_checkpoint", "leave_autocast",
+           "outside_autocast", "records_graphs", "refuse_untransferable_state", "runs_outside_autocast",
+           "warn_if_the_profiler_records_this_thread_only"]
+
+_Job = TypeVar("_Job", bound=Callable[..., Any])
 
 
 def records_graphs() -> bool:
@@ -228,6 +233,46 @@ class _Modes:
             torch._C._pop_torch_function_stack()
 
 
+def outside_autocast(job: _Job) -> _Job:
+    """Mark ``job`` to run outside the caller's autocast, even when the caller's call runs inside
+    one: a backward, which torch's AMP recipe calls after the autocast block (a backward under
+    autocast casts differently: ``scaled_dot_product_attention``'s, a custom Function's)."""
+    job.outside_autocast = True  # type: ignore[attr-defined]
+    return job
+
+
+def runs_outside_autocast(job: Callable[..., Any]) -> bool:
+    """Whether ``job`` was marked by `outside_autocast`."""
+    return getattr(job, "outside_autocast", False)
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_defaults(device_type: str) -> Tuple[torch.dtype, bool]:
+    """The autocast dtype and cache flag of a thread that never entered autocast (both are
+    thread-local): what the recipe's code after an autocast block runs with."""
+    found: List[Tuple[torch.dtype, bool]] = []
+    probe = threading.Thread(target=lambda: found.append(
+        (torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())), name="torchpipe-autocast-probe")
+    probe.start()
+    probe.join()
+    return found[0]
+
+
+def leave_autocast(device_types: Sequence[str]) -> ContextManager[Any]:
+    """Leave every autocast active on this thread for the block, back to the thread defaults,
+    as code after the recipe's autocast block runs: the caller's share of a call (gathering the
+    outputs, the backward into the input's own graph) is no part of the model's forward."""
+    active = [t for t in dict.fromkeys(("cpu", *device_types))
+              if torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)]
+    if not active:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device_type in active:
+        dtype, cache = _autocast_defaults(device_type)
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=False, cache_enabled=cache))
+    return stack
+
+
 class ThreadState:
     """The caller's thread-local state that each job must run under.
 
@@ -259,13 +304,15 @@ class ThreadState:
         # Nothing to enter around a job: the per-job fast path.
         self.plain = not (self.inference or self.autocast or self.saved_hooks or self.modes or self.profiling)
 
-    def contexts(self, label: str) -> contextlib.ExitStack:
+    def contexts(self, label: str, autocast: bool = True) -> contextlib.ExitStack:
+        """The state to enter around job ``label``; ``autocast=False`` leaves the caller's autocast
+        out (an `outside_autocast` job), so the job runs with the thread's autocast defaults."""
         stack = contextlib.ExitStack()
         if self.inference:
             stack.enter_context(torch.inference_mode())
             if self.grad_enabled:  # ``enable_grad()`` inside it: entering inference mode turned grad mode off
                 stack.enter_context(torch.enable_grad())
-        for device_type, dtype, cache in self.autocast:
+        for device_type, dtype, cache in self.autocast if autocast else ():
             stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
         if self.saved_hooks is not None:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks))
