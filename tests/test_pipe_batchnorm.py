@@ -204,3 +204,27 @@ def test_a_failed_call_leaves_the_running_statistics_as_they_were(path):
         failing.fail_at = -1  # never again
         call()
         assert int(norm.num_batches_tracked) == 1 and not torch.equal(norm.running_mean, before[0])
+
+
+def test_statistics_of_a_float16_model_are_rounded_to_the_buffer_once_as_torch_does():
+    """Review (s33): the update ran as two in-place float16 ops (two roundings), and the
+    statistics drifted up to 8 float16 steps from the plain model's in three steps."""
+    worst = 0.0
+    for seed in range(4):
+        def build():
+            torch.manual_seed(seed)
+            return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32)).half()
+
+        reference, model = build(), build()
+        torch.manual_seed(100 + seed)
+        batches = [torch.randn(16, 16, dtype=torch.float16) * 3 + 1 for _ in range(3)]
+        with Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=1, checkpoint="never", deferred_batch_norm=True) as pipe:
+            for x in batches:
+                reference(x)
+                pipe(x)
+        for name in ("running_mean", "running_var"):
+            got, want = getattr(model[1], name).float(), getattr(reference[1], name).float()
+            step = torch.finfo(torch.float16).eps * want.abs()  # one float16 step, relative
+            worst = max(worst, float(((got - want).abs() / step).max()))
+        assert torch.equal(model[1].num_batches_tracked, reference[1].num_batches_tracked)
+    assert worst <= 1.0, worst

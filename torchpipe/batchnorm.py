@@ -50,6 +50,16 @@ _INPUT_DIMS: Dict[Type[_BatchNorm], Tuple[int, ...]] = {
 }
 
 
+
+def _moving_average(running: Tensor, batch: Tensor, factor: float) -> Tensor:
+    """``running = (1 - factor) * running + factor * batch``, as torch's kernel updates a running
+    statistic: in float32 (float64 for float64 buffers) and rounded to a half-precision
+    buffer once, where two in-place ops on it would round twice."""
+    if running.dtype in (torch.float32, torch.float64):
+        return running.mul_(1 - factor).add_(batch.to(running.dtype), alpha=factor)
+    updated = running.float().mul_(1 - factor).add_(batch.float(), alpha=factor)
+    return running.copy_(updated)
+
 class DeferredBatchNorm(_BatchNorm):
     """Batch norm that updates its running statistics once per mini-batch of micro-batches.
 
@@ -188,10 +198,8 @@ class DeferredBatchNorm(_BatchNorm):
             else:
                 factor = self.momentum
             unbiased_var = self._pending_m2 / (count - 1)
-            mean = self._pending_mean.to(self.running_mean.dtype)
-            self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-            self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var.dtype),
-                                                  alpha=factor)
+            _moving_average(self.running_mean, self._pending_mean, factor)
+            _moving_average(self.running_var, unbiased_var, factor)
         self._reset_pending()
 
     # -- conversion ---------------------------------------------------------------------
