@@ -172,7 +172,8 @@ class StepRecord:
     """Start and end time of every job of one step, for the bubble and a Chrome trace.
 
     ``starts``/``ends`` are ``time.perf_counter()`` readings, -1.0 for a job that did not run;
-    the job that raised (``failed_job``) has its times up to the failure.
+    the job that raised (``failed_job``) has its times up to the failure. They are the host's:
+    on an accelerator a job ends once its kernels are queued, not run.
     """
 
     labels: List[str]
