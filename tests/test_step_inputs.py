@@ -454,3 +454,41 @@ def test_a_step_whose_losses_all_lack_a_graph_is_refused_as_the_plain_backward_i
         assert all(param.grad is None for param in model.parameters())
         pipe.step(torch.randn(4, 4), torch.randn(4, 2), nn.MSELoss())  # usable afterwards
     assert all(param.grad is not None for param in model.parameters())
+
+
+class _ShiftedCrossEntropy(nn.CrossEntropyLoss):
+    """A causal LM's loss: predicts token t + 1 from position t, so it averages over the
+    non-ignored labels[:, 1:], not over the whole target."""
+
+    def forward(self, logits, labels):
+        return super().forward(logits[:, :, :-1], labels[:, 1:])
+
+
+class _DefaultsOnlyCrossEntropy(nn.CrossEntropyLoss):
+    def __init__(self):
+        super().__init__(ignore_index=0)
+
+
+def test_a_class_index_loss_subclass_with_a_forward_of_its_own_is_not_weighed_by_the_stock_count():
+    """Review (s33): any subclass of CrossEntropyLoss was weighed by the stock rule (the
+    non-ignored targets of the whole target): a causal LM's shifted loss got weights 4/16 for
+    2/12, and step's loss and gradients were off (0.045) without a word. Its forward decides
+    what it averages over: it is weighed as any other callable, and with reduction='sum' the
+    step is exact."""
+    from torchpipe.step_inputs import _counted_targets
+
+    assert _counted_targets(_ShiftedCrossEntropy(ignore_index=0), None) is None
+    assert _counted_targets(_DefaultsOnlyCrossEntropy(), None) == (0, None)  # the stock forward: counted
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(4, 6, 1), nn.Conv1d(6, 6, 1))  # (N, classes, T) logits
+    x = torch.randn(4, 4, 5)
+    labels = torch.tensor([[1, 2, 3, 0, 0], [1, 0, 0, 0, 0], [2, 3, 4, 5, 1], [3, 1, 0, 0, 0]])
+    reference = copy.deepcopy(model)
+    summed = _ShiftedCrossEntropy(ignore_index=0, reduction="sum")
+    expected = summed(reference(x), labels)
+    expected.backward()
+    with Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="never") as pipe:
+        loss = pipe.step(x, labels, summed, schedule="1f1b")
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7)

@@ -146,12 +146,17 @@ def _bound_forward(fn: Any) -> bool:
     return getattr(fn, "__func__", None) in (getattr(own, "forward", None), getattr(own, "__call__", None))
 
 
+_COUNTING_FORWARDS = (nn.CrossEntropyLoss.forward, nn.NLLLoss.forward)
+
+
 def _counted_targets(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Optional[Tuple[int, Optional[Tensor]]]:
     """``(ignore_index, class weights)`` when ``loss_fn`` averages over its (class-weighted,
     non-ignored) class-index targets, or None: a module's own settings, or those the
     functional form gets through ``loss_kwargs`` (or a partial's keywords)."""
     loss_fn, loss_kwargs = loss_settings(loss_fn, loss_kwargs)
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and type(loss_fn).forward in _COUNTING_FORWARDS:
+        # A subclass with a forward of its own (shifted labels, an added term) averages over
+        # what it chooses: weighed as any other callable.
         return loss_fn.ignore_index, loss_fn.weight
     if loss_fn is F.cross_entropy or loss_fn is F.nll_loss:
         given = loss_kwargs or {}
