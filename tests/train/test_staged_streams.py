@@ -188,3 +188,29 @@ def test_the_thread_inside_progress_calling_back_is_refused_or_closes_after_the_
     with pytest.raises(RuntimeError, match="closed"):
         pipeline.progress(batches)
     assert not any(thread.is_alive() for thread in threads)  # closed when that call returned
+
+
+def test_after_a_failed_clock_the_callers_stream_waits_for_the_device_streams(fake):
+    """Review (s33): only a clock that succeeded ordered the caller's stream after the device
+    streams; after a failed one, what the caller did next (save, flush) could overtake work
+    still queued on them (the rows a failed rec step puts back, say)."""
+    failing = [False]
+
+    def train(value):
+        if failing[0]:
+            raise ValueError("train failed after queueing device work")
+        return value
+
+    stages = [PipelineStage("h2d", lambda b: torch.empty(2, device="meta"), "copy"),
+              PipelineStage("train", train, "device")]
+    with StagedPipeline(stages, device="meta", host_threads=0) as pipeline:
+        batches = iter(range(10))
+        pipeline.progress(batches)
+        pipeline.progress(batches)
+        failing[0] = True
+        before = len(fake.calls)
+        with pytest.raises(ValueError, match="train failed"):
+            pipeline.progress(batches)
+        me = threading.current_thread().name
+        waited = {c[3] for c in fake.calls[before:] if c[0] == me and c[1] == "wait_stream"}
+        assert waited >= {stream for _, stream in pipeline.device_streams()}, fake.calls[before:]

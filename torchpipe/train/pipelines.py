@@ -31,7 +31,7 @@ from ..thread_state import records_graphs
 from ..workers import OwnsThreads
 from .schedule import Clock
 from .dist import ExchangeRecord, TableWiseSharding
-from .staged import (PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, fail_clock_now,
+from .staged import (PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, fail_clock_now, record_streams,
                      keep_flushed_outputs)
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
@@ -214,8 +214,8 @@ class _ReadyPipeline(OwnsThreads):
         """On the compute stream: wait for the batch's copy, and keep its memory for this stream."""
         stream = self._backend.current_stream(self.device)
         self._backend.wait_event(stream, item.event)
-        if self._backend.type != "cpu" and hasattr(item.device_batch, "record_stream"):
-            item.device_batch.record_stream(stream)
+        if self._backend.type != "cpu":
+            record_streams(item.device_batch, stream, self._backend, self.device.type)
 
     def streams(self) -> List[Tuple[torch.device, Any]]:
         """Every stream the pipeline queues device work on."""

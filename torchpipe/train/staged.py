@@ -29,6 +29,7 @@ import torch
 
 from .. import call_chain
 from ..call_lock import CallLock
+from ..copy import caller_waits_for_streams
 from ..devices import Backend, get_backend, usable_device
 from ..checks import as_int, check_bool, check_nonnegative_int
 from ..runtime import Program, Runtime, StepRecord
@@ -185,19 +186,24 @@ class _ClockRun:
         self.deferred: List[Tuple[int, str, Exception]] = []
 
 
-def _record_streams(value: Any, stream: Any, backend: Backend, device_type: str, depth: int = 0) -> None:
+def record_streams(value: Any, stream: Any, backend: Backend, device_type: str, depth: int = 0) -> None:
     """Tell the allocator that the device tensors in ``value`` are used on ``stream``.
 
     A stage's output was allocated on its producer's stream; once the consumer's stream is
     done with it, the allocator must not hand its memory back to the producer's stream
-    early. Walks tensors, objects with their own ``record_stream`` (a KeyedJaggedTensor),
-    sequences, mappings and dataclasses, a few levels deep.
+    early. Walks tensors (through ``backend.record_stream``), dataclasses field by field,
+    sequences and mappings, a few levels deep; any other object with its own
+    ``record_stream`` (a KeyedJaggedTensor) is handed ``stream`` as it is, so a backend's
+    streams must be what its tensors' ``record_stream`` takes (torch streams are).
     """
     if depth > 4 or value is None:
         return
     if isinstance(value, torch.Tensor):
         if value.device.type == device_type:
             backend.record_stream(value, stream)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            record_streams(getattr(value, f.name), stream, backend, device_type, depth + 1)
     elif hasattr(value, "record_stream") and callable(value.record_stream):
         where = getattr(value, "device", None)  # a KeyedJaggedTensor's is a method
         where = where() if callable(where) else where
@@ -205,13 +211,10 @@ def _record_streams(value: Any, stream: Any, backend: Backend, device_type: str,
             value.record_stream(stream)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _record_streams(item, stream, backend, device_type, depth + 1)
+            record_streams(item, stream, backend, device_type, depth + 1)
     elif isinstance(value, dict):
         for item in value.values():
-            _record_streams(item, stream, backend, device_type, depth + 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            _record_streams(getattr(value, f.name), stream, backend, device_type, depth + 1)
+            record_streams(item, stream, backend, device_type, depth + 1)
 
 
 def check_pipeline_options(host_threads: Any, device_threads: Any, overlap: Any, keep_records: Any) -> None:
@@ -413,7 +416,7 @@ class StagedPipeline(OwnsThreads):
                     stream = backend.current_stream(device)
                     if run.ready[s] is not None:
                         backend.wait_event(stream, run.ready[s])
-                    _record_streams(run.inputs[s], stream, backend, device.type)
+                    record_streams(run.inputs[s], stream, backend, device.type)
                 out = runnable(run.inputs[s])
             except StopIteration as exc:  # would end the caller's loop silently
                 error = RuntimeError(f"stage {stage.name!r} raised StopIteration")
@@ -490,7 +493,7 @@ class StagedPipeline(OwnsThreads):
         if self._streamed:
             caller = self._backend.current_stream(self.device)
             self._backend.wait_event(caller, run.done[self.depth - 1])
-            _record_streams(output, caller, self._backend, self.device.type)
+            record_streams(output, caller, self._backend, self.device.type)
 
     def _settle(self, clock: Clock, run: _ClockRun) -> None:
         """``agree`` on this clock's deferred failures, and keep the check it returns for the
@@ -553,12 +556,19 @@ class StagedPipeline(OwnsThreads):
             error = own = check = unsettled = None  # no cycle through this frame
 
     def _empty(self, failure: PipelineFailure) -> None:
-        """Drop every in-flight batch (``failure.dropped``) and tell ``on_failure``."""
+        """Drop every in-flight batch (``failure.dropped``) and tell ``on_failure``; then the
+        caller's stream waits for the device streams, as after a clock that succeeds: what the
+        caller does next (save, flush, read the error's outputs) comes after the clock's work
+        and after what ``on_failure`` queued (the rows a failed step put back)."""
         self._schedule.reset()
         self._values = [None] * self.depth
         self._ready = [None] * self.depth
-        if self._on_failure is not None:
-            self._on_failure(failure)
+        try:
+            if self._on_failure is not None:
+                self._on_failure(failure)
+        finally:
+            if self._streamed:
+                caller_waits_for_streams(self.device_streams())
 
     def _abandon_clock(self, clock: Clock, run: Optional[_ClockRun], exc: BaseException) -> None:
         """Empty the pipeline after ``clock`` failed or was interrupted before it handed its outputs on."""
