@@ -719,3 +719,13 @@ def test_a_cpu_partition_receives_nested_accelerator_tensors_through_a_copy(fake
     nested = Batch((torch.randn(2), (torch.randn(2, device="meta"),)))
     assert needs_receive(CPUStage(), nested, None)
     assert not needs_receive(CPUStage(), Batch((torch.randn(2), (torch.randn(2),), "tag")), None)
+
+
+def test_a_registered_type_torch_does_not_know_says_what_is_missing():
+    """Review (s33): a backend registered for a type torch does not know (its library not
+    imported) got the generic "expected e.g. 'cpu', 'cuda:0' or 'npu:0'"."""
+    with use_backend("mydev", Backend()):
+        with pytest.raises(ValueError, match="torchpipe has a backend for 'mydev', but torch does not know"):
+            as_device("mydev:0")
+    with pytest.raises(ValueError, match="expected e.g. 'cpu', 'cuda:0' or 'npu:0'"):
+        as_device("mydev:0")

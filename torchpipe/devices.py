@@ -266,6 +266,10 @@ def as_device(device: DeviceLike) -> torch.device:
                 return torch.device(device)
             except (RuntimeError, TypeError):
                 pass
+        if backend is not None:
+            raise ValueError(f"invalid device {device!r}: torchpipe has a backend for {device_type!r}, but torch "
+                             "does not know the device type: import the library that registers it with torch "
+                             "(torch.utils.rename_privateuse1_backend) first") from exc
         raise ValueError(f"invalid device {device!r}: expected e.g. 'cpu', 'cuda:0' or 'npu:0'") from exc
 
 
@@ -293,7 +297,12 @@ def usable_device(device: DeviceLike) -> torch.device:
 
 
 def register_backend(device_type: str, backend: Backend) -> Optional[Backend]:
-    """Install ``backend`` for ``device_type``; returns the one it replaces (tests use fakes)."""
+    """Install ``backend`` for ``device_type``; returns the one it replaces.
+
+    How a device type torch knows (a vendor's, registered with torch by its library) gets
+    served, and how tests put in fakes. See the guide's "Devices" section for what a backend
+    must override.
+    """
     previous = _backends.get(device_type)
     _backends[device_type] = backend
     return previous

@@ -214,3 +214,30 @@ def test_after_a_failed_clock_the_callers_stream_waits_for_the_device_streams(fa
         me = threading.current_thread().name
         waited = {c[3] for c in fake.calls[before:] if c[0] == me and c[1] == "wait_stream"}
         assert waited >= {stream for _, stream in pipeline.device_streams()}, fake.calls[before:]
+
+
+def test_a_train_pipelines_batch_is_recorded_through_the_backend(fake, monkeypatch):
+    """Review (s33): TrainPipelineBase called Tensor.record_stream on the batch's device copy
+    itself, with the backend's stream object: a backend whose streams are not torch's (a
+    vendor's, this fake) failed with "unknown parameter type"."""
+    from torch import nn
+
+    from torchpipe.train import TrainPipelineBase
+
+    direct = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: direct.append(stream))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 1, device="meta")
+
+        def forward(self, batch):
+            out = self.linear(batch)
+            return out.sum(), out
+
+    model = Model()
+    with TrainPipelineBase(model, torch.optim.SGD(model.parameters(), lr=0.1), device="meta") as pipeline:
+        pipeline.progress(iter([torch.randn(2, 4), torch.randn(2, 4)]))
+    assert direct == []
+    assert any(c[1] == "record_stream" and c[2] == torch.device("meta") for c in fake.calls), fake.calls
