@@ -226,8 +226,8 @@ def test_the_same_layer_twice_is_refused():
 def test_shared_parameters_and_buffers_are_refused():
     first, second = nn.Linear(4, 4), nn.Linear(4, 4)
     second.weight = first.weight
-    with pytest.raises(ValueError, match="duplicate parameters.*'0' and '1'"):
-        Pipe(nn.Sequential(first, second), [1, 1])
+    with pytest.raises(ValueError, match="duplicate parameters.*'0' and '1'.*stash it with torchpipe.skip"):
+        Pipe(nn.Sequential(first, second), [1, 1])  # the message says how to tie (s33)
     norm = nn.BatchNorm1d(4, affine=False)  # no parameter, but running statistics
     with pytest.raises(ValueError, match="duplicate buffers.*'0' and '2'"):
         Pipe(nn.Sequential(nn.Sequential(norm), nn.ReLU(), nn.Sequential(norm)), [1, 2])

@@ -53,9 +53,12 @@ def verify_unshared(layers: Sequence[Tuple[str, Optional[nn.Module]]], since: st
             for tensor in tensors:
                 owner = seen.setdefault(id(tensor), name)
                 if owner != name:
+                    tie = (" To tie a weight across layers (an embedding and a language model's head), let the "
+                           "first layer stash it with torchpipe.skip's @skippable(stash=[...]) and the later one "
+                           "pop it (guide, section 7)") if kind == "parameter" else ""
                     raise ValueError(
                         f"{since}module with duplicate {kind}s on distinct children is not supported "
-                        f"(children {owner!r} and {name!r} share a {kind})"
+                        f"(children {owner!r} and {name!r} share a {kind}).{tie}"
                     )
 
 
