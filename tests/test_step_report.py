@@ -159,3 +159,47 @@ def test_measured_bubble_counts_only_the_workers_the_plan_uses():
     assert sorted(set(last.workers)) == [0, 1] and len(last.worker_names) == 4
     busy = sum(last.busy())
     assert last.bubble_ratio == pytest.approx(1 - busy / (2 * last.makespan))
+
+
+class _BrokenStr(Exception):
+    def __str__(self):
+        return self.missing  # AttributeError: the class forgot to set it
+
+
+def test_an_error_whose_str_fails_still_reaches_the_caller_as_itself():
+    """Review (s33): describing the error for the record called str() on it, and a broken
+    __str__ replaced the stage's exception with an AttributeError."""
+    class Raises(nn.Module):
+        def forward(self, x):
+            raise _BrokenStr()
+
+    with Pipe(nn.Sequential(nn.Linear(8, 8), Raises()), [1, 1], devices=["cpu"] * 2, chunks=2) as pipe:
+        with pytest.raises(_BrokenStr):
+            pipe(torch.randn(4, 8))
+        assert pipe.last_step.error == "_BrokenStr: <str() of the error failed>"
+
+
+def test_a_forward_or_evaluate_failing_after_its_run_marks_the_step_failed():
+    """Review (s33): only step() marked a failure after the run; pipe(x) whose outputs do not
+    join, or evaluate whose loss raises on the caller's thread, left a record that looked
+    finished, and last_report() reported it."""
+    class Ragged(nn.Module):
+        def forward(self, x):
+            return x[:, : 4 + x.shape[0] % 2]  # micro-batches of 3 and 2 samples: widths 5 and 4
+
+    with Pipe(nn.Sequential(nn.Linear(8, 8), Ragged()), [1, 1], devices=["cpu"] * 2, chunks=2) as pipe:
+        with pytest.raises(ValueError):
+            pipe(torch.randn(5, 8))
+        assert pipe.last_step.error.startswith("ValueError")
+        with pytest.raises(ValueError, match="the step failed"):
+            pipe.last_report()
+
+    def failing_loss(out, target):
+        raise ArithmeticError("loss fails on the caller")
+
+    with make_pipe() as pipe:
+        with pytest.raises(ArithmeticError):
+            pipe.evaluate(torch.randn(8, 8), torch.randn(8, 8), failing_loss)
+        assert pipe.last_step.error == "ArithmeticError: loss fails on the caller"
+        pipe.evaluate(torch.randn(8, 8), torch.randn(8, 8), nn.MSELoss())
+        assert pipe.last_step.error is None and pipe.last_report().schedule == "gpipe"

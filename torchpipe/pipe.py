@@ -796,11 +796,15 @@ class Pipe(nn.Module):
         input_dim, output_dim, _ = self._batch_dims
         batches = scatter(input, self.chunks, input_dim)
         sizes = self._followed_samples(batches)
-        outputs = self._forward_batches(batches)
+        outputs, record = self._forward_batches(batches)
         if len(outputs) == 1:  # nothing to join
             return outputs[0].value
-        with leave_autocast(self._device_types):  # the join is no part of the model's forward
-            return gather(outputs, output_dim, sizes)
+        try:
+            with leave_autocast(self._device_types):  # the join is no part of the model's forward
+                return gather(outputs, output_dim, sizes)
+        except BaseException as exc:
+            _mark_failed(record, None, exc)
+            raise
 
     def _followed_samples(self, batches: List[Batch]) -> Optional[List[int]]:
         """Each micro-batch's samples, when the output's batch dim was not given but follows a
@@ -809,8 +813,9 @@ class Pipe(nn.Module):
             return None
         return [samples(batch, self._batch_dims[0]) for batch in batches]
 
-    def _forward_batches(self, batches: List[Batch]) -> List[Batch]:
-        """Each micro-batch's output, in micro-batch order, ready on the caller's stream."""
+    def _forward_batches(self, batches: List[Batch]) -> Tuple[List[Batch], Optional[StepRecord]]:
+        """Each micro-batch's output, in micro-batch order, ready on the caller's stream; and
+        the step's record (for a check after the run to mark the step failed)."""
         m = len(batches)
         if self.training and records_graphs():
             stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
@@ -820,7 +825,11 @@ class Pipe(nn.Module):
         plan, program = self._forward_program(m)
         results = self._run(plan, program, context)
         ordered = [value for _, value in sorted(results.items(), key=lambda item: item[0].microbatch)]
-        return self._hand_back(ordered)
+        try:
+            return self._hand_back(ordered), context.record
+        except BaseException as exc:
+            _mark_failed(context.record, None, exc)
+            raise
 
     def evaluate(
         self,
@@ -859,21 +868,30 @@ class Pipe(nn.Module):
             targets = split_targets(target, batch_size(input, input_dim), len(batches), self.chunks, target_dim)
             scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim, loss_kwargs)
             sizes = self._followed_samples(batches)
-            outputs = self._forward_batches(batches)
-            loss_call = _loss_call(loss_fn, loss_kwargs)
-            each = []
-            for output, part in zip(outputs, targets):
-                if isinstance(part, Tensor):  # where the output is (nested in it, or else the last stage's device)
-                    part = part.to(next((t.device for t in nested_tensors(output.values)), self._devices[-1]))
-                each.append(scalar_loss(loss_call(output.value, part)).detach())
-        with leave_autocast(self._device_types):  # as after the recipe's autocast block
-            total = _weighted_total(each, scales)
-            gathered = gather(outputs, output_dim, sizes) if return_outputs else None  # may fail: before losses
+            outputs, record = self._forward_batches(batches)
+        try:
+            each = self._evaluated_losses(outputs, targets, _loss_call(loss_fn, loss_kwargs))
+            with leave_autocast(self._device_types):  # as after the recipe's autocast block
+                total = _weighted_total(each, scales)
+                gathered = gather(outputs, output_dim, sizes) if return_outputs else None  # may fail: before losses
+        except BaseException as exc:
+            _mark_failed(record, None, exc)  # its plan ran: the step failed after it
+            raise
         if losses is not None:
             losses[:] = each
         if return_outputs:
             return total, gathered
         return total
+
+    def _evaluated_losses(self, outputs: List[Batch], targets: List[Any], loss_call: Callable[..., Any]) -> List[Tensor]:
+        """``evaluate``'s loss of each micro-batch, on the caller's thread, without gradients."""
+        each = []
+        with torch.no_grad():
+            for output, part in zip(outputs, targets):
+                if isinstance(part, Tensor):  # where the output is (nested in it, or else the last stage's device)
+                    part = part.to(next((t.device for t in nested_tensors(output.values)), self._devices[-1]))
+                each.append(scalar_loss(loss_call(output.value, part)).detach())
+        return each
 
     def step(
         self,
@@ -1135,8 +1153,7 @@ class Pipe(nn.Module):
             record = self._runtime.last_step
             if record is not None and record is not previous:  # this plan ran (part of it)
                 self._last_run = (plan, record)
-                if isinstance(context, StepContext):
-                    context.record = record
+                context.record = record  # the call's own record, for a check after the run to mark
 
     def _adopt_layer_changes(self) -> None:
         """Take in what changed inside the layers since the last step (a batch norm added, say).

@@ -273,8 +273,12 @@ class StepRecord:
 
 
 def describe_error(error: BaseException) -> str:
-    """``"TypeName: message"``, the way a traceback's last line names an exception."""
-    message = str(error)
+    """``"TypeName: message"``, the way a traceback's last line names an exception (whose
+    ``__str__`` may itself fail: the error is raised anyway, so describing it must not)."""
+    try:
+        message = str(error)
+    except Exception:  # noqa: BLE001 - a user's exception class with a broken __str__
+        message = "<str() of the error failed>"
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 

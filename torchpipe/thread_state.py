@@ -249,7 +249,9 @@ def runs_outside_autocast(job: Callable[..., Any]) -> bool:
 @functools.lru_cache(maxsize=None)
 def _autocast_defaults(device_type: str) -> Tuple[torch.dtype, bool]:
     """The autocast dtype and cache flag of a thread that never entered autocast (both are
-    thread-local): what the recipe's code after an autocast block runs with."""
+    thread-local): what the recipe's code after an autocast block runs with, unless the
+    caller set its own before the block (``torch.set_autocast_dtype``), which cannot be read
+    from inside the block."""
     found: List[Tuple[torch.dtype, bool]] = []
     probe = threading.Thread(target=lambda: found.append(
         (torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())), name="torchpipe-autocast-probe")
@@ -267,9 +269,13 @@ def leave_autocast(device_types: Sequence[str]) -> ContextManager[Any]:
     if not active:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    for device_type in active:
-        dtype, cache = _autocast_defaults(device_type)
-        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=False, cache_enabled=cache))
+    try:
+        for device_type in active:
+            dtype, cache = _autocast_defaults(device_type)
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=False, cache_enabled=cache))
+    except BaseException:  # noqa: B902 - an interrupt half way: the caller's autocast is put back
+        stack.close()
+        raise
     return stack
 
 
