@@ -264,7 +264,7 @@ def leave_autocast(device_types: Sequence[str]) -> ContextManager[Any]:
     """Leave every autocast active on this thread for the block, back to the thread defaults,
     as code after the recipe's autocast block runs: the caller's share of a call (gathering the
     outputs, the backward into the input's own graph) is no part of the model's forward."""
-    active = [t for t in dict.fromkeys(("cpu", *device_types))
+    active = [t for t in dict.fromkeys(("cpu", "cuda", *device_types))  # an encoder in front may be on cuda
               if torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)]
     if not active:
         return contextlib.nullcontext()
