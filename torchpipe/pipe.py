@@ -7,6 +7,7 @@ thread, also when several partitions share a device, so pipelining happens on CP
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import re
@@ -318,12 +319,21 @@ def _built_setting(name: str, doc: str, copy: bool = False) -> property:
     return property(read, refuse, doc=doc)
 
 
-
 def _mark_failed(record: Optional[StepRecord], previous: Optional[StepRecord], error: BaseException) -> None:
     """Say in ``record``, the step a call ran (if it is not ``previous``: it ran one), that the
     call raised ``error`` in a check after a run that itself ended well: the step failed."""
     if record is not None and record is not previous and record.error is None:
         record.error = describe_error(error)
+
+
+@contextlib.contextmanager
+def _failures_marked_in(record: Optional[StepRecord]) -> Iterator[None]:
+    """Mark ``record`` failed (`_mark_failed`) if the block, a call's work after its run, raises."""
+    try:
+        yield
+    except BaseException as exc:
+        _mark_failed(record, None, exc)
+        raise
 
 
 class Pipe(nn.Module):
@@ -799,12 +809,8 @@ class Pipe(nn.Module):
         outputs, record = self._forward_batches(batches)
         if len(outputs) == 1:  # nothing to join
             return outputs[0].value
-        try:
-            with leave_autocast(self._device_types):  # the join is no part of the model's forward
-                return gather(outputs, output_dim, sizes)
-        except BaseException as exc:
-            _mark_failed(record, None, exc)
-            raise
+        with _failures_marked_in(record), leave_autocast(self._device_types):  # the join is no part of the forward
+            return gather(outputs, output_dim, sizes)
 
     def _followed_samples(self, batches: List[Batch]) -> Optional[List[int]]:
         """Each micro-batch's samples, when the output's batch dim was not given but follows a
@@ -825,11 +831,8 @@ class Pipe(nn.Module):
         plan, program = self._forward_program(m)
         results = self._run(plan, program, context)
         ordered = [value for _, value in sorted(results.items(), key=lambda item: item[0].microbatch)]
-        try:
+        with _failures_marked_in(context.record):
             return self._hand_back(ordered), context.record
-        except BaseException as exc:
-            _mark_failed(context.record, None, exc)
-            raise
 
     def evaluate(
         self,
@@ -869,14 +872,11 @@ class Pipe(nn.Module):
             scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim, loss_kwargs)
             sizes = self._followed_samples(batches)
             outputs, record = self._forward_batches(batches)
-        try:
+        with _failures_marked_in(record):  # its plan ran: a failure now fails the step
             each = self._evaluated_losses(outputs, targets, _loss_call(loss_fn, loss_kwargs))
             with leave_autocast(self._device_types):  # as after the recipe's autocast block
                 total = _weighted_total(each, scales)
                 gathered = gather(outputs, output_dim, sizes) if return_outputs else None  # may fail: before losses
-        except BaseException as exc:
-            _mark_failed(record, None, exc)  # its plan ran: the step failed after it
-            raise
         if losses is not None:
             losses[:] = each
         if return_outputs:
@@ -1006,12 +1006,9 @@ class Pipe(nn.Module):
                               output_samples=self._followed_samples(batches) if return_outputs else None,
                               sync_ticket=ticket, stage_to_worker=plan.stage_to_worker)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
-        try:
-            with leave_autocast(self._device_types):  # the recipe's backward and totals come after its block
-                return self._finish_step(context, upstream, scales, output_dim, losses, return_outputs)
-        except BaseException as exc:
-            _mark_failed(context.record, None, exc)
-            raise
+        # The recipe's backward and totals come after its autocast block.
+        with _failures_marked_in(context.record), leave_autocast(self._device_types):
+            return self._finish_step(context, upstream, scales, output_dim, losses, return_outputs)
 
     def _finish_step(self, context: StepContext, upstream: Upstream, scales: List[float], output_dim: BatchDim,
                      losses: Optional[List[Tensor]], return_outputs: bool) -> Any:
