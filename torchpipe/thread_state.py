@@ -260,12 +260,18 @@ def _autocast_defaults(device_type: str) -> Tuple[torch.dtype, bool]:
     return found[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _autocast_types(device_types: Tuple[str, ...]) -> Tuple[str, ...]:
+    """The device types with autocast among cpu, cuda (an encoder in front may be on it) and
+    ``device_types``: asked once, since `leave_autocast` runs on every call."""
+    return tuple(t for t in dict.fromkeys(("cpu", "cuda", *device_types)) if torch.amp.is_autocast_available(t))
+
+
 def leave_autocast(device_types: Sequence[str]) -> ContextManager[Any]:
     """Leave every autocast active on this thread for the block, back to the thread defaults,
     as code after the recipe's autocast block runs: the caller's share of a call (gathering the
     outputs, the backward into the input's own graph) is no part of the model's forward."""
-    active = [t for t in dict.fromkeys(("cpu", "cuda", *device_types))  # an encoder in front may be on cuda
-              if torch.amp.is_autocast_available(t) and torch.is_autocast_enabled(t)]
+    active = [t for t in _autocast_types(tuple(device_types)) if torch.is_autocast_enabled(t)]
     if not active:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
