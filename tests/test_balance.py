@@ -22,6 +22,7 @@ from torch import nn
 from torchpipe import Pipe
 from torchpipe.balance import balance_by_cost, balance_by_size, balance_by_time, blockpartition
 from torchpipe.balance.profile_size import profile_sizes
+from torchpipe.devices import BackendUnavailableError, CPUBackend, use_backend
 from torchpipe.microbatch import nested_tensors
 from torchpipe.skip import pop, skippable, stash
 
@@ -708,3 +709,42 @@ def test_huge_costs_and_bad_arguments() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(ValueError, match="param_scale=1e\\+308 .* overflows"):
         balance_by_size(2, model, torch.randn(4, 2), param_scale=1e308)
+
+
+class _ProfilingBackend(CPUBackend):
+    """The CPU, as a backend that counts synchronisations and reports allocator bytes."""
+
+    def __init__(self) -> None:
+        self.synchronized: List[torch.device] = []
+        self.allocated = 0
+
+    def synchronize(self, device: torch.device) -> None:
+        self.synchronized.append(device)
+
+    def memory_allocated(self, device: torch.device) -> Optional[int]:
+        self.allocated += 100  # every layer looks like 100 bytes of activation
+        return self.allocated
+
+
+def test_the_profilers_reach_the_device_through_its_backend() -> None:
+    """Known weak until s34: the profilers called ``torch.accelerator`` directly, so a device
+    type plugged in with ``register_backend`` was never synchronised around a timing nor
+    measured by its allocator."""
+    backend = _ProfilingBackend()
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with use_backend("cpu", backend):
+        assert balance_by_time(2, model, torch.randn(4, 2), timeout=0.01, device="cpu") == [1, 1]
+        assert backend.synchronized and set(backend.synchronized) == {CPU}
+        assert len(backend.synchronized) % 2 == 0  # before and after each timed run
+        sizes = profile_sizes(model, torch.randn(4, 2), 1, 0.0, CPU)
+    assert sizes == [100, 100]  # the backend's bytes, not the autograd count
+
+
+def test_the_default_profiling_device_needs_a_backend(monkeypatch) -> None:
+    """With no device given the profilers take torch's current accelerator; one torchpipe has
+    no backend for is refused with what to do, not profiled without synchronisation."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("xpu"))
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    for balance in (balance_by_time, balance_by_size):
+        with pytest.raises(BackendUnavailableError, match=r"current accelerator is 'xpu'.*device='cpu'"):
+            balance(2, model, torch.randn(4, 2))

@@ -115,6 +115,14 @@ class Backend:
         """The generator that random ops on ``device`` draw from (for RNG replay)."""
         return torch.default_generator
 
+    def memory_allocated(self, device: torch.device) -> Optional[int]:
+        """Bytes of live tensors on ``device`` by its caching allocator, or None without one (the CPU).
+
+        ``balance_by_size`` measures each layer with it; without it, it counts the tensors
+        autograd saves instead.
+        """
+        return None
+
 
 class CPUBackend(Backend):
     """The CPU: one in-order stream, nothing to synchronise."""
@@ -228,6 +236,9 @@ class AcceleratorBackend(Backend):
     def default_generator(self, device: torch.device) -> torch.Generator:
         index = device.index if device.index is not None else self.module.current_device()
         return self.module.default_generators[index]
+
+    def memory_allocated(self, device: torch.device) -> Optional[int]:
+        return int(self.module.memory_allocated(device))
 
 
 _NPU_HINT = (

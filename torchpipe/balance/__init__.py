@@ -23,7 +23,7 @@ from torchpipe.balance.layer_call import Activation, tensors_of
 from torchpipe.balance.profile_size import profile_sizes
 from torchpipe.balance.profile_time import profile_times
 from torchpipe.balance.solver import as_count, balance_by_cost, blockpartition, check_partitions
-from torchpipe.devices import as_device, get_backend, usable_device
+from torchpipe.devices import BackendUnavailableError, as_device, get_backend, usable_device
 from torchpipe.microbatch import BatchDim, batch_size, check_batch_dim
 
 __all__ = ["balance_by_time", "balance_by_size", "blockpartition", "balance_by_cost"]
@@ -121,7 +121,14 @@ def _profiling_device(device: Optional[Device]) -> torch.device:
         accelerator = torch.accelerator.current_accelerator(check_available=True)
         if accelerator is None:
             return torch.device("cpu")
-        return torch.device(accelerator.type, torch.accelerator.current_device_index())
+        try:
+            backend = get_backend(accelerator.type)
+        except BackendUnavailableError as exc:
+            raise BackendUnavailableError(
+                f"the current accelerator is {accelerator.type!r}, which torchpipe has no backend for: pass "
+                "device='cpu' (or another device) to profile on, or register a backend for it "
+                "(torchpipe.devices.register_backend)") from exc
+        return backend.canonical(usable_device(accelerator.type))
     if as_device(device).type == "meta":
         raise ValueError(f"device={device!r} cannot be profiled: meta tensors take no time and share no "
                          "storage to measure; profile on the CPU or an accelerator")
