@@ -864,6 +864,67 @@ def test_a_failed_step_leaks_no_graph_that_saves_its_own_output(schedule):
     assert remember.made and all(ref() is None for ref in remember.made), "failed steps leaked their graphs"
 
 
+class _FailsForASingleSample(torch.autograd.Function):
+    """Identity whose backward raises for a one-sample micro-batch: the last of 7 samples in 4
+    micro-batches, in the pipe, in a recompute and in the plain model alike."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.fails = x.shape[0] == 1
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fails:
+            explode_in_backward()
+        return grad
+
+
+class FailsForASingleSample(nn.Module):
+    def forward(self, x):
+        return _FailsForASingleSample.apply(x)
+
+
+def _activations_alive_after_a_failed_backward(run_model, remember):
+    """How many of ``remember``'s activations outlive a backward that fails in one micro-batch."""
+    remember.made.clear()
+    out = run_model(torch.randn(7, 4))
+    with pytest.raises(StageError):
+        out.sum().backward()
+    del out
+    gc.collect()
+    return sum(ref() is not None for ref in remember.made)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_failed_backward_keeps_no_more_than_torch_does_and_the_next_backward_frees_it(checkpoint):
+    """Carried as "activations kept after a failed backward with chunks > 1" until s34: torch
+    itself keeps the graph of the micro-batches a failed backward cut off until the next
+    backward (3 of 4 saved activations here, under ``torch.utils.checkpoint`` too); the pipe
+    keeps no more than the plain model does (holding its output would keep all 4), and
+    nothing after its next backward."""
+    remember = _RememberSavedOutput()  # saved by autograd: alive exactly as long as its graph
+    model = nn.Sequential(nn.Linear(4, 4), remember, nn.Linear(4, 4), FailsForASingleSample(), nn.Linear(4, 4))
+    stages = (model[:2], model[2:])
+
+    def plain_stage(stage, x):
+        if checkpoint == "never":
+            return stage(x)
+        return torch.utils.checkpoint.checkpoint(stage, x, use_reentrant=False)
+
+    plain = _activations_alive_after_a_failed_backward(
+        lambda x: torch.cat([plain_stage(stages[1], plain_stage(stages[0], chunk)) for chunk in x.chunk(4)]),
+        remember)
+    assert plain > 0  # else the comparison could not see a graph the pipe held
+    with Pipe(model, [2, 3], chunks=4, checkpoint=checkpoint) as pipe:
+        for _ in range(2):
+            kept = _activations_alive_after_a_failed_backward(pipe, remember)
+            assert kept <= plain, f"the pipe kept {kept} activations, plain torch {plain}"
+        pipe(torch.randn(8, 4)).sum().backward()
+    gc.collect()
+    assert all(ref() is None for ref in remember.made), "a failed backward's activations outlived the next one"
+
+
 # --------------------------------------------------------------------------- concurrency
 def _parameter_grads(module, out):
     params = [p for p in module.parameters()]
