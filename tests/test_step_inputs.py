@@ -96,6 +96,35 @@ def test_a_failed_step_sends_nothing_into_the_graph_before_it():
     assert encoder.weight.grad is not None
 
 
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ArithmeticError("the encoder's backward failed")
+
+
+def test_a_failure_in_the_backward_into_the_input_leaves_what_the_plain_model_leaves():
+    """The guide: when the backward into the input's own graph raises, the Pipe's gradients
+    stay, as after the plain model's ``loss.backward()`` failing in its encoder, and the
+    error reaches the caller with its type; the step's record says it failed."""
+    torch.manual_seed(0)
+    encoder, model = nn.Linear(4, 4), body()
+    ref_encoder, ref_model = copy.deepcopy(encoder), copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with pytest.raises(ArithmeticError):
+        nn.MSELoss()(ref_model(FailsInBackward.apply(ref_encoder(x))), y).backward()
+    with Pipe(model, [2, 2], chunks=4) as pipe:
+        with pytest.raises(ArithmeticError, match="encoder's backward failed"):
+            pipe.step(FailsInBackward.apply(encoder(x)), y, nn.MSELoss())
+        assert pipe.last_step.error is not None and "ArithmeticError" in pipe.last_step.error
+    assert encoder.weight.grad is None and ref_encoder.weight.grad is None
+    for param, expected in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6)
+
 # Regression: uint8 class indices (torch's losses take them) indexed the class weights as a
 # boolean mask: a wrong micro-batch weighting (loss and gradients off by about 1 %) or an
 # IndexError, depending on the labels.
