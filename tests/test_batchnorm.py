@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import pickle
 from typing import List, Optional, Tuple
 
 import pytest
@@ -272,3 +273,27 @@ def test_counts_are_ints_of_any_integer_type_and_wrong_types_are_type_errors():
             DeferredBatchNorm(3, chunks=wrong)
     with pytest.raises(ValueError, match="the number of micro-batches must be a positive int, got 0"):
         DeferredBatchNorm(3).set_microbatches(0)
+
+
+@pytest.mark.parametrize("kind, shape", [(nn.BatchNorm1d, (8, 3)), (nn.BatchNorm2d, (8, 3, 2, 2)),
+                                         (nn.BatchNorm3d, (8, 3, 2, 2, 2))])
+def test_a_converted_batch_norm_is_still_an_instance_of_its_kind(kind, shape):
+    """helper-120: a converted layer was no longer an ``nn.BatchNorm2d``, so the usual "no weight
+    decay on norm layers" split by isinstance found no norm and decayed its weights. It stays
+    one, pickles and copies, and still defers (its forward is ours)."""
+    model = nn.Sequential(nn.Identity(), kind(3))
+    converted = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=2)
+    norm = converted[1]
+    assert isinstance(norm, kind) and isinstance(norm, DeferredBatchNorm)
+    assert [m for m in converted.modules() if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))] == [norm]
+    for other in {nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d} - {kind}:
+        assert not isinstance(norm, other)
+    assert pickle.loads(pickle.dumps(norm)).state_dict().keys() == norm.state_dict().keys()
+    assert type(copy.deepcopy(norm)) is type(norm)
+    before = norm.running_mean.clone()
+    norm(torch.randn(*shape))
+    assert torch.equal(norm.running_mean, before)  # one of two micro-batches: nothing committed yet
+    norm(torch.randn(*shape))
+    assert not torch.equal(norm.running_mean, before)
+    with pytest.raises(ValueError, match="expected"):
+        norm(torch.randn(*shape[:1]))  # the kind's input check

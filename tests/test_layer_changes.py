@@ -149,7 +149,7 @@ def test_a_batch_norm_added_later_under_deferred_batch_norm_counts_the_mini_batc
             _train(pipe, call, x, y)
             _train(plain, "forward", x, y)
         converted = pipe[2][-1]
-        assert type(converted).__name__ == "DeferredBatchNorm"
+        assert type(converted).__name__.startswith("DeferredBatchNorm")
         # The same tensors as the layer the user appended, which sees the statistics too.
         assert converted.running_mean is added.running_mean and converted.weight is added.weight
         assert int(added.num_batches_tracked) == int(plain[2][-1].num_batches_tracked) == 3
@@ -201,7 +201,7 @@ def test_track_running_stats_toggled_under_deferred_batch_norm_follows_the_plain
                 _train(pipe, "forward", x, y)
                 _train(plain, "forward", x, y)
             got, want = the_norm(pipe), the_norm(plain)
-            assert type(got).__name__ == ("DeferredBatchNorm" if flag or not frozen_at_build else "BatchNorm1d")
+            assert type(got).__name__.startswith("DeferredBatchNorm" if flag or not frozen_at_build else "BatchNorm1d")
             assert int(got.num_batches_tracked) == int(want.num_batches_tracked)
             torch.testing.assert_close(got.running_mean, want.running_mean, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(got.running_var, want.running_var, rtol=1e-12, atol=1e-12)
@@ -260,7 +260,7 @@ def test_a_batch_norm_held_in_two_slots_of_a_layer_is_converted_in_both(when):
         for _ in range(2):
             pipe(x), plain(x)
         layer, want = pipe[1][0], plain[1][0].norm
-        assert type(layer.norm).__name__ == "DeferredBatchNorm" and layer.alias is layer.norm
+        assert type(layer.norm).__name__.startswith("DeferredBatchNorm") and layer.alias is layer.norm
         assert int(layer.norm.num_batches_tracked) == int(want.num_batches_tracked) == 2
         torch.testing.assert_close(layer.norm.running_mean, want.running_mean, rtol=1e-12, atol=1e-12)
 
@@ -279,7 +279,7 @@ def test_an_uninitialized_lazy_batch_norm_added_later_is_refused_naming_its_laye
         assert type(pipe[1][1]) is nn.BatchNorm1d
         pipe[2][1](torch.randn(4, 8))  # initialized outside the Pipe: converted at the next call
         pipe(x)
-        assert type(pipe[1][1]).__name__ == type(pipe[2][1]).__name__ == "DeferredBatchNorm"
+        assert type(pipe[1][1]) is type(pipe[2][1]) and type(pipe[1][1]).__name__.startswith("DeferredBatchNorm")
 
 
 class _Positive(nn.Module):

@@ -34,8 +34,9 @@ from torch.nn.utils import parametrize
 from torchpipe.checkpoint import is_recomputing
 from torchpipe.checks import check_positive_int
 
-__all__ = ["DeferredBatchNorm", "set_microbatches", "undo_commits", "statistics_updating_norms",
-           "running_statistics_frozen", "converts", "unconvertible_norm"]
+__all__ = ["DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "DeferredBatchNorm3d",
+           "set_microbatches", "undo_commits", "statistics_updating_norms", "running_statistics_frozen", "converts",
+           "unconvertible_norm"]
 
 TModule = TypeVar("TModule", bound=nn.Module)
 
@@ -252,19 +253,40 @@ class DeferredBatchNorm(_BatchNorm):
     def _from_batch_norm(cls, source: _BatchNorm, chunks: int) -> "DeferredBatchNorm":
         assert source.running_mean is not None
         # Built on "meta" (no memory): every tensor is replaced by the source's own below.
-        deferred = cls(source.num_features, source.eps, source.momentum, source.affine, chunks,
-                       device=torch.device("meta"), dtype=source.running_mean.dtype,
-                       bias=source.bias is not None)
+        kind = next((kind for kind in _INPUT_DIMS if isinstance(source, kind)), None)
+        made = _DEFERRED_KIND[kind] if cls is DeferredBatchNorm and kind is not None else cls
+        deferred = made(source.num_features, source.eps, source.momentum, source.affine, chunks,
+                        device=torch.device("meta"), dtype=source.running_mean.dtype,
+                        bias=source.bias is not None)
         if source.affine:
             deferred.weight = source.weight
             deferred.bias = source.bias
         deferred.running_mean = source.running_mean
         deferred.running_var = source.running_var
         deferred.num_batches_tracked = source.num_batches_tracked
-        deferred.input_dims = next(
-            (dims for kind, dims in _INPUT_DIMS.items() if isinstance(source, kind)), None)
+        deferred.input_dims = _INPUT_DIMS[kind] if kind is not None else None
         deferred.train(source.training)
         return deferred
+
+
+class DeferredBatchNorm1d(DeferredBatchNorm, nn.BatchNorm1d):
+    """A converted ``nn.BatchNorm1d``, still an instance of it: code that picks layers by type
+    (no weight decay on norms, conv-bn fusing) finds it after the conversion too."""
+
+
+class DeferredBatchNorm2d(DeferredBatchNorm, nn.BatchNorm2d):
+    """A converted ``nn.BatchNorm2d``, still an instance of it (see :class:`DeferredBatchNorm1d`)."""
+
+
+class DeferredBatchNorm3d(DeferredBatchNorm, nn.BatchNorm3d):
+    """A converted ``nn.BatchNorm3d``, still an instance of it (see :class:`DeferredBatchNorm1d`)."""
+
+
+_DEFERRED_KIND: Dict[Type[_BatchNorm], Type[DeferredBatchNorm]] = {
+    nn.BatchNorm1d: DeferredBatchNorm1d,
+    nn.BatchNorm2d: DeferredBatchNorm2d,
+    nn.BatchNorm3d: DeferredBatchNorm3d,
+}
 
 
 def converts(module: nn.Module) -> bool:
