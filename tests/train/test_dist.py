@@ -293,7 +293,13 @@ def weighted_worker(rank: int, init_file: str, tests_dir: str) -> None:
 
     try:
         tables = make_tables(num_rows=(40, 24, 16), pooling=(PoolingType.SUM,))  # t0, t2 on rank 0; t1 on 1
-        sharding = TableWiseSharding(tables, output_group=dist.new_group(list(range(WORLD))), is_weighted=True)
+        # The groups left to their defaults (helper-121: one group for both exchanges, which the
+        # pipeline runs on two threads, and gloo aborted the process): the sharding makes the
+        # output group, with the default group's timeout.
+        sharding = TableWiseSharding(tables, is_weighted=True)
+        from torchpipe.train.dist import group_timeout
+        assert sharding.output_group is not None and sharding.input_group is None
+        assert group_timeout(sharding.output_group) == group_timeout(None) == datetime.timedelta(seconds=20)
         mine = sharding.local_tables
         per_rank = [with_weights(make_batches(tables, STEPS, batch_size=3 + r, seed=30 + r), seed=40 + r,
                                  dtype=(torch.float32, torch.float64)[r]) for r in range(WORLD)]

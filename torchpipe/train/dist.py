@@ -25,12 +25,14 @@ returns the gradients to the owner).
 Collectives of one group must be issued in the same order on every rank. A pipeline issues
 input dists on a host thread and output dists (and their backward) on the compute thread,
 concurrently; so they take **two** process groups (``input_group``, ``output_group``),
-each used by one thread in batch order.
+each used by one thread in batch order. An output group left out is made beside the input
+group (`exchange_group_beside`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -43,7 +45,7 @@ from ..rec.batch_keys import TABLE_DTYPE, check_kjt, embedding_names_by_table, t
 from ..notes import add_note
 from ..rec.errors import RecInputError
 
-__all__ = ["TableWiseSharding", "DistSplits", "ExchangeRecord", "all_to_all"]
+__all__ = ["TableWiseSharding", "DistSplits", "ExchangeRecord", "all_to_all", "exchange_group_beside", "group_timeout"]
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,37 @@ def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group, record)
 
 
+def group_timeout(group: Any) -> Optional[datetime.timedelta]:
+    """The timeout ``group`` (None: the default group) was made with, or None where torch does
+    not say (then ``new_group``'s default applies)."""
+    process_group = group if group is not None else dist.group.WORLD
+    try:
+        return process_group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - a private attribute: a backend without it, another torch
+        return None
+
+
+def exchange_group_beside(group: Any) -> Any:
+    """A new process group over ``group``'s ranks, with its timeout, for the output exchanges.
+
+    Why: a pipeline runs the key exchange on a host thread and the output exchange (with the
+    dense all-reduce) on its compute thread; on one group the two threads' collectives would
+    pair up across ranks in different orders (gloo aborts the process). Made with local
+    synchronisation: only ``group``'s ranks take part, which are the ranks that build the
+    sharding.
+    """
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks, timeout=group_timeout(group), use_local_synchronization=True)
+
+
 class TableWiseSharding:
-    """Which rank owns which table, and the key/embedding all-to-alls between ranks."""
+    """Which rank owns which table, and the key/embedding all-to-alls between ranks.
+
+    ``input_group`` carries the key exchange (None: the default group); ``output_group`` the
+    output exchange and a pipeline's dense all-reduce. Left out (or given as the input group),
+    the output group is made here, over the same ranks with the same timeout: a pipeline runs
+    the two exchanges on two threads, which one group cannot serve.
+    """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], input_group=None, output_group=None,
                  owners: Optional[Dict[str, int]] = None, *, is_weighted: bool = False) -> None:
@@ -128,6 +159,8 @@ class TableWiseSharding:
         except Exception as exc:  # noqa: BLE001 - agreed on, then raised
             refusal = exc
         self._agree_on_arguments(refusal)
+        if self.output_group is self.input_group:  # both None too: decided alike on every rank, agreed above
+            self.output_group = exchange_group_beside(input_group)
 
     def _owners(self, owners: Optional[Dict[str, int]]) -> Dict[str, int]:
         """Each table's owning rank: ``owners`` checked, or round-robin in config order."""
