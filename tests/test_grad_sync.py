@@ -263,7 +263,7 @@ def failing_worker(rank: int, init_file: str, result_file: str) -> None:
         try:
             pipe.step(x, y, loss_fn)
         except Exception as exc:  # noqa: BLE001 - reported to the parent
-            outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240]}"
         waited = time.monotonic() - began
         grads = [p.grad for p in pipe.parameters()]
         if rank == 0:
@@ -275,8 +275,15 @@ def failing_worker(rank: int, init_file: str, result_file: str) -> None:
                         for g, b, p in zip(grads, before, plain.parameters()))
         else:  # failed before any backward: unchanged
             local = all(torch.equal(g, b) for g, b in zip(grads, before))
+        # helper-121: the ranks stay in step after a peer's failure (the message said to rebuild
+        # the process group): the next step averages as usual.
+        plain = plain_copy(pipe)
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(x, y, nn.MSELoss())
+        expected = averaged_reference_grads(plain, x, y)
+        averaged = all(torch.allclose(p.grad, w, rtol=0, atol=1e-14) for p, w in zip(pipe.parameters(), expected))
         with open(f"{result_file}.{rank}", "w") as out:
-            out.write(repr((outcome, waited, local)))
+            out.write(repr((outcome, waited, local, averaged)))
     finally:
         dist.destroy_process_group()
 
@@ -288,11 +295,13 @@ def test_a_failure_on_one_rank_fails_the_others_at_once(tmp_path) -> None:
     raises too, with its gradients left local, not half averaged."""
     result_file = str(tmp_path / "result")
     spawn_ranks(failing_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
-    failed, failed_wait, failed_local = eval(open(f"{result_file}.1").read())
-    other, other_wait, other_local = eval(open(f"{result_file}.0").read())
+    failed, failed_wait, failed_local, failed_then_averaged = eval(open(f"{result_file}.1").read())
+    other, other_wait, other_local, other_then_averaged = eval(open(f"{result_file}.0").read())
     assert failed == "ValueError: injected on rank 1" and failed_wait < 5 and failed_local
     assert other.startswith("PeerStepFailed: another rank's step failed") and other_wait < 4, (other, other_wait)
+    assert "The ranks stay in step: the next step averages as usual" in other, other
     assert other_local
+    assert failed_then_averaged and other_then_averaged
 
 
 def test_refusals_in_one_process(tmp_path) -> None:
@@ -472,6 +481,25 @@ def out_of_step_worker(rank: int, init_file: str, result_file: str, refusal: str
             outcomes.append("no error")
         except RanksOutOfStep as exc:
             outcomes.append(str(exc)[:60])
+        # helper-121: the ranks' counts never agreed again, so every later step raised too. Every
+        # rank now counts on from the highest count: the next steps of both Pipes average.
+        for stepped in (pipe, again):
+            plain = plain_copy(stepped)
+            stepped.zero_grad(set_to_none=True)
+            stepped.step(x, y, nn.MSELoss())
+            expected = averaged_reference_grads(plain, x, y)
+            outcomes.append(all(torch.allclose(p.grad, w, rtol=0, atol=1e-14)
+                                for p, w in zip(stepped.parameters(), expected)))
+        # A sync taken off its Pipe leaves its steps local, and a new one may be attached.
+        sync.detach()
+        again.zero_grad(set_to_none=True)
+        again.step(x, y, nn.MSELoss())
+        local = [p.grad.clone() for p in again.parameters()]
+        outcomes.append(not same_on_every_rank(local))
+        GradientSync(again)
+        again.zero_grad(set_to_none=True)
+        again.step(x, y, nn.MSELoss())
+        outcomes.append(same_on_every_rank([p.grad for p in again.parameters()]))
         with open(f"{result_file}.{rank}", "w") as out:
             out.write(repr(outcomes))
     finally:
@@ -492,11 +520,13 @@ def test_ranks_whose_calls_differ_are_told_instead_of_averaging_other_steps(tmp_
     assert first[0] == ("the ranks are out of step: this rank's call 2 of step()/all_reduce() met calls 2..3 of "
                         "the others (a step refused, or run inside no_sync(), on some ranks only), so the "
                         "collectives paired up wrongly and no gradient was averaged: this rank's gradients are its "
-                        "own. Every rank must make the same calls; rebuild the process group"), first[0]
+                        "own. Every rank goes on counting from call 3, so the next step averages again; every rank "
+                        "must make the same calls"), first[0]
     assert second[1].startswith("the ranks are out of step: this rank's call 3 of step()/all_reduce() met calls 2..3")
     assert first[1] is True and second[2] is True
     assert first[2].startswith("the ranks are out of step: this rank's call 1 of step()"), first[2]
     assert second[3].startswith("the ranks are out of step: this rank's call 2 of step()"), second[3]
+    assert first[3:] == second[4:] == [True, True, True, True], (first, second)
 
 
 class TwoExperts(nn.Module):

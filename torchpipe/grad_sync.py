@@ -189,19 +189,22 @@ class _Round:
         for work, _, _ in self.started:
             _wait(work)
         _wait(status_work)
+        any_failed, highest, lowest = status[0].item(), status[1].item(), -status[2].item()
+        if highest != lowest:  # every rank learnt it in this round: all go on from the highest count
+            self.sync.catch_up(highest)
         if failed:
             return
-        any_failed, highest, lowest = status[0].item(), status[1].item(), -status[2].item()
         if highest != lowest:
             raise RanksOutOfStep(
                 f"the ranks are out of step: this rank's call {self.call} of step()/all_reduce() met calls "
                 f"{lowest}..{highest} of the others (a step refused, or run inside no_sync(), on some ranks only), "
                 "so the collectives paired up wrongly and no gradient was averaged: this rank's gradients are its "
-                "own. Every rank must make the same calls; rebuild the process group")
+                f"own. Every rank goes on counting from call {highest}, so the next step averages again; every "
+                "rank must make the same calls")
         if any_failed:
             raise PeerStepFailed("another rank's step failed, so no gradient was averaged: this rank's gradients "
-                                 "are its own and the ranks are out of step; rebuild the process group (as after "
-                                 "a failed DDP step)")
+                                 "are its own (the step's new ones removed). The ranks stay in step: the next "
+                                 "step averages as usual")
         for _, flat, parameters in self.started:
             write_back_grads(flat, parameters)
 
@@ -242,7 +245,8 @@ class GradientSync:
             raise ValueError(f"GradientSync runs on CPU partitions only (gloo), got devices {others}; for "
                              "accelerators, train through DistributedDataParallel(pipe) and pipe(x)")
         if getattr(pipe, "_gradient_sync", None) is not None:
-            raise RuntimeError("this Pipe already has a GradientSync; build one per Pipe")
+            raise RuntimeError("this Pipe already has a GradientSync; build one per Pipe (detach() the old one first "
+                               "to replace it)")
         outside = process_group is dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives a non-member
         if outside:
             raise ValueError("this rank is not a member of process_group: build the GradientSync on the group's "
@@ -352,6 +356,20 @@ class GradientSync:
         with self._disabled_lock:
             self._calls += 1
             return self._calls
+
+    def catch_up(self, count: int) -> None:
+        """Count on from ``count`` (the highest of the ranks', which all of them learnt in one
+        round): after `RanksOutOfStep` the ranks' counts agree again."""
+        with self._disabled_lock:
+            self._calls = max(self._calls, count)
+
+    def detach(self) -> None:
+        """Take this sync off its Pipe: its steps are local from now on, and a new
+        `GradientSync` (over a rebuilt process group, say) may be attached. Call it on every
+        rank, between steps."""
+        pipe = self._pipe()
+        if pipe is not None and getattr(pipe, "_gradient_sync", None) is self:
+            pipe._gradient_sync = None
 
     def ticket(self) -> "CallTicket":
         """A ``Pipe.step`` call's place in the count, taken when the call runs (see `CallTicket`)."""
