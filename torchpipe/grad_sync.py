@@ -68,7 +68,7 @@ class RanksOutOfStep(PeerStepFailed):
     ranks only): their collectives paired up wrongly, so nothing was averaged."""
 
 
-def _by_dtype(tensors: Sequence[Tensor]) -> List[List[Tensor]]:
+def by_dtype(tensors: Sequence[Tensor]) -> List[List[Tensor]]:
     """``tensors`` grouped by dtype, in order of first appearance (the same on every rank)."""
     groups: Dict[torch.dtype, List[Tensor]] = {}
     for tensor in tensors:
@@ -93,7 +93,7 @@ def grad_buckets(parameters: Sequence[Tensor], extra: Optional[Tensor] = None,
     sum (and the rounding is DDP's).
     """
     buckets = []
-    for group in _by_dtype(parameters):
+    for group in by_dtype(parameters):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
         flags = torch.tensor([float(p.grad is not None) for p in group], dtype=group[0].dtype, device=group[0].device)
         flat = flatten(grads + [flags])
@@ -314,7 +314,7 @@ class GradientSync:
         source = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         with torch.no_grad():
             issued = []
-            for group in _by_dtype(tensors):
+            for group in by_dtype(tensors):
                 flat = flatten(group)
                 issued.append((dist.broadcast(flat, src=source, group=self.process_group, async_op=True), flat, group))
             for work, _, _ in issued:

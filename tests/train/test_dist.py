@@ -281,6 +281,67 @@ def test_two_process_table_wise_dist_equals_single_process(tmp_path) -> None:
     run_ranks(worker, tmp_path)
 
 
+
+class ReplicaWithStateOfItsOwn(torch.nn.Module):
+    """A dense part whose replicas DDP keeps equal but a gradient all-reduce alone does not: a
+    frozen layer, a batch norm's running statistics, and a layer unfrozen during training."""
+
+    def __init__(self, ebc, dense_in):
+        super().__init__()
+        self.ebc = ebc
+        self.frozen = torch.nn.Linear(dense_in, dense_in).requires_grad_(False)
+        self.norm = torch.nn.BatchNorm1d(dense_in)
+        self.late = torch.nn.Linear(dense_in, dense_in).requires_grad_(False)
+        self.top = torch.nn.Linear(dense_in, 1)
+
+    def forward(self, batch):
+        pooled = self.ebc(batch.sparse_features).values()
+        score = pooled.sum(dim=1) + self.top(self.late(self.norm(self.frozen(batch.dense_features)))).squeeze(1)
+        return (score * batch.labels).sum(), score.detach()
+
+
+def replica_worker(rank: int, init_file: str, tests_dir: str) -> None:
+    """Each rank builds its dense part from its own seed; after training (the late layer
+    unfrozen halfway) every parameter and buffer equals rank 0's, and the unfrozen layer trained."""
+    join(rank, init_file, tests_dir, timeout_s=30)
+    from train_helpers import DENSE_IN, drain, make_tables
+
+    from torchpipe.rec import SGD, CachedEmbeddingBagCollection
+    from torchpipe.train import EmbCacheTrainPipeline, TableWiseSharding
+
+    try:
+        tables = make_tables()
+        sharding = TableWiseSharding(tables)
+        per_rank, _ = rank_batches(tables, 8, seed=90)
+        ebc = CachedEmbeddingBagCollection(sharding.local_tables, 64, optimizer=SGD(lr=0.1))
+        torch.manual_seed(rank)
+        model = ReplicaWithStateOfItsOwn(ebc, DENSE_IN)
+        dense = [p for name, p in model.named_parameters() if not name.startswith("ebc")]
+        opt = torch.optim.SGD(dense, lr=0.05)
+        with EmbCacheTrainPipeline(model, opt, collection=ebc, sharding=sharding, host_threads=1,
+                                   device_threads=1) as pipe:
+            assert len(drain(pipe, iter(per_rank[rank][:4]))) == 4
+            late_before = model.late.weight.detach().clone()
+            model.late.requires_grad_(True)  # between steps (none in flight), alike on every rank
+            assert len(drain(pipe, iter(per_rank[rank][4:]))) == 4
+        state = {name: t for name, t in model.state_dict().items() if not name.startswith("ebc")}
+        flat = torch.cat([t.detach().double().reshape(-1) for t in state.values()])
+        everyone = [torch.empty_like(flat) for _ in range(WORLD)]
+        dist.all_gather(everyone, flat)
+        assert torch.equal(everyone[0], everyone[1]), f"rank {rank}: the dense replicas differ"
+        assert not torch.equal(model.late.weight, late_before), "the unfrozen layer did not train"
+        assert model.norm.num_batches_tracked.item() == 8
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_dense_part_stays_one_replica_frozen_layers_buffers_and_unfrozen_ones_too(tmp_path) -> None:
+    """helper-121: the pipeline broadcast and all-reduced only the parameters that required grad
+    when it was built, so a frozen layer kept each rank's own init, batch norm statistics drifted
+    apart, and a layer unfrozen later was never averaged: replicas diverged without an error."""
+    run_ranks(replica_worker, tmp_path)
+
 def weighted_worker(rank: int, init_file: str, tests_dir: str) -> None:
     """Per-sample weights travel with their keys (rank 0 sends float32 weights, rank 1 float64):
     direct lookups with backward, then the pipeline, equal single-process weighted training."""

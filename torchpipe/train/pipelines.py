@@ -14,7 +14,7 @@ import gc
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from torchrec import KeyedJaggedTensor
 
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
-from ..grad_sync import PeerStepFailed, grad_buckets, write_back_grads
+from ..grad_sync import PeerStepFailed, by_dtype, flatten, grad_buckets, unflatten_into, write_back_grads
 from ..notes import add_note
 from ..rec import BatchPlan, CachedEmbeddingBagCollection, CacheTooSmallError
 from ..rec.batch_keys import BatchKeys, check_kjt
@@ -85,18 +85,31 @@ def train_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], bat
     return output
 
 
-def broadcast_from_first_rank(parameters: List[torch.Tensor], group: Any) -> None:
-    """Copy the first rank's parameter values to every rank of ``group``."""
+def dense_replica(model: nn.Module, collection: nn.Module) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """The replicated part of a sharded model: its parameters that can have a gradient (the
+    frozen ones too, which keep ``None``) and its buffers, the collection's own left out.
+
+    Read at every step, as DDP's replica would see them: a layer unfrozen later is averaged,
+    and every rank's all-reduce has the same size whichever parameters it trains.
+    """
+    own = {id(t) for t in collection.parameters()} | {id(t) for t in collection.buffers()}
+    parameters = [p for p in model.parameters() if id(p) not in own and (p.is_floating_point() or p.is_complex())]
+    buffers = [b for b in model.buffers() if id(b) not in own]
+    return parameters, buffers
+
+
+def broadcast_from_first_rank(tensors: List[torch.Tensor], group: Any) -> None:
+    """Copy the first rank's values of ``tensors`` (parameters, buffers) to every rank of ``group``."""
     import torch.distributed as dist
 
     source = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
-        for p in parameters:
-            dist.broadcast(p.data, src=source, group=group)
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=source, group=group)
 
 
 def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: bool, failed: bool,
-                           device: torch.device) -> List[int]:
+                           device: torch.device, buffers: Sequence[torch.Tensor] = ()) -> List[int]:
     """Sum (or average, as DDP) the dense gradients over ``group``, and learn which ranks' steps
     ``failed``: the ranks that did, in the order of ``group``.
 
@@ -104,6 +117,10 @@ def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: 
     the step costs no collective of its own. Every rank, a failed one too, issues the same
     collectives (its buffers have the same size whichever gradients it has). The gradients
     are written back only when no rank failed; otherwise each rank's stay its own.
+
+    ``buffers`` (batch norm's running statistics): the first rank's are broadcast in the same
+    round and taken only when no rank failed, so that the replicas' buffers are equal after
+    every step (DDP broadcasts them before each forward).
     """
     import torch.distributed as dist
 
@@ -111,13 +128,18 @@ def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: 
     votes = torch.zeros(world, device=device)  # where the group reduces (with no dense parameter to go by)
     votes[rank] = float(failed)
     buckets = grad_buckets(parameters, extra=votes, scale=1.0 / world if average else 1.0)
-    works = [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in buckets]
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    firsts = [flatten(same_dtype) for same_dtype in by_dtype(buffers)]
+    works = [dist.broadcast(flat, src=source, group=group, async_op=True) for flat in firsts]
+    works += [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in buckets]
     for work in works:
         work.wait()
     failed_ranks = [r for r, vote in enumerate(buckets[0][0][-world:].tolist()) if vote]
     if not failed_ranks:
         for flat, bucket in buckets:
             write_back_grads(flat, bucket)
+        for flat, same_dtype in zip(firsts, by_dtype(buffers)):
+            unflatten_into(flat, same_dtype)
     return failed_ranks
 
 
@@ -552,10 +574,11 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     called; a forward pre-hook hands the collection the batch's plan.
 
     Across processes (``sharding=``), the rest of the model is a replica on every rank, as
-    with TorchRec's DMP + DDP: its parameters are broadcast from the first rank when the
-    pipeline is built, and its gradients are all-reduced before the dense optimizer steps,
-    averaged (``dense_grads='mean'``, DDP's rule) or summed (``'sum'``, for a loss that sums
-    over samples).
+    with TorchRec's DMP + DDP: its parameters and buffers are broadcast from the first rank
+    when the pipeline is built, and its gradients are all-reduced before the dense optimizer
+    steps, averaged (``dense_grads='mean'``, DDP's rule) or summed (``'sum'``, for a loss that
+    sums over samples), with the first rank's buffers in the same round (`dense_replica`:
+    read at every step).
 
     Failure: the first error of any stage surfaces with its type; in-flight batches are
     dropped *after* their swaps are completed (swaps move rows, they never change them),
@@ -628,11 +651,14 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         # sharding's output group before the dense optimizer steps ('mean' like DDP, or 'sum').
         self._dense_sync: Optional[Callable[[bool], List[int]]] = None
         if sharding is not None:
-            dense = [p for p in model.parameters() if p.requires_grad]
-            group, average = sharding.output_group, dense_grads == "mean"
-            broadcast_from_first_rank(dense, group)  # every replica starts equal, as DDP does
-            device = self.device
-            self._dense_sync = lambda failed: all_reduce_dense_grads(dense, group, average, failed, device)
+            group, average, device, collection = sharding.output_group, dense_grads == "mean", self.device, self.collection
+            broadcast_from_first_rank([t for ts in dense_replica(model, collection) for t in ts], group)  # as DDP
+
+            def dense_sync(failed: bool) -> List[int]:
+                parameters, buffers = dense_replica(model, collection)
+                return all_reduce_dense_grads(parameters, group, average, failed, device, buffers)
+
+            self._dense_sync = dense_sync
         # Swaps run on host threads but move rows in device memory: on an accelerator they get
         # their own stream, ordered after the train steps that last updated the evicted rows
         # and before the train step of their batch (events; no-ops on the CPU).
