@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchpipe.batchnorm import DeferredBatchNorm, set_microbatches
+from torchpipe.batchnorm import DeferredBatchNorm, DeferredBatchNorm1d, DeferredBatchNorm3d, set_microbatches
 from torchpipe.checkpoint import _set_flag
 
 # (batch-norm class, shape of one sample): 1d without and with length, 2d, 3d.
@@ -297,3 +297,7 @@ def test_a_converted_batch_norm_is_still_an_instance_of_its_kind(kind, shape):
     assert not torch.equal(norm.running_mean, before)
     with pytest.raises(ValueError, match="expected"):
         norm(torch.randn(*shape[:1]))  # the kind's input check
+    # helper-123: called on a per-kind class, the conversion gave every kind that class.
+    for converter in (DeferredBatchNorm1d, DeferredBatchNorm3d):
+        again = converter.convert_deferred_batch_norm(nn.Sequential(kind(3)))[0]
+        assert isinstance(again, kind) and type(again) is type(norm)

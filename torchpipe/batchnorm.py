@@ -254,7 +254,9 @@ class DeferredBatchNorm(_BatchNorm):
         assert source.running_mean is not None
         # Built on "meta" (no memory): every tensor is replaced by the source's own below.
         kind = next((kind for kind in _INPUT_DIMS if isinstance(source, kind)), None)
-        made = _DEFERRED_KIND[kind] if cls is DeferredBatchNorm and kind is not None else cls
+        # Called on DeferredBatchNorm or one of its per-kind classes: the source's kind decides.
+        plain = cls is DeferredBatchNorm or cls in _DEFERRED_KIND.values()
+        made = (_DEFERRED_KIND[kind] if kind is not None else DeferredBatchNorm) if plain else cls
         deferred = made(source.num_features, source.eps, source.momentum, source.affine, chunks,
                         device=torch.device("meta"), dtype=source.running_mean.dtype,
                         bias=source.bias is not None)
@@ -270,8 +272,8 @@ class DeferredBatchNorm(_BatchNorm):
 
 
 class DeferredBatchNorm1d(DeferredBatchNorm, nn.BatchNorm1d):
-    """A converted ``nn.BatchNorm1d``, still an instance of it: code that picks layers by type
-    (no weight decay on norms, conv-bn fusing) finds it after the conversion too."""
+    """A converted ``nn.BatchNorm1d``, still an instance of it: code that picks layers by
+    ``isinstance`` (no weight decay on norms) finds it after the conversion too."""
 
 
 class DeferredBatchNorm2d(DeferredBatchNorm, nn.BatchNorm2d):

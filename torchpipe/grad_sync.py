@@ -203,8 +203,9 @@ class _Round:
                 "rank must make the same calls")
         if any_failed:
             raise PeerStepFailed("another rank's step failed, so no gradient was averaged: this rank's gradients "
-                                 "are its own (the step's new ones removed). The ranks stay in step: the next "
-                                 "step averages as usual")
+                                 "are its own. The ranks stay in step: the next step averages as usual (the "
+                                 "gradients this step created were removed, what it added to existing ones stays: "
+                                 "zero_grad() before redoing it)")
         for _, flat, parameters in self.started:
             write_back_grads(flat, parameters)
 

@@ -293,8 +293,10 @@ class ReplicaWithStateOfItsOwn(torch.nn.Module):
         self.norm = torch.nn.BatchNorm1d(dense_in)
         self.late = torch.nn.Linear(dense_in, dense_in).requires_grad_(False)
         self.top = torch.nn.Linear(dense_in, 1)
+        self.register_buffer("seen", torch.zeros(0))  # replaced by one of each rank's batch size
 
     def forward(self, batch):
+        self.seen = torch.arange(float(batch.dense_features.shape[0]))  # a cache that grows with the batch
         pooled = self.ebc(batch.sparse_features).values()
         score = pooled.sum(dim=1) + self.top(self.late(self.norm(self.frozen(batch.dense_features)))).squeeze(1)
         return (score * batch.labels).sum(), score.detach()
@@ -324,7 +326,11 @@ def replica_worker(rank: int, init_file: str, tests_dir: str) -> None:
             late_before = model.late.weight.detach().clone()
             model.late.requires_grad_(True)  # between steps (none in flight), alike on every rank
             assert len(drain(pipe, iter(per_rank[rank][4:]))) == 4
-        state = {name: t for name, t in model.state_dict().items() if not name.startswith("ebc")}
+        # helper-123: buffers read at every step paired "seen" (3 samples here, 4 on rank 1)
+        # with the batch norm's statistics: shifted statistics, or gloo aborting. As in DDP,
+        # the buffers are those the model had when the pipeline was built.
+        assert model.seen.numel() == 3 + rank
+        state = {name: t for name, t in model.state_dict().items() if not name.startswith("ebc") and name != "seen"}
         flat = torch.cat([t.detach().double().reshape(-1) for t in state.values()])
         everyone = [torch.empty_like(flat) for _ in range(WORLD)]
         dist.all_gather(everyone, flat)

@@ -160,6 +160,34 @@ def test_a_weighted_collection_trains_through_the_pipeline_as_the_loop_does() ->
     assert_same_state(model, reference)
 
 
+
+def test_a_sharding_makes_one_output_group_for_the_job_and_refuses_to_guess_one_for_a_subgroup() -> None:
+    """helper-123: the output group was made only when none was given *and* the input group was
+    None (input_group=dist.group.WORLD kept one group for both threads: gloo aborted), by
+    local synchronisation (names that differ between ranks that made other groups: a hang),
+    and once per sharding (a gloo group left behind each time)."""
+    tables = make_tables()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        first = TableWiseSharding(tables)
+        assert first.output_group is not None and first.output_group is not dist.group.WORLD
+        assert TableWiseSharding(tables, input_group=dist.group.WORLD).output_group is first.output_group
+        assert TableWiseSharding(tables, output_group=dist.group.WORLD).output_group is first.output_group
+        mine = dist.new_group([0])
+        assert TableWiseSharding(tables, output_group=mine).output_group is mine
+        for output_group, said in ((None, "not given"), (mine, "the same group")):
+            with pytest.raises(ValueError, match=f"input_group is a subgroup and output_group is {said}: .* Pass "
+                                                 r"output_group=dist.new_group\(ranks"):
+                TableWiseSharding(tables, input_group=mine, output_group=output_group)
+        dist.destroy_process_group(first.output_group)  # released by the user: the next sharding makes another
+        again = TableWiseSharding(tables).output_group
+        assert again is not first.output_group
+        ones = torch.ones(2)
+        dist.all_reduce(ones, group=again)
+        assert ones.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
 def test_table_wise_sharding_refuses_weights_it_was_not_built_for_before_anything_changes() -> None:
     """A sharding sends per-sample weights only when built with is_weighted=True; the collection
     must match it, and weights that require grad are refused (no gradient goes back)."""

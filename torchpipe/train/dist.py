@@ -26,7 +26,7 @@ Collectives of one group must be issued in the same order on every rank. A pipel
 input dists on a host thread and output dists (and their backward) on the compute thread,
 concurrently; so they take **two** process groups (``input_group``, ``output_group``),
 each used by one thread in batch order. An output group left out is made beside the input
-group (`exchange_group_beside`).
+group (`output_group_beside_the_world`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from ..rec.batch_keys import TABLE_DTYPE, check_kjt, embedding_names_by_table, t
 from ..notes import add_note
 from ..rec.errors import RecInputError
 
-__all__ = ["TableWiseSharding", "DistSplits", "ExchangeRecord", "all_to_all", "exchange_group_beside", "group_timeout"]
+__all__ = ["TableWiseSharding", "DistSplits", "ExchangeRecord", "all_to_all", "output_group_beside_the_world", "group_timeout"]
 
 
 @dataclass(frozen=True)
@@ -110,36 +110,60 @@ def all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], gro
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group, record)
 
 
+def _as_group(group: Any) -> Any:
+    """``group``, with None (the default group, as collectives read it) made explicit."""
+    return group if group is not None else dist.group.WORLD
+
+
 def group_timeout(group: Any) -> Optional[datetime.timedelta]:
     """The timeout ``group`` (None: the default group) was made with, or None where torch does
     not say (then ``new_group``'s default applies)."""
-    process_group = group if group is not None else dist.group.WORLD
-    try:
-        return process_group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # noqa: BLE001 - a private attribute: a backend without it, another torch
-        return None
+    process_group = _as_group(group)
+    for device_type in ("cpu", "cuda"):  # a gloo group has a CPU backend, an NCCL-only one not
+        try:
+            return process_group._get_backend(torch.device(device_type)).options._timeout
+        except Exception:  # noqa: BLE001 - a private attribute: a backend without it, another torch
+            continue
+    return None
 
 
-def exchange_group_beside(group: Any) -> Any:
-    """A new process group over ``group``'s ranks, with its timeout, for the output exchanges.
+_output_groups: Dict[Tuple[int, Optional[datetime.timedelta]], Tuple[Any, Any]] = {}
+"""The output groups the shardings made, by default group and timeout: ``(default group, made group)``."""
 
-    Why: a pipeline runs the key exchange on a host thread and the output exchange (with the
-    dense all-reduce) on its compute thread; on one group the two threads' collectives would
-    pair up across ranks in different orders (gloo aborts the process). Made with local
-    synchronisation: only ``group``'s ranks take part, which are the ranks that build the
-    sharding.
+
+def output_group_beside_the_world() -> Any:
+    """A process group over every rank, with the default group's timeout, for the output
+    exchanges of shardings whose key exchange uses the default group.
+
+    Why a group of its own: a pipeline runs the key exchange on a host thread and the output
+    exchange (with the dense all-reduce) on its compute thread; on one group the two threads'
+    collectives would pair up across ranks in different orders (gloo aborts the process).
+    Made by every rank (torch names it from its count of groups, the same on every rank), once
+    per default group and timeout: the shardings of a job share it rather than each leaving
+    a group behind.
     """
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks, timeout=group_timeout(group), use_local_synchronization=True)
+    world, timeout = dist.group.WORLD, group_timeout(None)
+    made = _output_groups.get((id(world), timeout))
+    if made is not None and made[0] is world:
+        try:
+            dist.get_process_group_ranks(made[1])  # KeyError once destroyed
+            return made[1]
+        except (KeyError, ValueError, RuntimeError):
+            pass
+    group = dist.new_group(timeout=timeout)
+    _output_groups[(id(world), timeout)] = (world, group)
+    return group
 
 
 class TableWiseSharding:
     """Which rank owns which table, and the key/embedding all-to-alls between ranks.
 
     ``input_group`` carries the key exchange (None: the default group); ``output_group`` the
-    output exchange and a pipeline's dense all-reduce. Left out (or given as the input group),
-    the output group is made here, over the same ranks with the same timeout: a pipeline runs
-    the two exchanges on two threads, which one group cannot serve.
+    output exchange and a pipeline's dense all-reduce. Left out (or given as the input group)
+    while the keys use the default group, the output group is made here, over every rank with
+    the same timeout (`output_group_beside_the_world`): a pipeline runs the two exchanges on
+    two threads, which one group cannot serve. With a subgroup for the keys, pass another
+    group over the same ranks as ``output_group`` (made on every rank of the job).
     """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], input_group=None, output_group=None,
@@ -148,6 +172,8 @@ class TableWiseSharding:
             raise RuntimeError("TableWiseSharding needs torch.distributed initialised (init_process_group)")
         self.input_group = input_group
         self.output_group = output_group
+        self._keys_on_default_group = _as_group(input_group) is dist.group.WORLD
+        self._makes_output_group = output_group is None or _as_group(output_group) is _as_group(input_group)
         self.rank = dist.get_rank(input_group)
         self.world = dist.get_world_size(input_group)
         # Every rank must build the same sharding, or the first exchange pairs up collectives of
@@ -159,8 +185,8 @@ class TableWiseSharding:
         except Exception as exc:  # noqa: BLE001 - agreed on, then raised
             refusal = exc
         self._agree_on_arguments(refusal)
-        if self.output_group is self.input_group:  # both None too: decided alike on every rank, agreed above
-            self.output_group = exchange_group_beside(input_group)
+        if self._makes_output_group:  # decided alike on every rank: agreed above
+            self.output_group = output_group_beside_the_world()
 
     def _owners(self, owners: Optional[Dict[str, int]]) -> Dict[str, int]:
         """Each table's owning rank: ``owners`` checked, or round-robin in config order."""
@@ -188,6 +214,12 @@ class TableWiseSharding:
                is_weighted: bool) -> None:
         if not isinstance(is_weighted, bool):
             raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
+        if self._makes_output_group and not self._keys_on_default_group:
+            raise ValueError("input_group is a subgroup and output_group is "
+                             f"{'not given' if self.output_group is None else 'the same group'}: the output exchange "
+                             "needs a group of its own (a pipeline runs the two exchanges on two threads), which "
+                             "only every rank of the job can make. Pass output_group=dist.new_group(ranks, "
+                             "timeout=...), called on every rank")
         self._weighted = is_weighted
         # Every rank checks its own batch against every table before the key exchange (a key
         # only its owner would find bad would leave the ranks' collectives out of step); this
@@ -222,7 +254,7 @@ class TableWiseSharding:
         and which groups the exchanges use."""
         tables = tuple((layout.name, layout.num_rows, layout.dim, layout.feature_names, layout.pooling)
                        for layout in self.layouts)
-        groups = (self.input_group is None, self.output_group is None, self.output_group is self.input_group)
+        groups = (self._keys_on_default_group, self._makes_output_group)
         return tables, tuple(sorted(self.owner.items())), self._weighted, groups
 
     def _agree_on_arguments(self, refusal: Optional[Exception]) -> None:
@@ -241,7 +273,7 @@ class TableWiseSharding:
         differ = [rank for rank, (_, arguments) in enumerate(everyone) if arguments != everyone[0][1]]
         if differ:
             fields = ("tables (name, rows, dim, features, pooling)", "owners", "is_weighted",
-                      "groups (input_group is None, output_group is None, the same group)")
+                      "groups (keys on the default group, output group made by the sharding)")
             first, other = everyone[0][1], everyone[differ[0]][1]
             diffs = "; ".join(f"{field}: {a!r} on rank 0, {b!r} on rank {differ[0]}"
                               for field, a, b in zip(fields, first, other) if a != b)

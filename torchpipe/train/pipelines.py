@@ -86,12 +86,8 @@ def train_step(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], bat
 
 
 def dense_replica(model: nn.Module, collection: nn.Module) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """The replicated part of a sharded model: its parameters that can have a gradient (the
-    frozen ones too, which keep ``None``) and its buffers, the collection's own left out.
-
-    Read at every step, as DDP's replica would see them: a layer unfrozen later is averaged,
-    and every rank's all-reduce has the same size whichever parameters it trains.
-    """
+    """The replicated part of a sharded model, the collection's own tensors left out: its
+    parameters (floating point: those that can have a gradient) and its buffers."""
     own = {id(t) for t in collection.parameters()} | {id(t) for t in collection.buffers()}
     parameters = [p for p in model.parameters() if id(p) not in own and (p.is_floating_point() or p.is_complex())]
     buffers = [b for b in model.buffers() if id(b) not in own]
@@ -577,8 +573,9 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
     with TorchRec's DMP + DDP: its parameters and buffers are broadcast from the first rank
     when the pipeline is built, and its gradients are all-reduced before the dense optimizer
     steps, averaged (``dense_grads='mean'``, DDP's rule) or summed (``'sum'``, for a loss that
-    sums over samples), with the first rank's buffers in the same round (`dense_replica`:
-    read at every step).
+    sums over samples), with the first rank's buffers in the same round. The trained
+    parameters are read at every step (freeze and unfreeze alike on every rank), the buffers
+    when the pipeline is built.
 
     Failure: the first error of any stage surfaces with its type; in-flight batches are
     dropped *after* their swaps are completed (swaps move rows, they never change them),
@@ -652,11 +649,15 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         self._dense_sync: Optional[Callable[[bool], List[int]]] = None
         if sharding is not None:
             group, average, device, collection = sharding.output_group, dense_grads == "mean", self.device, self.collection
-            broadcast_from_first_rank([t for ts in dense_replica(model, collection) for t in ts], group)  # as DDP
+            parameters, buffers = dense_replica(model, collection)
+            broadcast_from_first_rank(parameters + buffers, group)  # every replica starts equal, as with DDP
 
             def dense_sync(failed: bool) -> List[int]:
-                parameters, buffers = dense_replica(model, collection)
-                return all_reduce_dense_grads(parameters, group, average, failed, device, buffers)
+                # The trained parameters as of this step (a layer unfrozen later is averaged; the
+                # frozen ones cost nothing), and the buffers as built (DDP's list too: every rank's
+                # broadcast has the same layout, whatever a layer later registers).
+                trained = [p for p in dense_replica(model, collection)[0] if p.requires_grad]
+                return all_reduce_dense_grads(trained, group, average, failed, device, buffers)
 
             self._dense_sync = dense_sync
         # Swaps run on host threads but move rows in device memory: on an accelerator they get
