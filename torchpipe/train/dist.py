@@ -25,8 +25,8 @@ returns the gradients to the owner).
 Collectives of one group must be issued in the same order on every rank. A pipeline issues
 input dists on a host thread and output dists (and their backward) on the compute thread,
 concurrently; so they take **two** process groups (``input_group``, ``output_group``),
-each used by one thread in batch order. An output group left out is made beside the input
-group (`output_group_beside_the_world`).
+each used by one thread in batch order. With the keys on the default group, an output group
+left out is made once per job (`output_group_beside_the_world`); with a subgroup it is given.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from ..rec.batch_keys import TABLE_DTYPE, check_kjt, embedding_names_by_table, t
 from ..notes import add_note
 from ..rec.errors import RecInputError
 
-__all__ = ["TableWiseSharding", "DistSplits", "ExchangeRecord", "all_to_all", "output_group_beside_the_world", "group_timeout"]
+__all__ = ["TableWiseSharding", "DistSplits", "ExchangeRecord", "all_to_all", "output_group_beside_the_world",
+           "group_timeout"]
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: 
     votes[rank] = float(failed)
     buckets = grad_buckets(parameters, extra=votes, scale=1.0 / world if average else 1.0)
     source = dist.get_global_rank(group, 0) if group is not None else 0
-    firsts = [flatten(same_dtype) for same_dtype in by_dtype(buffers)]
+    buffer_groups = by_dtype(buffers)
+    firsts = [flatten(same_dtype) for same_dtype in buffer_groups]
     works = [dist.broadcast(flat, src=source, group=group, async_op=True) for flat in firsts]
     works += [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in buckets]
     for work in works:
@@ -134,7 +135,7 @@ def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: 
     if not failed_ranks:
         for flat, bucket in buckets:
             write_back_grads(flat, bucket)
-        for flat, same_dtype in zip(firsts, by_dtype(buffers)):
+        for flat, same_dtype in zip(firsts, buffer_groups):
             unflatten_into(flat, same_dtype)
     return failed_ranks
 
