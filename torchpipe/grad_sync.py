@@ -128,6 +128,33 @@ def write_back_grads(flat: Tensor, parameters: Sequence[Tensor]) -> None:
             parameter.grad.copy_(value)
 
 
+def start_first_rank_broadcast(tensors: Sequence[Tensor], group: Any) -> List[Tuple[Any, Tensor, List[Tensor]]]:
+    """Start broadcasting the first rank of ``group``'s values of ``tensors``, one flat buffer
+    per dtype: ``(work, buffer, tensors)`` each; `unflatten_into` a buffer once its work is done.
+
+    All are issued before any is waited for, so that a KeyboardInterrupt in a wait (which gets
+    through: the waits are polled) leaves no broadcast unissued for the peers to pair with
+    the next collective."""
+    import torch.distributed as dist
+
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    issued = []
+    for same_dtype in by_dtype(tensors):
+        flat = flatten(same_dtype)
+        issued.append((dist.broadcast(flat, src=source, group=group, async_op=True), flat, same_dtype))
+    return issued
+
+
+def take_first_ranks_values(tensors: Sequence[Tensor], group: Any) -> None:
+    """The first rank of ``group``'s values of ``tensors`` (parameters, buffers) on every rank."""
+    issued = start_first_rank_broadcast(tensors, group)
+    for work, _, _ in issued:
+        _wait(work)
+    with torch.no_grad():
+        for _, flat, same_dtype in issued:
+            unflatten_into(flat, same_dtype)
+
+
 class _Round:
     """One step's collectives: started by the workers, finished by the caller.
 
@@ -306,22 +333,8 @@ class GradientSync:
                                  f"{layout[1]}: every rank must build the same Pipe (model, dtype and balance)")
 
     def _broadcast(self, tensors: Sequence[Tensor]) -> None:
-        """The first rank's values of ``tensors`` on every rank: one broadcast per dtype, all
-        issued before any is waited for, so that a KeyboardInterrupt in a wait (which gets
-        through: the waits are polled) leaves no broadcast unissued for the peers to pair with
-        the step's next collective."""
-        import torch.distributed as dist
-
-        source = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        with torch.no_grad():
-            issued = []
-            for group in by_dtype(tensors):
-                flat = flatten(group)
-                issued.append((dist.broadcast(flat, src=source, group=self.process_group, async_op=True), flat, group))
-            for work, _, _ in issued:
-                _wait(work)
-            for _, flat, group in issued:
-                unflatten_into(flat, group)
+        """The first rank's values of ``tensors`` on every rank (`take_first_ranks_values`)."""
+        take_first_ranks_values(tensors, self.process_group)
 
     def broadcast_buffers_now(self) -> None:
         """Every rank takes the first rank's buffers (done before each step by default)."""

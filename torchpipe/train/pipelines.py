@@ -22,7 +22,8 @@ from torchrec import KeyedJaggedTensor
 
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
-from ..grad_sync import PeerStepFailed, by_dtype, flatten, grad_buckets, unflatten_into, write_back_grads
+from ..grad_sync import (PeerStepFailed, grad_buckets, start_first_rank_broadcast, take_first_ranks_values,
+                         unflatten_into, write_back_grads)
 from ..notes import add_note
 from ..rec import BatchPlan, CachedEmbeddingBagCollection, CacheTooSmallError
 from ..rec.batch_keys import BatchKeys, check_kjt
@@ -94,16 +95,6 @@ def dense_replica(model: nn.Module, collection: nn.Module) -> Tuple[List[torch.T
     return parameters, buffers
 
 
-def broadcast_from_first_rank(tensors: List[torch.Tensor], group: Any) -> None:
-    """Copy the first rank's values of ``tensors`` (parameters, buffers) to every rank of ``group``."""
-    import torch.distributed as dist
-
-    source = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for tensor in tensors:
-            dist.broadcast(tensor.data, src=source, group=group)
-
-
 def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: bool, failed: bool,
                            device: torch.device, buffers: Sequence[torch.Tensor] = ()) -> List[int]:
     """Sum (or average, as DDP) the dense gradients over ``group``, and learn which ranks' steps
@@ -124,19 +115,17 @@ def all_reduce_dense_grads(parameters: List[torch.Tensor], group: Any, average: 
     votes = torch.zeros(world, device=device)  # where the group reduces (with no dense parameter to go by)
     votes[rank] = float(failed)
     buckets = grad_buckets(parameters, extra=votes, scale=1.0 / world if average else 1.0)
-    source = dist.get_global_rank(group, 0) if group is not None else 0
-    buffer_groups = by_dtype(buffers)
-    firsts = [flatten(same_dtype) for same_dtype in buffer_groups]
-    works = [dist.broadcast(flat, src=source, group=group, async_op=True) for flat in firsts]
-    works += [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in buckets]
+    firsts = start_first_rank_broadcast(buffers, group)
+    works = [work for work, _, _ in firsts] + [dist.all_reduce(flat, group=group, async_op=True) for flat, _ in buckets]
     for work in works:
         work.wait()
     failed_ranks = [r for r, vote in enumerate(buckets[0][0][-world:].tolist()) if vote]
     if not failed_ranks:
         for flat, bucket in buckets:
             write_back_grads(flat, bucket)
-        for flat, same_dtype in zip(firsts, buffer_groups):
-            unflatten_into(flat, same_dtype)
+        with torch.no_grad():
+            for _, flat, same_dtype in firsts:
+                unflatten_into(flat, same_dtype)
     return failed_ranks
 
 
@@ -651,7 +640,7 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
         if sharding is not None:
             group, average, device, collection = sharding.output_group, dense_grads == "mean", self.device, self.collection
             parameters, buffers = dense_replica(model, collection)
-            broadcast_from_first_rank(parameters + buffers, group)  # every replica starts equal, as with DDP
+            take_first_ranks_values(parameters + buffers, group)  # every replica starts equal, as with DDP
 
             def dense_sync(failed: bool) -> List[int]:
                 # The trained parameters as of this step (a layer unfrozen later is averaged; the
