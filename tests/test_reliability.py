@@ -1218,7 +1218,8 @@ print("nested ok", flush=True)
     assert "nested ok" in out
 
 
-def test_a_call_back_into_the_pipe_through_another_thread_is_refused_not_a_deadlock():
+@pytest.mark.parametrize("chunks", [1, 2])  # one micro-batch runs on the caller's thread, two on the workers
+def test_a_call_back_into_the_pipe_through_another_thread_is_refused_not_a_deadlock(chunks):
     """A stage that calls its own Pipe through a host task, or through a second Pipe."""
     out = _run_script(_WATCHDOG + """
 import torch
@@ -1230,9 +1231,9 @@ class ViaPool(nn.Module):
     def forward(self, x):
         return pool.submit(lambda: pipe(x + 1)).result()
 
-pipe = Pipe(nn.Sequential(ViaPool(), nn.Identity()), [1, 1], chunks=1)
+pipe = Pipe(nn.Sequential(ViaPool(), nn.Identity()), [1, 1], chunks=CHUNKS)
 try:
-    pipe(torch.zeros(1, 1))
+    pipe(torch.zeros(2, 1))
 except RuntimeError as exc:
     assert "re-entrant" in str(exc), exc
     print("via pool refused", flush=True)
@@ -1246,17 +1247,17 @@ class Call(nn.Module):
     def forward(self, x):
         return targets[self.name](x)
 
-a = Pipe(nn.Sequential(Call("b"), nn.Identity()), [1, 1], chunks=1)
-b = Pipe(nn.Sequential(Call("a"), nn.Identity()), [1, 1], chunks=1)
+a = Pipe(nn.Sequential(Call("b"), nn.Identity()), [1, 1], chunks=CHUNKS)
+b = Pipe(nn.Sequential(Call("a"), nn.Identity()), [1, 1], chunks=CHUNKS)
 targets.update(a=a, b=b)
 try:
-    a(torch.zeros(1, 1))
+    a(torch.zeros(2, 1))
 except RuntimeError as exc:
     assert "re-entrant" in str(exc), exc
     print("a -> b -> a refused", flush=True)
 targets["b"] = lambda x: x + 1  # both still work
-print("after", a(torch.zeros(1, 1)).item(), b(torch.zeros(1, 1)).item(), flush=True)
-""")
+print("after", a(torch.zeros(2, 1))[0].item(), b(torch.zeros(2, 1))[0].item(), flush=True)
+""".replace("CHUNKS", str(chunks)))
     assert "via pool refused" in out and "a -> b -> a refused" in out and "after 1.0 1.0" in out
 
 
@@ -1278,13 +1279,13 @@ def interrupt():  # a real Ctrl-C: interrupt_main() cannot wake a blocked wait
     for _ in range({interrupts}):
         time.sleep(0.5); os.kill(os.getpid(), signal.SIGINT)
 
-pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=1)
-pipe(-torch.ones(1, 1))
+pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=2)  # two micro-batches: one alone runs on this thread
+pipe(-torch.ones(2, 1))
 before = pipe.last_step
 threading.Thread(target=interrupt, daemon=True).start()
 start = time.perf_counter()
 try:
-    pipe(torch.ones(1, 1))
+    pipe(torch.ones(2, 1))
 except KeyboardInterrupt:
     print("interrupted after %.1f s" % (time.perf_counter() - start), flush=True)
 print("record", pipe.last_step is not before, pipe.last_step.error, flush=True)
@@ -1293,13 +1294,13 @@ try:
 except ValueError as exc:
     print("no report:", exc, flush=True)
 try:
-    pipe(torch.zeros(1, 1))
+    pipe(torch.zeros(2, 1))
 except RuntimeError as exc:
     assert "has not returned" in str(exc), exc
     print("refused while stuck", flush=True)
 release.set()
 time.sleep(0.2)
-print("after", pipe(-torch.ones(1, 1)).item(), flush=True)
+print("after", pipe(-torch.ones(2, 1))[0].item(), flush=True)
 pipe.close()
 """
 
@@ -1311,10 +1312,10 @@ import torchpipe.runtime
 from torchpipe import Pipe
 torchpipe.runtime.ABANDON_AFTER_S = 0.5
 """ + _STUCK_LAYER + """
-pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=1)
+pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=2)  # two micro-batches: one alone runs on this thread
 threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 try:
-    pipe(torch.ones(1, 1))
+    pipe(torch.ones(2, 1))
 except KeyboardInterrupt:
     print("interrupted", flush=True)
 with warnings.catch_warnings(record=True) as told:
@@ -1323,7 +1324,7 @@ with warnings.catch_warnings(record=True) as told:
 print(str(told[0].message) if told else "no warning", flush=True)
 print(told[0].filename == "<string>" if told else "", flush=True)
 try:
-    pipe(torch.zeros(1, 1))
+    pipe(torch.zeros(2, 1))
 except RuntimeError as exc:
     print(exc, flush=True)
 release.set()
@@ -1355,6 +1356,42 @@ def test_a_stage_that_never_returns_is_left_behind_at_a_second_interrupt_or_afte
     # previous step's record and report were still shown, as if they were this one's).
     assert "record True KeyboardInterrupt" in out, out
     assert "no report: the step failed (KeyboardInterrupt)" in out, out
+
+
+_STUCK_STAGE_ON_THE_CALLERS_THREAD = """
+import signal, torch
+from torch import nn
+from torchpipe import Pipe
+release = threading.Event()
+
+class Stuck(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            release.wait()
+        return x
+
+pipe = Pipe(nn.Sequential(nn.Identity(), Stuck(), nn.Identity()), [1, 1, 1], chunks=1)
+threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+start = time.perf_counter()
+try:
+    pipe(torch.ones(2, 1))
+except KeyboardInterrupt as exc:
+    frames = [f.name for f in __import__("traceback").extract_tb(exc.__traceback__)]
+    print("interrupted after %.1f s" % (time.perf_counter() - start), "in the stage", "forward" in frames, flush=True)
+print("record", pipe.last_step.error, pipe.last_step.labels[pipe.last_step.failed_job], flush=True)
+print("after", pipe(-torch.ones(2, 1))[0].item(), flush=True)
+pipe.close()
+"""
+
+
+def test_a_stuck_stage_of_a_one_micro_batch_call_takes_the_interrupt_itself_as_the_plain_model_would():
+    """One micro-batch on CPU stages runs on the caller's thread: Ctrl-C lands in the stage's
+    own wait, as in the plain model, so the call ends at once and leaves nothing behind."""
+    out = _run_script(_WATCHDOG + _STUCK_STAGE_ON_THE_CALLERS_THREAD)
+    waited = float(re.search(r"interrupted after ([0-9.]+) s in the stage True", out).group(1))
+    assert 0.4 <= waited < 5, out
+    assert "record KeyboardInterrupt stage 1 F mb 0" in out, out
+    assert "after -1.0" in out, out
 
 
 _ABORT_CUT_SHORT = """

@@ -548,3 +548,159 @@ def test_a_ctrl_c_during_a_latch_wait_leaves_it_usable():
     threading.Timer(0.05, latch.set).start()
     latch.wait()
     assert latch.is_set()
+
+
+# --------------------------------------------------------------------------- one chain, on the caller's thread
+def chain_program(functions):
+    """Job i on worker i, each taking the one before it: a one-micro-batch pipeline."""
+    program = Program(len(functions))
+    for i, function in enumerate(functions):
+        program.add(i, i, function, deps=[i - 1] if i else [], label=f"job {i}", keep=i == len(functions) - 1)
+    return program
+
+
+def test_a_program_is_one_chain_only_when_no_two_jobs_could_overlap():
+    assert [j.key for j in chain_program([const(1)] * 3).freeze().chain_order] == [0, 1, 2]
+    # Ordered by their worker alone: a worker's jobs never overlap.
+    program = Program(2)
+    program.add(0, "a", const(1))
+    program.add(0, "b", const(2))
+    program.add(1, "c", const(3), deps=["b"])
+    assert [j.key for j in program.freeze().chain_order] == ["a", "b", "c"]
+    # Two micro-batches: stage 1 of the first can overlap stage 0 of the second.
+    program = Program(2)
+    for mb in range(2):
+        program.add(0, ("F", 0, mb), const(mb))
+        program.add(1, ("F", 1, mb), const(mb), deps=[("F", 0, mb)])
+    assert program.freeze().chain_order is None
+    # Two independent jobs on two workers.
+    program = Program(2)
+    program.add(0, "a", const(1))
+    program.add(1, "b", const(2))
+    assert program.freeze().chain_order is None
+    # A join after a fork is no chain either.
+    program = Program(3)
+    program.add(0, "a", const(1))
+    program.add(1, "b", const(2), deps=["a"])
+    program.add(2, "c", const(3), deps=["a"])
+    assert program.freeze().chain_order is None
+
+
+def test_a_chain_runs_on_the_callers_thread_only_when_asked(make_runtime):
+    runtime = make_runtime(3)
+    seen = []
+
+    def step(ctx, inputs):
+        seen.append(threading.get_ident())
+        return (inputs[0] if inputs else 0) + 1
+
+    program = chain_program([step] * 3)
+    assert runtime.run(program, None, inline_chains=True) == {2: 3}
+    assert seen == [threading.get_ident()] * 3
+    record = runtime.last_step
+    assert record.labels == ["job 0", "job 1", "job 2"] and record.workers == [0, 1, 2]
+    assert all(s >= 0 for s in record.starts) and record.ends[0] <= record.starts[1] <= record.ends[1] <= record.starts[2]
+    assert record.error is None and record.failed_job is None
+    seen.clear()
+    assert runtime.run(program, None) == {2: 3}  # not asked: the workers run it
+    assert threading.get_ident() not in seen and len(set(seen)) == 3
+
+
+def test_an_inline_chain_drops_each_result_once_its_consumer_took_it(make_runtime):
+    runtime = make_runtime(3)
+    alive = []
+
+    class Activation:
+        pass
+
+    def make(ctx, inputs):
+        value = Activation()
+        alive.append(weakref.ref(value))
+        return value
+
+    def check_the_first_is_gone(ctx, inputs):
+        assert alive[0]() is None, "job 0's result outlived its only consumer"
+        return 1
+
+    program = chain_program([make, make, check_the_first_is_gone])
+    assert runtime.run(program, None, inline_chains=True) == {2: 1}
+    assert all(ref() is None for ref in alive)
+
+
+def test_an_inline_failure_keeps_its_type_traceback_and_record_and_the_runtime_works_after(make_runtime):
+    runtime = make_runtime(3)
+    aborted = []
+
+    def boom(ctx, inputs):
+        raise Boom("stage 1 failed")
+
+    def never(ctx, inputs):
+        raise AssertionError("a job after the failure ran")
+
+    program = chain_program([const(1), boom, never])
+    with pytest.raises(Boom, match="stage 1 failed") as info:
+        runtime.run(program, None, on_abort=aborted.append, inline_chains=True)
+    assert info.traceback[-1].name == "boom"
+    assert len(aborted) == 1 and isinstance(aborted[0], Boom)
+    record = runtime.last_step
+    assert record.failed_job == 1 and record.error == "Boom: stage 1 failed"
+    assert record.starts[0] >= 0 and record.starts[1] >= 0 and record.starts[2] == -1.0
+    assert runtime.run(chain_program([const(1), const(2)]), None, inline_chains=True) == {1: 2}
+
+
+def test_an_interrupt_in_an_inline_job_reaches_the_caller_and_the_runtime_works_after(make_runtime):
+    runtime = make_runtime(2)
+
+    def interrupted(ctx, inputs):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runtime.run(chain_program([const(1), interrupted]), None, inline_chains=True)
+    assert runtime.last_step.failed_job == 1 and runtime.last_step.error == "KeyboardInterrupt"
+    assert runtime.run(chain_program([const(1), const(5)]), None, inline_chains=True) == {1: 5}
+
+
+def test_an_inline_job_that_calls_its_own_runtime_is_refused_not_deadlocked(make_runtime):
+    runtime = make_runtime(2)
+    refused = []
+
+    def calls_back(ctx, inputs):
+        try:
+            runtime.run(chain_program([const(1)]), None, inline_chains=True)
+        except RuntimeError as exc:
+            refused.append(str(exc))
+        return 1
+
+    result = {}
+    caller = threading.Thread(target=lambda: result.update(runtime.run(
+        chain_program([const(0), calls_back]), None, inline_chains=True)), daemon=True)
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive(), "a job calling its own runtime deadlocked"
+    assert result == {1: 1} and refused and "re-entrant" in refused[0]
+    # Once the step is over, the same call from the same thread is no longer refused.
+    runtime.refuse_worker_caller()
+
+
+def test_an_inline_job_runs_under_the_calls_grad_mode_and_a_backward_job_outside_autocast(make_runtime):
+    from torchpipe.thread_state import outside_autocast
+
+    runtime = make_runtime(3)
+    seen = []
+
+    def turns_grad_off(ctx, inputs):
+        seen.append(("grad", torch.is_grad_enabled()))
+        torch.set_grad_enabled(False)
+        return 1
+
+    def looks(ctx, inputs):
+        seen.append(("grad", torch.is_grad_enabled()))
+        seen.append(("autocast", torch.is_autocast_enabled("cpu")))
+        return 2
+
+    program = chain_program([turns_grad_off, looks, outside_autocast(lambda ctx, inputs: looks(ctx, inputs))])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        runtime.run(program, None, device_types=["cpu"], inline_chains=True)
+        assert torch.is_autocast_enabled("cpu")
+    assert torch.is_grad_enabled()
+    assert seen == [("grad", True), ("grad", True), ("autocast", True), ("grad", True), ("autocast", False)]

@@ -78,7 +78,7 @@ def test_the_even_split_stays_within_the_callers_own_thread_limit(monkeypatch):
 
     def worker_threads(balance):
         with Pipe(nn.Sequential(Probe(), nn.Linear(2, 2), nn.Identity(), nn.Identity()), balance,
-                  devices=["cpu"] * len(balance)) as pipe:
+                  devices=["cpu"] * len(balance), chunks=2) as pipe:  # one micro-batch runs on this thread
             pipe(torch.randn(4, 2))
         return seen_in_stage[-1]
 

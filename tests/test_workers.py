@@ -425,7 +425,7 @@ def test_default_budget_on_this_machine_gives_at_least_one_thread():
     log = {}
     stages = cores() + 2
     model = nn.Sequential(*[RecordThreads(log) for _ in range(stages)])
-    with Pipe(model, [1] * stages, chunks=1, checkpoint="never") as pipe:
+    with Pipe(model, [1] * stages, chunks=2, checkpoint="never") as pipe:  # one micro-batch runs on this thread
         pipe(torch.randn(2, 2))
     assert sorted(log.values()) == [1] * stages
 

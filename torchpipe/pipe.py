@@ -1114,7 +1114,9 @@ class Pipe(nn.Module):
                 grad_round.start()
             device_types = self._device_types
             if device_types == ["cpu"]:  # no streams, nothing to fence
-                results = self._runtime.run(program, context, device_types)
+                # One micro-batch runs on this thread, unless the workers' own thread cap was asked for.
+                results = self._runtime.run(program, context, device_types,
+                                            inline_chains=self._intra_op_threads is None)
             else:
                 streams_wait_for_caller(self._worker_streams())
                 try:

@@ -8,6 +8,8 @@ keeps the per-task cost low (torchgpipe's scheduler thread takes a round trip pe
 barrier per clock cycle). A worker whose first job needs results is queued by the job that
 completes the last of them, not at the start of the step: woken early it would only block
 again on its input, one more thread wake-up on the critical path of a one-micro-batch call.
+A program that is one chain (no two jobs could overlap) may instead run on the caller's
+thread, job after job (``run(..., inline_chains=True)``): then no thread hand-off at all.
 
 Failure handling: the first exception of any job, on any worker, aborts the step. Every wait
 on a dependency wakes up on abort, the remaining jobs of the step are skipped, the runtime
@@ -19,18 +21,19 @@ installed, and the next call ends it, or refuses while that job runs on.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import call_chain
 from .call_chain import adopt
 from .checks import check_file_path
-from .thread_state import ThreadState, runs_outside_autocast
+from .thread_state import ThreadState, leave_autocast, runs_outside_autocast
 from .workers import STOP_TIMEOUT_S, Task, Worker, fork_generation, stop_workers
 
 __all__ = ["Program", "Runtime", "StepRecord", "ThreadState", "StepAborted", "Latch"]
@@ -123,7 +126,13 @@ class Program:
                 job.deps = tuple(self._index[k] for k in job.dep_keys)
             except KeyError as exc:
                 raise ValueError(f"job {job.label!r} depends on unknown job {exc.args[0]!r}") from None
-        self._check_executable()
+        order = self._check_executable()
+        # One chain: every job waits on the one before it (its input, or its worker's previous
+        # job), so no two jobs could ever run at once, and threads would only add hand-offs.
+        chained = all(
+            b.worker == a.worker or a.index in b.deps for a, b in zip(order, order[1:])
+        )
+        self.chain_order: Optional[Tuple[_Job, ...]] = tuple(order) if chained else None
         self.consumers = [0] * len(self.jobs)
         for job in self.jobs:
             for dep in job.deps:
@@ -150,21 +159,23 @@ class Program:
         self._frozen = True
         return self
 
-    def _check_executable(self) -> None:
+    def _check_executable(self) -> List[_Job]:
+        """Every job in an order it can run in (one at a time); ValueError if some never could."""
         done = [False] * len(self.jobs)
         cursor = [0] * self.num_workers
-        remaining = len(self.jobs)
-        while remaining:
+        order: List[_Job] = []
+        while len(order) < len(self.jobs):
             progressed = False
             for w, jobs in enumerate(self.worker_jobs):
                 while cursor[w] < len(jobs) and all(done[d] for d in jobs[cursor[w]].deps):
                     done[jobs[cursor[w]].index] = True
+                    order.append(jobs[cursor[w]])
                     cursor[w] += 1
-                    remaining -= 1
                     progressed = True
             if not progressed:
                 stuck = [jobs[cursor[w]].label for w, jobs in enumerate(self.worker_jobs) if cursor[w] < len(jobs)]
                 raise ValueError(f"program would deadlock: every worker waits ({', '.join(stuck)})")
+        return order
 
 
 @dataclass
@@ -280,6 +291,11 @@ def describe_error(error: BaseException) -> str:
     except Exception:  # noqa: BLE001 - a user's exception class with a broken __str__
         message = "<str() of the error failed>"
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def _profiled(profiling: bool, label: str) -> ContextManager[Any]:
+    """A profiler range named ``label`` while a profiler records; nothing otherwise."""
+    return torch.profiler.record_function(label) if profiling else contextlib.nullcontext()
 
 
 def _action_fields(key: Any) -> Dict[str, Any]:
@@ -474,6 +490,7 @@ class Runtime:
         self.last_step: Optional[StepRecord] = None
         self._worker_threads = {w.thread.ident for w in self.workers}
         self._built_in = fork_generation()
+        self._inline_owner: Optional[int] = None  # the step running on its caller's thread, if one is
 
     def _try_end(self, step: _Step, wait_s: float, error: Optional[BaseException]) -> bool:
         """End ``step`` if its workers pass what it gave them within ``wait_s``; else leave it.
@@ -526,7 +543,8 @@ class Runtime:
         if threading.get_ident() in self._worker_threads:
             raise RuntimeError(message)
         step = self._step  # work that kept the chain of an ended step is free to call
-        if step is not None and step.owner in call_chain.current().owners:
+        owners = call_chain.current().owners
+        if step is not None and step.owner in owners or self._inline_owner in owners:
             raise RuntimeError(message)
 
     def _tasks_for(self, program: Program) -> List[List[Task]]:
@@ -645,11 +663,17 @@ class Runtime:
         device_types: Sequence[str] = ("cpu",),
         on_abort: Optional[Callable[[Optional[BaseException]], None]] = None,
         owner: Optional[int] = None,
+        inline_chains: bool = False,
     ) -> Dict[Hashable, Any]:
         """Run one step of ``program``; returns the results of its ``keep`` jobs by key.
 
         ``owner`` names the step in the chains of the work it waits on (a fresh token by
         default); a caller whose one call spans several steps passes one token to all.
+
+        ``inline_chains=True``: a program that is one chain (no two of its jobs could ever run
+        at once: a pipeline of one micro-batch) runs on the caller's thread, job after job,
+        saving a thread hand-off per job. For workers whose thread adds nothing a job needs:
+        CPU workers (the caller's intra-op thread count then applies), not accelerator ones.
 
         ``on_abort(error)`` is called once if the step aborts (a job failed, or the caller
         was interrupted), so that waits outside the runtime can be woken too.
@@ -665,11 +689,13 @@ class Runtime:
         program.freeze()
         with self._lock:
             token = call_chain.new_owner() if owner is None else owner
+            self._end_left_behind_or_refuse()
+            if inline_chains and program.chain_order is not None:
+                return self._run_inline(program, context, device_types, on_abort, token)
             return self._run_locked(program, context, ThreadState(device_types, token), on_abort)
 
-    def _run_locked(
-        self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]]
-    ) -> Dict[Hashable, Any]:
+    def _end_left_behind_or_refuse(self) -> None:
+        """End the step an interrupted call left installed, or raise while one of its jobs runs on."""
         previous = self._step
         if previous is not None and not self._try_end(previous, LEFT_BEHIND_WAIT_S, None):
             raise RuntimeError(
@@ -678,6 +704,94 @@ class Runtime:
                 "waits for this pipeline), holds its worker. Nothing can run here until it returns, and then this "
                 "pipeline works again; if it never will, close() this pipeline and build a new one"
             )
+
+    def _run_inline(self, program: Program, context: Any, device_types: Sequence[str],
+                    on_abort: Optional[Callable[[Optional[BaseException]], None]], owner: int) -> Dict[Hashable, Any]:
+        """Run a one-chain program on this thread, in its order, as the workers would have.
+
+        What a worker carries over is this thread's own state already; what differs is put
+        around each job as the workers put it: the step's call chain (a stage that calls this
+        pipeline again is refused, RNG locks pass down), the grad mode of the call (a job
+        that changes it does not leak into the next), the caller's autocast left for a
+        backward job, and a profiler range named by the job's label. A failure is the step's:
+        the on_abort hook wakes waits outside the runtime, the record marks the failed job,
+        and the error goes up as raised. Nothing is left running, so nothing stays installed.
+        """
+        jobs = program.chain_order
+        assert jobs is not None
+        n = len(program.jobs)
+        values: List[Any] = [None] * n
+        remaining = list(program.consumers)
+        keep = program.keep
+        starts, ends = [-1.0] * n, [-1.0] * n
+        cancel = call_chain.Cancel()
+        caller_chain = call_chain.current()
+        chain = caller_chain.serving(owner, cancel)
+        grad_enabled = torch.is_grad_enabled()
+        profiling = bool(torch.autograd.profiler._is_profiler_enabled)
+        failed: Optional[int] = None
+        error: Optional[BaseException] = None
+        wall_start = time.perf_counter()
+        self._inline_owner = owner
+        try:
+            for job in jobs:
+                index = job.index
+                inputs = tuple([values[d] for d in job.deps])
+                for d in job.deps:
+                    remaining[d] -= 1
+                    if not remaining[d] and not keep[d]:
+                        values[d] = None
+                adopt(chain)
+                torch._C._set_grad_enabled(grad_enabled)
+                start = time.perf_counter()
+                try:
+                    if runs_outside_autocast(job.function):
+                        with leave_autocast(device_types), _profiled(profiling, job.label):
+                            value = job.function(context, inputs)
+                    elif profiling:
+                        with torch.profiler.record_function(job.label):
+                            value = job.function(context, inputs)
+                    else:
+                        value = job.function(context, inputs)
+                except BaseException:  # noqa: B902 - the record shows the failed job, up to its failure
+                    ends[index] = time.perf_counter()
+                    starts[index] = start
+                    failed = index
+                    raise
+                ends[index] = time.perf_counter()
+                starts[index] = start
+                values[index] = value
+                del inputs, value
+        except BaseException as exc:  # noqa: B902 - KeyboardInterrupt too: the step failed
+            error = exc
+            cancel.cancelled = True
+            if on_abort is not None:
+                try:
+                    on_abort(exc)
+                except BaseException:  # noqa: B902 - the first error is the one to report
+                    pass
+        finally:
+            adopt(caller_chain)
+            torch._C._set_grad_enabled(grad_enabled)
+            self._inline_owner = None
+            wall_end = time.perf_counter()
+        self.last_step = StepRecord(
+            labels=list(program.labels), workers=list(program.job_workers), worker_names=[w.name for w in self.workers],
+            starts=starts, ends=ends, wall_start=wall_start, wall_end=wall_end, keys=list(program.keys),
+            error=None if error is None else describe_error(error), failed_job=failed,
+        )
+        if error is not None:
+            values.clear()  # the traceback holds this frame: the step's activations must not stay with it
+            context = None
+            try:
+                raise error.with_traceback(error.__traceback__)
+            finally:  # this frame is in the traceback: its locals must not hold the error
+                error = None
+        return {key: values[index] for key, index in program.kept}
+
+    def _run_locked(
+        self, program: Program, context: Any, state: ThreadState, on_abort: Optional[Callable[[Optional[BaseException]], None]]
+    ) -> Dict[Hashable, Any]:
         worker_tasks = self._tasks_for(program)
         queues = [worker.in_queue for worker in self.workers]
 

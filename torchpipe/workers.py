@@ -1,4 +1,4 @@
-"""Worker threads: the only place where pipeline work runs.
+"""Worker threads: where pipeline work runs (a one-chain step of CPU stages may run on its caller).
 
 A :class:`Worker` owns one thread, an ``in_queue`` of :class:`Task` objects and (for a device
 worker) one device and compute stream. Tasks run in the order they were queued. A task's

@@ -246,14 +246,15 @@ def _run(options: Options) -> SuiteResult:
     result.notes.append(
         "bare threads = torchpipe.bench.thread_chain: a thread per stage and a queue between neighbours, nothing "
         "else (no plan, timings, error recovery or devices); its overhead is what threads alone cost on this "
-        "machine, and 'torchpipe - bare threads' what the runtime adds on top"
+        "machine, and 'torchpipe - bare threads' what the runtime adds on top. At chunks=1 the plan is one chain "
+        "and torchpipe runs it on the caller's thread, with no hand-off, so it may come in below that floor"
     )
     handoff = thread_handoff_us(2000 if options.quick else 20000)
     result.config["thread_handoff_round_trip_us"] = round(handoff, 1)
     result.notes.append(
         f"this machine's thread hand-off: a lock ping-pong between two threads takes {handoff:.1f} us per round trip "
-        "(measured now). Every pipeline pays at least one hand-off per (stage, micro-batch) and one GIL hand-off per "
-        "torch op while several stages run; where a round trip costs hundreds of us, that bounds the overhead from below"
+        "(measured now). A pipeline pays at least one hand-off per (stage, micro-batch) it runs on a thread of "
+        "its own, and one GIL hand-off per torch op while several stages run; where a round trip costs hundreds of us, that bounds the overhead from below"
     )
     if options.quick:
         result.notes.append("quick run: few short repeats, figures are indicative only")
