@@ -235,6 +235,40 @@ def test_partitions_that_start_in_place(call, checkpoint, lead):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+class InPlaceByClass(nn.Module):
+    inplace = True
+
+    def forward(self, x):
+        return x.mul_(2)
+
+
+class InPlaceByProperty(nn.Module):
+    @property
+    def inplace(self):
+        return True
+
+    def forward(self, x):
+        return x.mul_(2)
+
+
+class InPlaceBuffer(nn.Module):  # a buffer named like the flag: nn.Module.__getattr__ finds it
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inplace", torch.ones(()))
+
+    def forward(self, x):
+        return x * self.inplace
+
+
+@pytest.mark.parametrize("layer", [nn.Linear(2, 2), nn.ReLU(), nn.ReLU(inplace=True), InPlaceByClass(),
+                                   InPlaceByProperty(), InPlaceBuffer()], ids=lambda layer: type(layer).__name__)
+def test_the_per_call_in_place_check_reads_the_flag_as_getattr_does(layer):
+    # Read before every call, without getattr's AttributeError for the many layers that lack it.
+    from torchpipe.lowering import _inplace_flag
+
+    assert bool(_inplace_flag(layer)) == bool(getattr(layer, "inplace", False))
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("leaf_input", [True, False])
 @pytest.mark.parametrize("balance", [[2], [1, 1]])

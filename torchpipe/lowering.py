@@ -156,11 +156,26 @@ def _starts_in_place(modules: Sequence[nn.Module]) -> bool:
     for module in modules:
         if module._modules:  # a container (read per call: no generator, as children() would be)
             continue
-        if getattr(module, "inplace", False):
+        if _inplace_flag(module):
             return True
         if not isinstance(module, _PASS_THROUGH):
             return False
     return False
+
+
+def _inplace_flag(module: nn.Module) -> Any:
+    """``getattr(module, "inplace", False)``, without the AttributeError that a layer with no
+    such attribute (most) raises inside ``nn.Module.__getattr__``: read before every call."""
+    found = module.__dict__
+    if "inplace" in found:
+        return found["inplace"]
+    if hasattr(type(module), "inplace") or any("inplace" in found.get(kind, ()) for kind in _MODULE_SLOTS):
+        return getattr(module, "inplace", False)
+    return False
+
+
+_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+"""Where ``nn.Module.__getattr__`` looks for a name the instance and its class lack."""
 
 
 def _on_private_copy(partition: nn.Module, aliased_skip: Optional[Tuple[int, str]] = None) -> Callable[[Any], Any]:
