@@ -349,7 +349,8 @@ class Pipe(nn.Module):
         checkpoint: ``'always'``, ``'except_last'`` (default) or ``'never'``.
         deferred_batch_norm: track BatchNorm statistics over the whole mini-batch.
         intra_op_threads: intra-op threads per CPU worker (default: the cores, capped by the caller's own
-            thread limit such as ``OMP_NUM_THREADS``, divided evenly).
+            thread limit such as ``OMP_NUM_THREADS``, divided evenly). Given, it also keeps a call of one
+            micro-batch on the workers; by default such a call on CPU stages runs on the caller's thread.
         batch_dim: where the batch is in the input: one dim for every tensor (``1`` for a
             sequence-first model), or one entry per item of an input tuple, ``None`` for an
             item passed whole to every micro-batch (a shared mask). Default 0.
@@ -795,7 +796,8 @@ class Pipe(nn.Module):
 
     # ------------------------------------------------------------------ running
     def forward(self, input: TensorOrTensors) -> TensorOrTensors:  # type: ignore[override]
-        """Run ``input`` through the pipeline: micro-batches, worker threads, gathered output."""
+        """Run ``input`` through the pipeline: micro-batches, worker threads, gathered output
+        (one micro-batch on CPU stages runs on this thread: nothing could overlap)."""
         if _compiling():
             return _outside_compile(Pipe.forward)(self, input)
         refuse_untransferable_state("pipe(x)")
