@@ -159,3 +159,94 @@ def test_convolutions_of_one_micro_batch_are_bitwise_without_naming_a_thread_cou
         out.sum().backward()
         expected.sum().backward()
     assert_same_gradients(model, reference)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_inside_torch_checkpoint_a_one_micro_batch_call_matches_the_plain_model_and_records_a_success(use_reentrant):
+    # Review (s35): inline, the stages saved through the checkpoint's hooks, whose early stop
+    # raises inside the recompute's last stage: the step was recorded as failed. Inside a
+    # checkpoint the call keeps to the workers (the Pipe keeps its own saved tensors there).
+    from torch.utils.checkpoint import checkpoint
+
+    log = []
+    model = model_with_probes(log)
+    model[6].p = 0.0  # no dropout: the reentrant recompute of a threaded Pipe may draw differently
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with Pipe(model, [2, 3, 3], chunks=1) as pipe:
+        out = checkpoint(pipe, x, use_reentrant=use_reentrant)
+        out.pow(2).sum().backward()
+        checkpoint(reference, x_ref, use_reentrant=use_reentrant).pow(2).sum().backward()
+        assert pipe.last_step.error is None and pipe.last_report().schedule == "gpipe"
+        assert torch.equal(x.grad, x_ref.grad)
+        assert_same_gradients(pipe, reference)
+        if not use_reentrant:  # inside the checkpoint's hooks: on the workers
+            assert threading.get_ident() not in {thread for thread, _ in log}
+
+
+def test_a_training_loop_inside_one_autocast_block_casts_the_updated_weights_every_step():
+    # Review (s35): inline, the casts of the first step stayed in the caller's autocast cache,
+    # so later steps in the same block computed with the weights from before the updates.
+    def train(block_per_step):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        data = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(4)]
+        losses = []
+        with Pipe(model, [2, 1], chunks=1, checkpoint="never") as pipe:
+            optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+
+            def step(x, y):
+                losses.append(pipe.step(x, y, nn.MSELoss()))
+                optimizer.step()
+                optimizer.zero_grad()
+
+            if block_per_step:
+                for x, y in data:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        step(x, y)
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    for x, y in data:
+                        step(x, y)
+        return losses
+
+    assert torch.equal(torch.stack(train(block_per_step=False)), torch.stack(train(block_per_step=True)))
+
+
+def test_a_plain_profiler_is_warned_about_the_workers_only_for_a_call_that_uses_them(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(torchpipe.thread_state, "_warned_profiler_misses_workers", False)
+    with Pipe(model_with_probes([]), [2, 3, 3], chunks=1) as pipe:
+        with warnings.catch_warnings(record=True) as caught, torch.profiler.profile() as prof:
+            warnings.simplefilter("always")
+            pipe(torch.randn(2, 8))  # on this thread: the profiler records every stage
+            assert not [w for w in caught if "records only the thread" in str(w.message)]
+            pipe.chunks = 2
+            pipe(torch.randn(2, 8))  # on the workers
+    assert "stage 2 F mb 0" in {event.name for event in prof.events()}
+    assert len([w for w in caught if "records only the thread" in str(w.message)]) == 1
+
+
+def test_close_from_a_stage_of_a_call_on_the_callers_thread_closes_the_pipe_once_the_call_ends():
+    # On the workers, a stage's close() is refused (its own step could never end). On the
+    # caller's thread it cannot be told from a signal handler's close(), which the Pipe runs
+    # once the call ends: the call returns, then the Pipe is closed.
+    class Closes(nn.Module):
+        pipe = None
+
+        def forward(self, x):
+            self.pipe.close()
+            return x + 1
+
+    closes = Closes()
+    pipe = Pipe(nn.Sequential(nn.Identity(), closes), [1, 1], chunks=1)
+    Closes.pipe = pipe
+    try:
+        assert torch.equal(pipe(torch.zeros(2, 1)), torch.ones(2, 1))
+        with pytest.raises(RuntimeError, match="closed"):
+            pipe(torch.zeros(2, 1))
+    finally:
+        Closes.pipe = None
+        pipe.close()

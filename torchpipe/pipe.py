@@ -1078,13 +1078,28 @@ class Pipe(nn.Module):
         ``.grad`` tensors cannot be told apart). Read under the lock: another thread's
         step, done meanwhile, keeps its gradients.
         """
-        warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
+        inline = self._runs_on_the_callers_thread(program)
+        if not inline:  # a profiler that records this thread sees the whole of an inline call
+            warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
         self._runtime.refuse_if_forked()  # before anything changes, as the next check
         self._runtime.refuse_worker_caller()  # before the lock: a stage calling its own Pipe
-        return self._step_lock.call(self._run_holding_lock, plan, program, context, step_leaves)
+        return self._step_lock.call(self._run_holding_lock, plan, program, context, step_leaves, inline)
+
+    def _runs_on_the_callers_thread(self, program: Program) -> bool:
+        """Whether this call's program runs on the calling thread (`Runtime.run`'s ``inline_chains``).
+
+        Only a program that is one chain (no two jobs could overlap), on CPU stages (no streams
+        to run on), when no ``intra_op_threads`` was given (that count applies on the workers),
+        and not inside ``torch.utils.checkpoint`` (or another Pipe's checkpointed stage): there
+        the stages would save their tensors through the checkpoint's hooks, whose early stop
+        raises inside the recompute's last stage, and the Pipe keeps its own saved tensors on
+        its workers instead (guide, section 7).
+        """
+        return (program.chain_order is not None and self._device_types == ["cpu"]
+                and self._intra_op_threads is None and not in_torch_checkpoint())
 
     def _run_holding_lock(self, plan: Plan, program: Program, context: Any,
-                          step_leaves: Optional[List[Tensor]]) -> Dict[Any, Any]:
+                          step_leaves: Optional[List[Tensor]], inline: bool) -> Dict[Any, Any]:
         """``_run``'s step itself, under ``_step_lock``."""
         if not self._finalizer.alive:  # closed by another thread since the caller's check
             raise RuntimeError("this Pipe is closed")
@@ -1116,9 +1131,7 @@ class Pipe(nn.Module):
                 grad_round.start()
             device_types = self._device_types
             if device_types == ["cpu"]:  # no streams, nothing to fence
-                # One micro-batch runs on this thread, unless the workers' own thread cap was asked for.
-                results = self._runtime.run(program, context, device_types,
-                                            inline_chains=self._intra_op_threads is None)
+                results = self._runtime.run(program, context, device_types, inline_chains=inline)
             else:
                 streams_wait_for_caller(self._worker_streams())
                 try:
@@ -1256,10 +1269,11 @@ class Pipe(nn.Module):
         """Stop and join the worker threads (idempotent). The Pipe cannot run afterwards.
 
         A call in progress on another thread finishes first. From inside one of the Pipe's own
-        stages, close() raises RuntimeError: the stage's own step could never finish. Called
-        on the thread that is running a call of this Pipe (a signal handler, say a SIGTERM
-        handler that shuts down), it cannot wait for that call, which resumes only once the
-        handler returns: the Pipe then closes as soon as the call ends, failed or not.
+        stages on a worker, close() raises RuntimeError: the stage's own step could never
+        finish. Called on the thread that is running a call of this Pipe (a signal handler, say
+        a SIGTERM handler that shuts down, or a stage of a call that runs on the caller's
+        thread, which cannot be told from one), it cannot wait for that call, which resumes
+        only once it returns: the Pipe then closes as soon as the call ends, failed or not.
         """
         if self._step_lock.held_here():
             self._step_lock.after_call(self.close)

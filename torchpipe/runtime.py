@@ -33,7 +33,7 @@ import torch
 from . import call_chain
 from .call_chain import adopt
 from .checks import check_file_path
-from .thread_state import ThreadState, leave_autocast, runs_outside_autocast
+from .thread_state import ThreadState, autocast_active, leave_autocast, runs_outside_autocast
 from .workers import STOP_TIMEOUT_S, Task, Worker, fork_generation, stop_workers
 
 __all__ = ["Program", "Runtime", "StepRecord", "ThreadState", "StepAborted", "Latch"]
@@ -713,9 +713,14 @@ class Runtime:
         around each job as the workers put it: the step's call chain (a stage that calls this
         pipeline again is refused, RNG locks pass down), the grad mode of the call (a job
         that changes it does not leak into the next), the caller's autocast left for a
-        backward job, and a profiler range named by the job's label. A failure is the step's:
-        the on_abort hook wakes waits outside the runtime, the record marks the failed job,
-        and the error goes up as raised. Nothing is left running, so nothing stays installed.
+        backward job, and a profiler range named by the job's label. Under autocast, the
+        low-precision copies of the weights the step cast are dropped from this thread's cast
+        cache when it ends: a worker's job casts in an autocast region of its own, which drops
+        them, and a cache that outlived the step would hand the next step, in the same
+        autocast block, copies of the weights as they were before the optimizer's update.
+        A failure is the step's: the on_abort hook wakes waits outside the runtime, the record
+        marks the failed job, and the error goes up as raised. Nothing is left running, so
+        nothing stays installed.
         """
         jobs = program.chain_order
         assert jobs is not None
@@ -775,6 +780,8 @@ class Runtime:
             torch._C._set_grad_enabled(grad_enabled)
             self._inline_owner = None
             wall_end = time.perf_counter()
+            if autocast_active(device_types):
+                torch.clear_autocast_cache()
         self.last_step = StepRecord(
             labels=list(program.labels), workers=list(program.job_workers), worker_names=[w.name for w in self.workers],
             starts=starts, ends=ends, wall_start=wall_start, wall_end=wall_end, keys=list(program.keys),

@@ -21,7 +21,7 @@ import torch
 from .call_chain import Cancel, Chain
 from .call_chain import current as current_chain
 
-__all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "current_saved_tensors_hooks", "in_torch_checkpoint", "leave_autocast",
+__all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "autocast_active", "current_saved_tensors_hooks", "in_torch_checkpoint", "leave_autocast",
            "outside_autocast", "records_graphs", "refuse_untransferable_state", "runs_outside_autocast",
            "warn_if_the_profiler_records_this_thread_only"]
 
@@ -265,6 +265,11 @@ def _autocast_types(device_types: Tuple[str, ...]) -> Tuple[str, ...]:
     """The device types with autocast among cpu, cuda (an encoder in front may be on it) and
     ``device_types``: asked once, since `leave_autocast` runs on every call."""
     return tuple(t for t in dict.fromkeys(("cpu", "cuda", *device_types)) if torch.amp.is_autocast_available(t))
+
+
+def autocast_active(device_types: Sequence[str]) -> bool:
+    """Whether autocast is on, on this thread, for cpu, cuda or any of ``device_types``."""
+    return any(torch.is_autocast_enabled(t) for t in _autocast_types(tuple(device_types)))
 
 
 def leave_autocast(device_types: Sequence[str]) -> ContextManager[Any]:
