@@ -40,8 +40,10 @@ def assert_same_gradients(pipe, reference):
         assert torch.equal(got.grad, want.grad), name
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
 def test_one_micro_batch_runs_on_the_callers_thread_and_matches_the_plain_model_bitwise(checkpoint):
+    # 'always' checkpoints the one micro-batch: its forwards hold the generator's lock, which
+    # a Ctrl-C on the caller's thread could leave held, so that call keeps to the workers.
     log = []
     model = model_with_probes(log)
     reference = copy.deepcopy(model)
@@ -54,7 +56,8 @@ def test_one_micro_batch_runs_on_the_callers_thread_and_matches_the_plain_model_
         torch.manual_seed(1)
         expected = reference(x_ref)
         expected.pow(2).sum().backward()
-        assert {thread for thread, _ in log} == {threading.get_ident()}
+        on_caller = {thread for thread, _ in log} == {threading.get_ident()}
+        assert on_caller is (checkpoint != "always")
         assert torch.equal(out, expected) and torch.equal(x.grad, x_ref.grad)
         assert_same_gradients(pipe, reference)
         record = pipe.last_step
@@ -250,3 +253,31 @@ def test_close_from_a_stage_of_a_call_on_the_callers_thread_closes_the_pipe_once
     finally:
         Closes.pipe = None
         pipe.close()
+
+
+def test_an_interrupt_as_an_inline_call_ends_leaves_this_thread_as_it_was(monkeypatch):
+    # Review (s35): a Ctrl-C landing where the call gave this thread its chain back skipped the
+    # rest of the restore: the thread kept serving the step, and every later call from it was
+    # refused as re-entrant (close() too).
+    import torchpipe.runtime as runtime
+    from torchpipe import call_chain
+
+    real_adopt = runtime.adopt
+    armed = [True]
+
+    def adopt(chain):
+        if armed[0] and not chain.owners:  # giving the caller its own chain back
+            armed[0] = False
+            raise KeyboardInterrupt  # what a pending SIGINT raises on entry to a call
+        real_adopt(chain)
+
+    monkeypatch.setattr(runtime, "adopt", adopt)
+    with Pipe(nn.Sequential(nn.Linear(2, 2), nn.Identity()), [1, 1], chunks=1) as pipe:
+        with pytest.raises(KeyboardInterrupt):
+            pipe(torch.randn(2, 2))
+        assert not armed[0], "the interrupt was not injected"
+        assert not call_chain.current().owners and pipe._runtime._inline_owner is None
+        assert torch.is_grad_enabled()
+        assert pipe.last_step.error == "KeyboardInterrupt"
+        assert pipe(torch.zeros(2, 2)).shape == (2, 2)
+        pipe.step(torch.randn(2, 2), torch.randn(2, 2), nn.MSELoss())

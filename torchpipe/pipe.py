@@ -1078,14 +1078,14 @@ class Pipe(nn.Module):
         ``.grad`` tensors cannot be told apart). Read under the lock: another thread's
         step, done meanwhile, keeps its gradients.
         """
-        inline = self._runs_on_the_callers_thread(program)
+        inline = self._runs_on_the_callers_thread(program, context)
         if not inline:  # a profiler that records this thread sees the whole of an inline call
             warn_if_the_profiler_records_this_thread_only()  # before any state changes: it may be an error
         self._runtime.refuse_if_forked()  # before anything changes, as the next check
         self._runtime.refuse_worker_caller()  # before the lock: a stage calling its own Pipe
         return self._step_lock.call(self._run_holding_lock, plan, program, context, step_leaves, inline)
 
-    def _runs_on_the_callers_thread(self, program: Program) -> bool:
+    def _runs_on_the_callers_thread(self, program: Program, context: Any) -> bool:
         """Whether this call's program runs on the calling thread (`Runtime.run`'s ``inline_chains``).
 
         Only a program that is one chain (no two jobs could overlap), on CPU stages (no streams
@@ -1093,10 +1093,13 @@ class Pipe(nn.Module):
         and not inside ``torch.utils.checkpoint`` (or another Pipe's checkpointed stage): there
         the stages would save their tensors through the checkpoint's hooks, whose early stop
         raises inside the recompute's last stage, and the Pipe keeps its own saved tensors on
-        its workers instead (guide, section 7).
+        its workers instead (guide, section 7). Nor a call whose forwards hold a generator's
+        lock (checkpointing, ``reproducible``): taking and leaving it is not safe against a
+        Ctrl-C, which lands on the caller's thread only, and would leave it held for good.
         """
         return (program.chain_order is not None and self._device_types == ["cpu"]
-                and self._intra_op_threads is None and not in_torch_checkpoint())
+                and self._intra_op_threads is None and not context.rng_sections and not self.reproducible
+                and not in_torch_checkpoint())
 
     def _run_holding_lock(self, plan: Plan, program: Program, context: Any,
                           step_leaves: Optional[List[Tensor]], inline: bool) -> Dict[Any, Any]:

@@ -776,12 +776,27 @@ class Runtime:
                 except BaseException:  # noqa: B902 - the first error is the one to report
                     pass
         finally:
-            adopt(caller_chain)
-            torch._C._set_grad_enabled(grad_enabled)
-            self._inline_owner = None
+            # An interrupt here must not leave this thread serving the step (its chain would
+            # refuse every later call as re-entrant, and its set cancel give up every RNG lock
+            # wait): the restore runs again until it is done, and the interrupt is raised after.
+            # (Not in a function of its own: a pending signal is raised on entry to a call.)
+            late: Optional[BaseException] = None
+            while True:
+                try:
+                    self._inline_owner = None
+                    adopt(caller_chain)
+                    torch._C._set_grad_enabled(grad_enabled)
+                    break
+                except BaseException as exc:  # noqa: B902 - KeyboardInterrupt: restore first, raise after
+                    late = late or exc
             wall_end = time.perf_counter()
+        if late is not None and error is None:
+            error = late  # the step ran, but the call was interrupted: it raises, as at any other point
+        try:
             if autocast_active(device_types):
                 torch.clear_autocast_cache()
+        except BaseException as exc:  # noqa: B902 - an interrupt: the call raises it (the state is restored)
+            error = error or exc
         self.last_step = StepRecord(
             labels=list(program.labels), workers=list(program.job_workers), worker_names=[w.name for w in self.workers],
             starts=starts, ends=ends, wall_start=wall_start, wall_end=wall_end, keys=list(program.keys),
