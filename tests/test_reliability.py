@@ -1261,12 +1261,7 @@ print("after", a(torch.zeros(2, 1))[0].item(), b(torch.zeros(2, 1))[0].item(), f
     assert "via pool refused" in out and "a -> b -> a refused" in out and "after 1.0 1.0" in out
 
 
-_STUCK_STAGE = """
-import signal, torch
-from torch import nn
-import torchpipe.runtime
-from torchpipe import Pipe
-torchpipe.runtime.ABANDON_AFTER_S = {grace}
+_STUCK_WHEN_POSITIVE = """
 release = threading.Event()
 
 class Stuck(nn.Module):
@@ -1274,7 +1269,15 @@ class Stuck(nn.Module):
         if x.sum() > 0:
             release.wait()
         return x
+"""
 
+_STUCK_STAGE = """
+import signal, torch
+from torch import nn
+import torchpipe.runtime
+from torchpipe import Pipe
+torchpipe.runtime.ABANDON_AFTER_S = {grace}
+""" + _STUCK_WHEN_POSITIVE + """
 def interrupt():  # a real Ctrl-C: interrupt_main() cannot wake a blocked wait
     for _ in range({interrupts}):
         time.sleep(0.5); os.kill(os.getpid(), signal.SIGINT)
@@ -1362,14 +1365,7 @@ _STUCK_STAGE_ON_THE_CALLERS_THREAD = """
 import signal, torch
 from torch import nn
 from torchpipe import Pipe
-release = threading.Event()
-
-class Stuck(nn.Module):
-    def forward(self, x):
-        if x.sum() > 0:
-            release.wait()
-        return x
-
+""" + _STUCK_WHEN_POSITIVE + """
 pipe = Pipe(nn.Sequential(nn.Identity(), Stuck(), nn.Identity()), [1, 1, 1], chunks=1)
 threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 start = time.perf_counter()
