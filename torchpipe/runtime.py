@@ -610,17 +610,24 @@ class Runtime:
     def _record(self, program: Program, step: _Step, wall_start: float, wall_end: float,
                 error: Optional[BaseException]) -> StepRecord:
         """The record of ``step``: copies, since a job an interrupt left running may still write."""
+        failed_job = step.failed_job if error is not None and error is step.error else None
+        return self._timings_record(program, list(step.starts), list(step.ends), failed_job, wall_start, wall_end,
+                                    error)
+
+    def _timings_record(self, program: Program, starts: List[float], ends: List[float], failed_job: Optional[int],
+                        wall_start: float, wall_end: float, error: Optional[BaseException]) -> StepRecord:
+        """A step's record from its jobs' times (kept as given) and how the call ended."""
         return StepRecord(
             labels=list(program.labels),
             workers=list(program.job_workers),
             worker_names=[w.name for w in self.workers],
-            starts=list(step.starts),
-            ends=list(step.ends),
+            starts=starts,
+            ends=ends,
             wall_start=wall_start,
             wall_end=wall_end,
             keys=list(program.keys),
             error=None if error is None else describe_error(error),
-            failed_job=step.failed_job if error is not None and error is step.error else None,
+            failed_job=failed_job,
         )
 
     def stop(self, finalizer: Any) -> None:
@@ -797,11 +804,7 @@ class Runtime:
                 torch.clear_autocast_cache()
         except BaseException as exc:  # noqa: B902 - an interrupt: the call raises it (the state is restored)
             error = error or exc
-        self.last_step = StepRecord(
-            labels=list(program.labels), workers=list(program.job_workers), worker_names=[w.name for w in self.workers],
-            starts=starts, ends=ends, wall_start=wall_start, wall_end=wall_end, keys=list(program.keys),
-            error=None if error is None else describe_error(error), failed_job=failed,
-        )
+        self.last_step = self._timings_record(program, starts, ends, failed, wall_start, wall_end, error)
         if error is not None:
             values.clear()  # the traceback holds this frame: the step's activations must not stay with it
             context = None
