@@ -178,6 +178,7 @@ def test_allow_mutation_on_saved_tensors_trains_like_the_plain_model(path):
 def _refusals(pipe: Pipe, x: torch.Tensor, y: torch.Tensor):
     """Each untransferable state, with a call of each public entry under it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     calls = {
@@ -191,6 +192,7 @@ def _refusals(pipe: Pipe, x: torch.Tensor, y: torch.Tensor):
         yield what, "make_fx", lambda call=call: make_fx(lambda t: call())(x)
         yield what, "make_fx(pre_dispatch=True)", lambda call=call: make_fx(lambda t: call(), pre_dispatch=True)(x)
         yield what, "FakeTensorMode", lambda call=call: _under(FakeTensorMode(allow_non_fake_inputs=True), call)
+        yield what, "functionalization", lambda call=call: _under(FunctionalTensorMode(), call)
     yield "pipe(x)", "torch.jit.trace", lambda: torch.jit.trace(pipe, (x,), check_trace=False)
     yield "pipe(x)", "torch.export", lambda: torch.export.export(pipe, (x,), strict=False)
 

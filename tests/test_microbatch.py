@@ -73,6 +73,7 @@ def test_the_common_dim_of_a_spec():
     ((torch.randn(3, 4), torch.randn(3, 4)), (0,), ValueError, "has 1 entries, but the input tuple has 2 items"),
     ((torch.randn(3, 4), 5), (0, 0), TypeError, r"batch_dim\[1\] is 0, but item 1 of the input is a int"),
     (torch.randn(3, 4), 2, ValueError, r"batch_dim 2 is out of range for the input tensor of shape \(3, 4\)"),
+    (torch.randn(3, 4), -3, ValueError, r"batch_dim -3 is out of range for the input tensor of shape \(3, 4\)"),
     (torch.randn(3, 4), (0, 1), ValueError, "is for a tuple of 2 items, but the input is a single tensor"),
     ((torch.randn(3, 4), torch.tensor(1.0)), 0, ValueError, "item 1 of the input has no batch dimension"),
     (torch.tensor(1.0), 0, TypeError, "the input tensor has no batch dimension"),
@@ -83,6 +84,11 @@ def test_an_input_that_does_not_fit_its_spec_is_refused_naming_what(value, spec,
         batch_size(value, check_batch_dim(spec))
     with pytest.raises(error, match=match):
         scatter(value, 2, check_batch_dim(spec))
+
+
+@pytest.mark.parametrize("spec, size", [(0, 3), (1, 4), (-1, 4), (-2, 3), ((1,), 4)])
+def test_the_batch_size_of_a_tensor_along_its_batch_dim(spec, size):
+    assert batch_size(torch.randn(3, 4), spec) == size
 
 
 def test_an_output_that_does_not_fit_its_spec_is_refused_naming_what():

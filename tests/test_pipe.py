@@ -197,6 +197,9 @@ def test_outputs_that_cannot_be_gathered_are_refused_by_name(make, chunks, error
     with Pipe(nn.Sequential(nn.Linear(4, 4), Returns(make)), [1, 1], chunks=chunks) as pipe:
         with pytest.raises(TypeError, match=error):
             pipe(torch.randn(4, 4))
+        # Refused in the stage that returned it, or in the join after the stages ran well:
+        # either way the step failed, and its record says so.
+        assert pipe.last_step.error.startswith("TypeError")
 
 
 def test_per_sample_values_in_an_output_tuple_gather_but_other_values_pass():
@@ -260,13 +263,61 @@ class InPlaceBuffer(nn.Module):  # a buffer named like the flag: nn.Module.__get
         return x * self.inplace
 
 
+class InPlaceParameter(nn.Module):  # a parameter named like the flag
+    def __init__(self):
+        super().__init__()
+        self.inplace = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return x * self.inplace
+
+
+class InPlaceChild(nn.Module):  # a child module named like the flag
+    def __init__(self):
+        super().__init__()
+        self.inplace = nn.Identity()
+
+    def forward(self, x):
+        return self.inplace(x)
+
+
 @pytest.mark.parametrize("layer", [nn.Linear(2, 2), nn.ReLU(), nn.ReLU(inplace=True), InPlaceByClass(),
-                                   InPlaceByProperty(), InPlaceBuffer()], ids=lambda layer: type(layer).__name__)
+                                   InPlaceByProperty(), InPlaceBuffer(), InPlaceParameter(), InPlaceChild()],
+                         ids=lambda layer: type(layer).__name__)
 def test_the_per_call_in_place_check_reads_the_flag_as_getattr_does(layer):
     # Read before every call, without getattr's AttributeError for the many layers that lack it.
     from torchpipe.lowering import _inplace_flag
 
     assert bool(_inplace_flag(layer)) == bool(getattr(layer, "inplace", False))
+
+
+def _module_trees():
+    shared = nn.Linear(2, 2)
+    with_hole = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with_hole.register_module("absent", None)  # a None child: skipped, as modules() skips it
+    with_hole.append(nn.Tanh())
+    parametrized = nn.Linear(2, 2)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", nn.Identity())
+    return {
+        "one leaf": nn.Sequential(nn.Linear(2, 2)),
+        "a leaf alone": nn.ReLU(),
+        "nested": nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Tanh())), nn.Linear(2, 2)),
+        "shared, first seen deep": nn.Sequential(nn.Sequential(shared, nn.ReLU()), shared, nn.Sequential(shared)),
+        "a None child": with_hole,
+        "a dict and a list": nn.Sequential(nn.ModuleDict({"b": nn.ReLU(), "a": nn.Tanh()}),
+                                           nn.ModuleList([nn.Linear(2, 2), nn.Identity()])),
+        "parametrized": nn.Sequential(parametrized, nn.ReLU()),
+    }
+
+
+@pytest.mark.parametrize("name", list(_module_trees()))
+def test_the_per_step_layer_walk_finds_what_modules_finds_in_its_order(name):
+    # Read before every step in place of modules(): a difference would miss a layer changed
+    # inside, or see a change where there is none and read the layout again each step.
+    from torchpipe.lowering import modules_in_order
+
+    root = _module_trees()[name]
+    assert [id(m) for m in modules_in_order(root)] == [id(m) for m in root.modules()]
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])

@@ -95,12 +95,12 @@ class PartitionLayout:
 
     def changed(self, partition: nn.Module) -> bool:
         """Whether ``partition``'s modules, or whether it starts in place, differ from what was read."""
-        modules = tuple(partition.modules())
+        modules = modules_in_order(partition)
         return modules != self.modules or _starts_in_place(modules) != self.starts_in_place
 
     def read(self, partition: nn.Module) -> None:
         """Read the facts from ``partition``'s modules as they are now."""
-        modules = tuple(partition.modules())
+        modules = modules_in_order(partition)
         self.has_skips = any(isinstance(m, Skippable) for m in modules)
         # Batch norms a recompute must not update a second time (those that track statistics
         # then: running_statistics_frozen reads track_running_stats when it runs).
@@ -169,13 +169,34 @@ def _inplace_flag(module: nn.Module) -> Any:
     found = module.__dict__
     if "inplace" in found:
         return found["inplace"]
-    if hasattr(type(module), "inplace") or any("inplace" in found.get(kind, ()) for kind in _MODULE_SLOTS):
+    # Where nn.Module.__getattr__ looks for a name the instance and its class lack (spelled
+    # out: a generator over the three would cost more than the rest of the check).
+    if (hasattr(type(module), "inplace") or "inplace" in found.get("_parameters", ())
+            or "inplace" in found.get("_buffers", ()) or "inplace" in found.get("_modules", ())):
         return getattr(module, "inplace", False)
     return False
 
 
-_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
-"""Where ``nn.Module.__getattr__`` looks for a name the instance and its class lack."""
+def modules_in_order(root: nn.Module) -> Tuple[nn.Module, ...]:
+    """``tuple(root.modules())``: the same modules in the same order (depth first, each once),
+    read before every step, without the qualified names ``named_modules`` builds for each."""
+    found = [root]
+    children = root._modules
+    if not children:
+        return (root,)
+    seen = {id(root)}
+    pending = [child for child in reversed(children.values()) if child is not None]
+    while pending:
+        module = pending.pop()
+        key = id(module)
+        if key in seen:
+            continue
+        seen.add(key)
+        found.append(module)
+        children = module._modules
+        if children:
+            pending.extend([child for child in reversed(children.values()) if child is not None])
+    return tuple(found)
 
 
 def _on_private_copy(partition: nn.Module, aliased_skip: Optional[Tuple[int, str]] = None) -> Callable[[Any], Any]:

@@ -221,6 +221,10 @@ def batch_size(value: TensorOrTensors, spec: BatchDim = 0, name: str = "batch_di
     Every tensor that is split must have a dim at its batch dim, and all of them the same
     size there: a shorter one would otherwise split into other micro-batches than the rest.
     """
+    if type(spec) is int and isinstance(value, Tensor):  # the common case, read before every call
+        ndim = value.dim()
+        if ndim and -ndim <= spec < ndim:
+            return value.size(spec)  # what the checks below find, without their lists; else they say why
     if not isinstance(value, (Tensor, tuple)):
         raise TypeError(f"expected a Tensor or a tuple of Tensors as {what}, got {type(value).__name__}")
     dims = _item_dims(value, spec, name, what)

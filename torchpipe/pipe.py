@@ -7,7 +7,6 @@ thread, also when several partitions share a device, so pipelining happens on CP
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 import re
@@ -326,14 +325,23 @@ def _mark_failed(record: Optional[StepRecord], previous: Optional[StepRecord], e
         record.error = describe_error(error)
 
 
-@contextlib.contextmanager
-def _failures_marked_in(record: Optional[StepRecord]) -> Iterator[None]:
-    """Mark ``record`` failed (`_mark_failed`) if the block, a call's work after its run, raises."""
-    try:
-        yield
-    except BaseException as exc:
-        _mark_failed(record, None, exc)
-        raise
+class _failures_marked_in:
+    """Mark ``record`` failed (`_mark_failed`) if the block, a call's work after its run, raises.
+
+    (A class, not a generator: entered on every call.)"""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Optional[StepRecord]) -> None:
+        self.record = record
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> bool:
+        if error is not None:
+            _mark_failed(self.record, None, error)
+        return False  # the error goes on up
 
 
 class Pipe(nn.Module):
@@ -1169,7 +1177,8 @@ class Pipe(nn.Module):
         finally:
             record = self._runtime.last_step
             if record is not None and record is not previous:  # this plan ran (part of it)
-                self._last_run = (plan, record)
+                # A plain attribute, set past nn.Module.__setattr__'s checks (once per call).
+                object.__setattr__(self, "_last_run", (plan, record))
                 context.record = record  # the call's own record, for a check after the run to mark
 
     def _adopt_layer_changes(self) -> None:
@@ -1231,7 +1240,8 @@ class Pipe(nn.Module):
 
     def _input_events(self, batches: List[Batch]) -> List[Any]:
         """Per micro-batch, the event its first stage waits for (None for host tensors)."""
-        if all(t.is_cpu for t in nested_tensors(batches[0].values)):  # micro-batches are chunks of one input
+        first = batches[0]  # micro-batches are chunks of one input
+        if first.values[0].is_cpu if first.atomic else all(t.is_cpu for t in nested_tensors(first.values)):
             return [None] * len(batches)
         # The first stage's copy streams for these inputs exist before the step fences the
         # workers' streams against the caller's: an input on a second accelerator is copied
@@ -1255,10 +1265,10 @@ class Pipe(nn.Module):
     def _hand_back(self, results: List[Tuple[Batch, Any]]) -> List[Batch]:
         """Make the last stage's outputs safe to use on the caller's current stream."""
         device = self._devices[-1]
-        backend = get_backend(device)
         outputs = []
         for batch, event in results:
-            if event is not None:
+            if event is not None:  # never on the CPU
+                backend = get_backend(device)
                 current = backend.current_stream(device)
                 backend.wait_event(current, event)
                 for tensor in nested_tensors(batch.values):

@@ -91,13 +91,14 @@ def _untransferable_state() -> Optional[Tuple[str, str]]:
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return "a torch.func transform (grad, vjp, jvp, vmap, jacrev, ...)", _FOLLOWS_ONE_THREAD
     keys = torch._C._TorchDispatchModeKey
-    if torch._C._get_dispatch_mode(keys.PROXY) is not None:
+    modes = torch._C._len_torch_dispatch_stack() > 0  # counts the slots read below: none, the common case
+    if modes and torch._C._get_dispatch_mode(keys.PROXY) is not None:
         return "make_fx (a proxy tracing mode)", _FOLLOWS_ONE_THREAD
     if _pre_dispatch_tracing():
         return "make_fx(pre_dispatch=True) (a pre-dispatch tracing mode)", _FOLLOWS_ONE_THREAD
-    if torch._C._get_dispatch_mode(keys.FUNCTIONAL) is not None:
+    if modes and torch._C._get_dispatch_mode(keys.FUNCTIONAL) is not None:
         return "functionalization (AOT autograd)", _FOLLOWS_ONE_THREAD
-    if torch._C._get_dispatch_mode(keys.FAKE) is not None:
+    if modes and torch._C._get_dispatch_mode(keys.FAKE) is not None:
         return "FakeTensorMode", ("it keeps the state of the op it runs on the mode object, which stages running "
                                   "at once on several worker threads would share")
     return None
@@ -106,8 +107,11 @@ def _untransferable_state() -> Optional[Tuple[str, str]]:
 def _pre_dispatch_tracing() -> bool:
     """Whether a pre-dispatch tracer (``make_fx(..., pre_dispatch=True)``, export) holds its modes
     on this thread's pre-dispatch stack, which the dispatch-mode slots do not show."""
-    count = getattr(torch._ops, "_len_torch_dispatch_stack_pre_dispatch", None)
+    count = _PRE_DISPATCH_STACK_LENGTH
     return count is not None and count() > 0
+
+
+_PRE_DISPATCH_STACK_LENGTH: Optional[Callable[[], int]] = getattr(torch._ops, "_len_torch_dispatch_stack_pre_dispatch", None)
 
 
 def refuse_untransferable_state(what: str) -> None:
