@@ -320,6 +320,23 @@ def test_the_per_step_layer_walk_finds_what_modules_finds_in_its_order(name):
     assert [id(m) for m in modules_in_order(root)] == [id(m) for m in root.modules()]
 
 
+def test_the_per_step_layer_walk_tells_modules_apart_by_identity():
+    # modules() drops a module equal to one seen before (a set), and what is under it: an
+    # in-place layer in there would go unseen, and its checkpointed input be overwritten.
+    from torchpipe.lowering import modules_in_order
+
+    class AllEqual(nn.Sequential):
+        def __eq__(self, other):
+            return isinstance(other, AllEqual)
+
+        def __hash__(self):
+            return 0
+
+    inner = AllEqual(nn.ReLU(inplace=True))
+    root = nn.Sequential(AllEqual(inner))
+    assert [id(m) for m in modules_in_order(root)] == [id(root), id(root[0]), id(inner), id(inner[0])]
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("leaf_input", [True, False])
 @pytest.mark.parametrize("balance", [[2], [1, 1]])

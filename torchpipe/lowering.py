@@ -178,8 +178,12 @@ def _inplace_flag(module: nn.Module) -> Any:
 
 
 def modules_in_order(root: nn.Module) -> Tuple[nn.Module, ...]:
-    """``tuple(root.modules())``: the same modules in the same order (depth first, each once),
-    read before every step, without the qualified names ``named_modules`` builds for each."""
+    """The modules under ``root`` as ``tuple(root.modules())`` lists them (depth first, each once,
+    None children skipped), read before every step without the qualified names ``named_modules``
+    builds for each. It follows what ``_modules`` holds, the modules that run, and tells them
+    apart by identity: a module that overrides ``named_modules``, or ``__eq__``/``__hash__`` so
+    that two distinct ones compare equal, does not hide modules from it as it would from
+    ``modules()``."""
     found = [root]
     children = root._modules
     if not children:
