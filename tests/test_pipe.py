@@ -314,7 +314,7 @@ def _module_trees():
 def test_the_per_step_layer_walk_finds_what_modules_finds_in_its_order(name):
     # Read before every step in place of modules(): a difference would miss a layer changed
     # inside, or see a change where there is none and read the layout again each step.
-    from torchpipe.lowering import modules_in_order
+    from torchpipe.module_reads import modules_in_order
 
     root = _module_trees()[name]
     assert [id(m) for m in modules_in_order(root)] == [id(m) for m in root.modules()]
@@ -323,7 +323,7 @@ def test_the_per_step_layer_walk_finds_what_modules_finds_in_its_order(name):
 def test_the_per_step_layer_walk_tells_modules_apart_by_identity():
     # modules() drops a module equal to one seen before (a set), and what is under it: an
     # in-place layer in there would go unseen, and its checkpointed input be overwritten.
-    from torchpipe.lowering import modules_in_order
+    from torchpipe.module_reads import modules_in_order
 
     class AllEqual(nn.Sequential):
         def __eq__(self, other):

@@ -30,6 +30,7 @@ from .checkpoint import ForwardTensors, StageRNG, checkpoint, task_seed, tensor_
 from .copy import mark_ready, receive
 from .devices import Backend, get_backend
 from .microbatch import Batch, nested_tensors
+from .module_reads import modules_in_order, optional_attribute, parameters_in_order
 from .runtime import Program
 from .skip import Skippable, use_skip_tracker
 from .skip.portal import PipelineSkipTracker, SkipStore, StageSkips, replay_context
@@ -166,41 +167,7 @@ def _starts_in_place(modules: Sequence[nn.Module]) -> bool:
 def _inplace_flag(module: nn.Module) -> Any:
     """``getattr(module, "inplace", False)``, without the AttributeError that a layer with no
     such attribute (most) raises inside ``nn.Module.__getattr__``: read before every call."""
-    found = module.__dict__
-    if "inplace" in found:
-        return found["inplace"]
-    # Where nn.Module.__getattr__ looks for a name the instance and its class lack (spelled
-    # out: a generator over the three would cost more than the rest of the check).
-    if (hasattr(type(module), "inplace") or "inplace" in found.get("_parameters", ())
-            or "inplace" in found.get("_buffers", ()) or "inplace" in found.get("_modules", ())):
-        return getattr(module, "inplace", False)
-    return False
-
-
-def modules_in_order(root: nn.Module) -> Tuple[nn.Module, ...]:
-    """The modules under ``root`` as ``tuple(root.modules())`` lists them (depth first, each once,
-    None children skipped), read before every step without the qualified names ``named_modules``
-    builds for each. It follows what ``_modules`` holds, the modules that run, and tells them
-    apart by identity: a module that overrides ``named_modules``, or ``__eq__``/``__hash__`` so
-    that two distinct ones compare equal, does not hide modules from it as it would from
-    ``modules()``."""
-    found = [root]
-    children = root._modules
-    if not children:
-        return (root,)
-    seen = {id(root)}
-    pending = [child for child in reversed(children.values()) if child is not None]
-    while pending:
-        module = pending.pop()
-        key = id(module)
-        if key in seen:
-            continue
-        seen.add(key)
-        found.append(module)
-        children = module._modules
-        if children:
-            pending.extend([child for child in reversed(children.values()) if child is not None])
-    return tuple(found)
+    return optional_attribute(module, "inplace", False)
 
 
 def _on_private_copy(partition: nn.Module, aliased_skip: Optional[Tuple[int, str]] = None) -> Callable[[Any], Any]:
@@ -327,7 +294,7 @@ def _builds_a_graph(partition: nn.Module, batch: Batch) -> bool:
     """
     if any(t.requires_grad for t in nested_tensors(batch.values)):  # an LSTM's state too
         return True
-    return any(p.requires_grad for p in partition.parameters())
+    return any(p.requires_grad for p in parameters_in_order(partition))
 
 
 def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips]) -> Batch:

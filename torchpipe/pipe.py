@@ -27,6 +27,7 @@ from .checkpoint import draw_step_seed, generator_state, is_checkpointing, lock_
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward, seed_rng
+from .module_reads import parameters_in_order
 from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
                          nested_tensors, samples, scatter)
 from .partition import (BalanceError, SpreadingSequential, as_positive_int, fixed_partitions, infer_placement,
@@ -1033,7 +1034,7 @@ class Pipe(nn.Module):
         # Checked on the workers already (check_joins), before any gradient was kept.
         gathered = gather(cast(List[Batch], context.outputs), output_dim) if return_outputs else None
         upstream.backward()
-        self.last_memory = context.memory
+        object.__setattr__(self, "last_memory", context.memory)  # a plain attribute (see _last_run)
         each = cast(List[Tensor], context.losses)
         total = _weighted_total(each, scales)
         if losses is not None:
@@ -1061,9 +1062,9 @@ class Pipe(nn.Module):
     def _step_leaves(self, input: Any, target: Any, loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> List[Tensor]:
         """What a ``Pipe.step`` may give a ``.grad``: the parameters, the loss module's, and
         the tensors that require grad in the input, the target and ``loss_kwargs``."""
-        leaves = list(self.parameters())
+        leaves = parameters_in_order(self)
         if isinstance(loss_fn, nn.Module):
-            leaves += list(loss_fn.parameters())
+            leaves += parameters_in_order(loss_fn)
         leaves += [tensor for tensor in _tensors_in((input, target, loss_kwargs)) if tensor.requires_grad and tensor.is_leaf]
         return leaves
 
@@ -1118,7 +1119,7 @@ class Pipe(nn.Module):
         previous = self._runtime.last_step
         without_grad = []
         if step_leaves is not None:
-            self.last_memory = None  # set again by a step that completes
+            object.__setattr__(self, "last_memory", None)  # set again by a step that completes
             without_grad = [t for t in step_leaves if t.grad is None]
         self._prepare_batch_norm(plan.num_microbatches)
         shared: List[Watch] = []
@@ -1177,7 +1178,8 @@ class Pipe(nn.Module):
         finally:
             record = self._runtime.last_step
             if record is not None and record is not previous:  # this plan ran (part of it)
-                # A plain attribute, set past nn.Module.__setattr__'s checks (once per call).
+                # A plain attribute, set past nn.Module.__setattr__'s checks (once per call), as
+                # last_memory is.
                 object.__setattr__(self, "_last_run", (plan, record))
                 context.record = record  # the call's own record, for a check after the run to mark
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .microbatch import Batch, BatchDim, batch_size, rebuild, samples, scatter
+from .module_reads import optional_attribute
 
 __all__ = ["split_targets", "microbatch_weights", "Upstream", "scalar_loss", "loss_settings"]
 
@@ -116,9 +117,9 @@ def loss_settings(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Tuple[
         if isinstance(loss_fn, functools.partial) and not loss_fn.args:
             keywords = {**loss_fn.keywords, **keywords}
             loss_fn = loss_fn.func
-        elif isinstance(getattr(loss_fn, "_orig_mod", None), nn.Module):  # torch.compile(module)
+        elif isinstance(optional_attribute(loss_fn, "_orig_mod"), nn.Module):  # torch.compile(module)
             loss_fn = loss_fn._orig_mod
-        elif callable(getattr(loss_fn, "_torchdynamo_orig_callable", None)):  # torch.compile(function)
+        elif callable(optional_attribute(loss_fn, "_torchdynamo_orig_callable")):  # torch.compile(function)
             loss_fn = loss_fn._torchdynamo_orig_callable
         elif _dynamo_frame_wrapper(loss_fn):  # what torch.compile put around a torch function or a partial
             loss_fn = loss_fn.__wrapped__
@@ -132,7 +133,7 @@ def loss_settings(loss_fn: Any, loss_kwargs: Optional[Dict[str, Any]]) -> Tuple[
 def _dynamo_frame_wrapper(fn: Any) -> bool:
     """Whether ``fn`` is the pass-through frame ``torch.compile`` wraps some callables in
     (``torch._dynamo.external_utils.wrap_inline``): it calls ``fn.__wrapped__`` as it is."""
-    code = getattr(fn, "__code__", None)
+    code = optional_attribute(fn, "__code__")
     return (code is not None and hasattr(fn, "__wrapped__") and code.co_name == "inner"
             and code.co_filename.endswith(os.path.join("_dynamo", "external_utils.py")))
 

@@ -5,6 +5,7 @@ shared, so every schedule is checked and printed the same way.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -164,8 +165,14 @@ def schedule_name(schedule: Any) -> str:
 
 def schedule_options(name: Any) -> list[str]:
     """The keyword options schedule ``name`` takes (see :func:`build`)."""
-    params = inspect.signature(_GENERATORS[schedule_name(name)]).parameters.values()
-    return [prm.name for prm in params if prm.kind is prm.KEYWORD_ONLY]
+    return list(_keyword_options(schedule_name(name)))
+
+
+@functools.lru_cache(maxsize=None)
+def _keyword_options(name: str) -> tuple[str, ...]:
+    """The keyword-only parameters of the generator ``name`` (read once: every step asks)."""
+    params = inspect.signature(_GENERATORS[name]).parameters.values()
+    return tuple(prm.name for prm in params if prm.kind is prm.KEYWORD_ONLY)
 
 
 def build(name: Any, num_stages: int, num_microbatches: int, **options: Any) -> Plan:
