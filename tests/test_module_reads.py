@@ -1,4 +1,6 @@
 """The per-call module reads give what nn.Module's own (getattr, parameters()) give."""
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -41,6 +43,39 @@ class WithShadowedProperty(nn.Module):  # a data descriptor wins over the instan
         self.__dict__["flag"] = value
 
 
+class WithOwnGetattribute(nn.Module):
+    def __getattribute__(self, name):
+        if name == "flag":
+            return "from __getattribute__"
+        return super().__getattribute__(name)
+
+
+class WithDynamicClassAttribute(nn.Module):
+    @types.DynamicClassAttribute
+    def flag(self):
+        return "dynamic"
+
+
+class _InstanceOnly:
+    """A data descriptor that raises AttributeError when read on the class."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            raise AttributeError("read on an instance only")
+        return "via descriptor"
+
+    def __set__(self, obj, value):
+        obj.__dict__["flag"] = value
+
+
+class WithInstanceOnlyDescriptor(nn.Module):
+    flag = _InstanceOnly()
+
+
+class PosingAsAModule:  # isinstance says nn.Module; its type has no nn.Module.__getattr__
+    __class__ = property(lambda self: nn.Linear)
+
+
 def _holders():
     plain = nn.Linear(2, 2)
     in_dict = nn.ReLU()
@@ -59,7 +94,10 @@ def _holders():
             "in __dict__": in_dict, "a parameter": parameter, "a buffer": buffer, "a child module": child,
             "a property": WithProperty(), "a property that raises AttributeError": WithFailingProperty(),
             "a class attribute": WithClassAttribute(), "a __getattr__ of its own": WithOwnGetattr(),
-            "a property over __dict__": shadowed}
+            "a property over __dict__": shadowed, "a __getattribute__ of its own": WithOwnGetattribute(),
+            "a DynamicClassAttribute": WithDynamicClassAttribute(),
+            "a descriptor that raises on the class": WithInstanceOnlyDescriptor(),
+            "an object posing as a module": PosingAsAModule()}
 
 
 @pytest.mark.parametrize("holder", list(_holders()))

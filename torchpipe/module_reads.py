@@ -21,10 +21,16 @@ _MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
 
 def optional_attribute(obj: Any, name: str, default: Any = None) -> Any:
     """``getattr(obj, name, default)``, the same value, without raising and catching an
-    AttributeError when ``obj`` is an ``nn.Module`` that has no ``name``."""
+    AttributeError when ``obj`` is an ``nn.Module`` that has no ``name``.
+
+    Only a module that looks attributes up as ``nn.Module`` does (no ``__getattribute__`` or
+    ``__getattr__`` of its own) and whose class holds no ``name`` anywhere in its MRO (no
+    attribute, property or other descriptor) is read from its instance dict and slots; any
+    other object, or name, goes through ``getattr`` itself."""
     kind = type(obj)
-    if not isinstance(obj, nn.Module) or kind.__getattr__ is not nn.Module.__getattr__ or hasattr(kind, name):
-        return getattr(obj, name, default)  # not a module, a __getattr__ of its own, or the class has it
+    if (not issubclass(kind, nn.Module) or kind.__getattribute__ is not object.__getattribute__
+            or kind.__getattr__ is not nn.Module.__getattr__ or _class_holds(kind, name)):
+        return getattr(obj, name, default)
     found = obj.__dict__
     if name in found:
         return found[name]
@@ -32,6 +38,15 @@ def optional_attribute(obj: Any, name: str, default: Any = None) -> Any:
         if name in found.get(slot, ()):
             return getattr(obj, name, default)
     return default
+
+
+def _class_holds(kind: type, name: str) -> bool:
+    """Whether ``name`` is in the dict of ``kind`` or a class it inherits from (read
+    statically: a descriptor that raises when read on the class still counts)."""
+    for klass in kind.__mro__:
+        if name in klass.__dict__:
+            return True
+    return False
 
 
 def modules_in_order(root: nn.Module) -> Tuple[nn.Module, ...]:
@@ -61,7 +76,10 @@ def modules_in_order(root: nn.Module) -> Tuple[nn.Module, ...]:
 
 
 def parameters_in_order(root: nn.Module) -> List[nn.Parameter]:
-    """``list(root.parameters())``: each parameter once, in the order of :func:`modules_in_order`."""
+    """The parameters ``list(root.parameters())`` lists, each once, in the order of
+    :func:`modules_in_order`: read from each module's ``_parameters`` and told apart by
+    identity, so a module that overrides ``parameters``/``named_parameters`` (or what
+    :func:`modules_in_order` names) does not hide the parameters it holds."""
     seen = set()
     found = []
     for module in modules_in_order(root):
