@@ -363,6 +363,8 @@ def stop_workers(workers: Sequence[Worker], timeout: float = STOP_TIMEOUT_S) -> 
             if worker.thread.is_alive():
                 stuck.append(worker.name)
     if stuck:
+        with _live_groups_lock:  # exit joins them too: the task may yet return (see _stop_every_group)
+            _left_behind[:] = [worker for worker in (*_left_behind, *workers) if worker.thread.is_alive()]
         warnings.warn(f"worker threads {stuck} did not stop within {timeout:g} s (a task is still running); "
                       "they are left behind as daemon threads", RuntimeWarning,
                       stacklevel=first_frame_outside_torchpipe())
@@ -371,9 +373,14 @@ def stop_workers(workers: Sequence[Worker], timeout: float = STOP_TIMEOUT_S) -> 
 # Interpreter exit stops every live group of workers at once, within one shared grace: each
 # group joined with its own STOP_TIMEOUT_S would add up (three pipelines with a stuck stage
 # took 97 s to exit). The workers are daemon threads, so exit need not wait for them at all;
-# the grace lets a running task finish rather than be frozen mid-way by the interpreter.
+# the grace lets a running task finish rather than be frozen mid-way by the interpreter. That
+# goes for workers an earlier stop left behind too (a close() while a stage was stuck): a task
+# released just before exit would otherwise still be running torch's C++ code when the
+# interpreter ends its thread, and the process aborts after all its work ("terminate called
+# without an active exception").
 EXIT_GRACE_S = 5.0
 _live_groups: "dict[int, weakref.finalize]" = {}
+_left_behind: List["Worker"] = []
 _live_groups_lock = threading.Lock()
 
 
@@ -391,12 +398,15 @@ def stopped_with(owner: Any, workers: Sequence[Worker]) -> "weakref.finalize":
 
 @atexit.register
 def _stop_every_group() -> None:
-    """At exit: every group still running gets its stop marker, then all are joined together
-    within `EXIT_GRACE_S` (one warning names any worker still in a task)."""
+    """At exit: every group still running gets its stop marker, then all are joined together,
+    with the workers an earlier stop left behind, within `EXIT_GRACE_S` (one warning names any
+    worker still in a task)."""
     workers: List[Worker] = []
     with _live_groups_lock:
         groups = list(_live_groups.values())
         _live_groups.clear()
+        workers.extend(worker for worker in _left_behind if worker.thread.is_alive())
+        _left_behind.clear()
     for finalizer in groups:
         detached = finalizer.detach()  # None if it ran already
         if detached is not None:
