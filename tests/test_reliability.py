@@ -1308,13 +1308,7 @@ pipe.close()
 """
 
 
-_CLOSE_WHILE_STUCK = """
-import signal, warnings, torch
-from torch import nn
-import torchpipe.runtime
-from torchpipe import Pipe
-torchpipe.runtime.ABANDON_AFTER_S = 0.5
-""" + _STUCK_LAYER + """
+_STUCK_STAGE_CLOSED = """
 pipe = Pipe(nn.Sequential(Stuck(), nn.Identity()), [1, 1], chunks=2)  # two micro-batches: one alone runs on this thread
 threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 try:
@@ -1324,6 +1318,18 @@ except KeyboardInterrupt:
 with warnings.catch_warnings(record=True) as told:
     warnings.simplefilter("always")
     pipe.close()  # the advice of the refusal above: close it and build a new one
+"""
+"""Interrupts a call whose first stage is stuck (``Stuck``, defined before), then closes the Pipe."""
+
+_ABANDONING_SOON = """
+import signal, warnings, torch
+from torch import nn
+import torchpipe.runtime
+from torchpipe import Pipe
+torchpipe.runtime.ABANDON_AFTER_S = 0.5
+"""
+
+_CLOSE_WHILE_STUCK = _ABANDONING_SOON + _STUCK_LAYER + _STUCK_STAGE_CLOSED + """
 print(str(told[0].message) if told else "no warning", flush=True)
 print(told[0].filename == "<string>" if told else "", flush=True)
 try:
@@ -1343,15 +1349,10 @@ def test_closing_a_pipe_whose_left_behind_stage_is_stuck_does_not_wait_the_full_
     assert out[2] == "True" and out[3] == "this Pipe is closed", out  # the warning points at close()
 
 
-_RELEASED_AS_THE_PROCESS_EXITS = """
-import signal, warnings, torch
-from torch import nn
-import torchpipe.runtime
-from torchpipe import Pipe
-torchpipe.runtime.ABANDON_AFTER_S = 0.2
+_RELEASED_AS_THE_PROCESS_EXITS = _ABANDONING_SOON + """
 release = threading.Event()
 
-class StuckThenBusy(nn.Module):
+class Stuck(nn.Module):  # then busy
     def forward(self, x):
         if x.sum() > 0:
             release.wait()
@@ -1359,16 +1360,7 @@ class StuckThenBusy(nn.Module):
             while time.perf_counter() < end:  # in torch's C++ code as the interpreter exits
                 x = (x @ torch.ones(x.shape[-1], x.shape[-1])).tanh()
         return x
-
-pipe = Pipe(nn.Sequential(StuckThenBusy(), nn.Identity()), [1, 1], chunks=2)
-threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-try:
-    pipe(torch.ones(2, 1))
-except KeyboardInterrupt:
-    print("interrupted", flush=True)
-with warnings.catch_warnings(record=True) as told:
-    warnings.simplefilter("always")
-    pipe.close()  # leaves the stuck worker behind
+""" + _STUCK_STAGE_CLOSED + """
 print("left behind" if told else "joined", flush=True)
 release.set()
 """
