@@ -5,7 +5,8 @@ one named as the first argument: ``zb-h1`` exercises the split backward; ``forwa
 ``pipe(x).sum().backward()`` instead, the ``overhead`` suite's path, at chunks 1 and 8), with
 ``checkpoint='never'`` (saved tensors go through the step's counting hooks) and
 ``'always'`` (every micro-batch recomputed). Prints the median milliseconds per step over
-``REPEATS`` repeats of 20 steps, for chunks 8 and 32. To compare two trees, run it from each
+``REPEATS`` repeats of 20 steps, for chunks 1, 8 and 32, and first the plain model's
+``loss_fn(model(x), y).backward()`` for scale. To compare two trees, run it from each
 with the tree first on ``sys.path`` (the script's own directory is ``docs/``, so without
 ``PYTHONPATH`` the installed checkout would run); the first line names the code that ran:
 
@@ -26,12 +27,14 @@ REPEATS = 9
 STEPS = 20
 
 
-def median_ms(pipe: Pipe, x: torch.Tensor, y: torch.Tensor, schedule: str) -> float:
+def median_ms(pipe: nn.Module, x: torch.Tensor, y: torch.Tensor, schedule: str) -> float:
     loss_fn = nn.MSELoss()
 
     def one_step() -> None:
         if schedule == "forward":
             pipe(x).sum().backward()
+        elif not isinstance(pipe, Pipe):  # the plain model, for scale
+            loss_fn(pipe(x), y).backward()
         else:
             pipe.step(x, y, loss_fn, schedule=schedule)
 
@@ -51,8 +54,9 @@ def main() -> None:
     schedule = sys.argv[1] if len(sys.argv) > 1 else "1f1b"
     print("torchpipe from", torchpipe.__file__, "schedule", schedule, flush=True)
     x, y = torch.randn(64, 16), torch.randn(64, 16)
+    print(f"plain model: {median_ms(make_model(), x, y, schedule):.3f} ms per step", flush=True)
     cases = [("never", 1), ("never", 8)] if schedule == "forward" else \
-        [(checkpoint, chunks) for checkpoint in ("never", "always") for chunks in (8, 32)]
+        [(checkpoint, chunks) for checkpoint in ("never", "always") for chunks in (1, 8, 32)]
     for checkpoint, chunks in cases:
         with Pipe(make_model(), [1, 1, 1, 1], devices=["cpu"] * 4, chunks=chunks, checkpoint=checkpoint) as pipe:
             print(f"checkpoint={checkpoint} chunks={chunks}: {median_ms(pipe, x, y, schedule):.3f} ms per step",
