@@ -27,9 +27,9 @@ from .checkpoint import draw_step_seed, generator_state, is_checkpointing, lock_
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward, seed_rng
-from .module_reads import parameters_in_order
 from .microbatch import (Batch, BatchDim, TensorOrTensors, batch_size, check_batch_dim, common_batch_dim, gather,
                          nested_tensors, samples, scatter)
+from .module_reads import parameters_in_order
 from .partition import (BalanceError, SpreadingSequential, as_positive_int, fixed_partitions, infer_placement,
                         layers_fixed_error, split_module, verify_balance, verify_module, verify_unshared)
 from .runtime import Program, Runtime, StepRecord, describe_error
