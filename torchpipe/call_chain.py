@@ -13,10 +13,12 @@ of a step adopts its caller's chain; so does each ``HostPool`` task). That lets 
 """
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import threading
 from types import MappingProxyType
-from typing import FrozenSet, Mapping, Optional, Tuple
+from typing import FrozenSet, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -106,7 +108,47 @@ def holds_rng_section(generator: torch.Generator) -> bool:
     return section is not None and section.held
 
 
-RNGSection = Tuple[threading.Lock, Chain, HeldSection]
+_LOCK_TYPE = type(threading.Lock())
+_TAKE_WAITING = _LOCK_TYPE.acquire  # called on the lock: a plain blocking acquire, which Ctrl-C interrupts
+_TAKE_POLLING = functools.partial(_LOCK_TYPE.acquire, timeout=_CANCEL_POLL_S)
+
+
+class HeldLock:
+    """A lock this thread takes, and the one call that gives it back: safe against Ctrl-C.
+
+    Python raises a pending ``KeyboardInterrupt`` (on the main thread) only between bytecodes:
+    when a call returns, on entry to a Python function, on a loop's back edge; never inside a
+    C function. ``lock.acquire()`` followed by a store of its result has such a point in
+    between, where an interrupt would leave the lock taken with nothing to say so: held for
+    good, and every later checkpointed step on that generator hangs. So here the lock is taken
+    *and recorded* in one C call (``filter`` around ``acquire``, feeding ``list.extend``), and
+    given back by one C call that releases only what was recorded, once (a ``deque`` draining
+    an iterator over the record, made before anything was taken): a cleanup after an interrupt
+    at any point gives back exactly what was taken, and calling it again does nothing.
+    """
+
+    __slots__ = ("taken", "give_back")
+
+    def __init__(self) -> None:
+        self.taken: List[threading.Lock] = []
+        self.give_back = functools.partial(collections.deque, map(_LOCK_TYPE.release, iter(self.taken)), 0)
+
+    def take(self, lock: threading.Lock, cancels: Tuple[Cancel, ...]) -> None:
+        """``lock.acquire()``, given up with `RNGWaitAborted` once a step of ``cancels`` aborts: a
+        worker's wait must end with its step (another pipeline's stage stuck inside its section
+        would otherwise hold this worker, and this pipeline, for as long as it is stuck)."""
+        taken = self.taken
+        if not cancels:  # the caller's own thread: a plain wait, which Ctrl-C interrupts
+            taken.extend(filter(_TAKE_WAITING, (lock,)))
+            return
+        while not taken:
+            taken.extend(filter(_TAKE_POLLING, (lock,)))
+            if not taken and any(cancel.cancelled for cancel in cancels):
+                raise RNGWaitAborted("this stage's step was aborted while it waited for a random generator's lock, "
+                                     "which another stage (of another pipeline, or a thread of yours) holds")
+
+
+RNGSection = Tuple[HeldLock, Chain, HeldSection]
 
 
 def enter_rng_section(generator: torch.Generator, lock: threading.Lock) -> RNGSection:
@@ -115,46 +157,41 @@ def enter_rng_section(generator: torch.Generator, lock: threading.Lock) -> RNGSe
     The sub-lock applies only while the section that made it still holds the generator;
     otherwise (work that outlived it) this takes ``lock`` itself. While the new section is
     held, work this thread starts (a nested pipeline's stages) gets a sub-lock of its own.
-    Give the result to :func:`leave_rng_section`.
+    Give the result to :func:`leave_rng_section`. All or nothing: an exception (Ctrl-C
+    included) leaves nothing taken and the chain as it was.
     """
     chain = _current.chain
     outer = chain.rng_locks.get(id(generator))
-    held = lock
-    if outer is not None:
-        _acquire(outer.sub_lock, chain.cancels)
-        if outer.held:
-            held = outer.sub_lock
-        else:
-            outer.sub_lock.release()
-    if held is lock:
-        _acquire(lock, chain.cancels)
-    section = HeldSection()
-    _current.chain = Chain(chain.owners, MappingProxyType({**chain.rng_locks, id(generator): section}), chain.cancels)
-    return held, chain, section
-
-
-def _acquire(lock: threading.Lock, cancels: Tuple[Cancel, ...]) -> None:
-    """``lock.acquire()``, given up with `RNGWaitAborted` once a step of ``cancels`` aborts: a
-    worker's wait must end with its step (another pipeline's stage stuck inside its section
-    would otherwise hold this worker, and this pipeline, for as long as it is stuck)."""
-    if not cancels:  # the caller's own thread: a plain wait, which Ctrl-C interrupts
-        lock.acquire()
-        return
-    while not lock.acquire(timeout=_CANCEL_POLL_S):
-        if any(cancel.cancelled for cancel in cancels):
-            raise RNGWaitAborted("this stage's step was aborted while it waited for a random generator's lock, "
-                                 "which another stage (of another pipeline, or a thread of yours) holds")
+    held = HeldLock()
+    try:
+        if outer is not None:
+            held.take(outer.sub_lock, chain.cancels)
+            if not outer.held:  # the section ended (work that outlived it): the generator's own lock
+                held.give_back()
+                held = HeldLock()
+        if not held.taken:
+            held.take(lock, chain.cancels)
+        section = HeldSection()
+        _current.chain = Chain(chain.owners, MappingProxyType({**chain.rng_locks, id(generator): section}), chain.cancels)
+        return held, chain, section
+    except BaseException:  # noqa: B902 - Ctrl-C too: give back what was taken, then raise
+        _current.chain = chain
+        held.give_back()
+        raise
 
 
 def leave_rng_section(entered: Optional[RNGSection]) -> None:
     """Release what :func:`enter_rng_section` took and restore the chain.
 
     Waits for work under this section's sub-lock to leave it first, so that nothing it
-    started draws after the generator's lock went to someone else.
+    started draws after the generator's lock went to someone else. The lock is given back
+    even if this is interrupted (Ctrl-C) half way; calling it again does nothing more.
     """
     if entered is not None:
         held, chain, section = entered
-        _current.chain = chain
-        with section.sub_lock:
-            section.held = False
-        held.release()
+        try:
+            _current.chain = chain
+            with section.sub_lock:
+                section.held = False
+        finally:
+            held.give_back()

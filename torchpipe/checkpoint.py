@@ -377,30 +377,42 @@ class _RecomputeContext:
             lock = replay.guard.lock
             if lock is not None:
                 self.section = enter_rng_section(replay.guard.generator, lock)
-            generator = replay.guard.generator
-            self.saved = _get_state(generator)
-            _set_state(generator, replay.state)
+            try:
+                generator = replay.guard.generator
+                self.saved = _get_state(generator)
+                _set_state(generator, replay.state)
+            except BaseException:  # noqa: B902 - Ctrl-C too: __exit__ will not run, give it all back here
+                self._give_back()
+                raise
         self.previous = _flags.recomputing
         _flags.recomputing = True
 
     def __exit__(self, exc_type: Any, *rest: Any) -> None:
         _flags.recomputing = self.previous
+        replay = self.replay
+        mismatch = False
+        try:
+            if self.saved is not None and exc_type is None:
+                mismatch = _replay_differs(replay, _get_state(replay.guard.generator))
+                if mismatch:  # under the lock, before anyone else draws
+                    lock_for_good(replay.guard.generator)
+        finally:
+            self._give_back()
+        if mismatch:
+            raise RNGReplayError(
+                f"{replay.guard.name}: its recompute drew other random numbers than its forward on the "
+                f"{replay.guard.device.type} generator, because another thread drew from that generator "
+                "while the forward ran (a partition that drew only on some micro-batches, or a thread "
+                "outside the pipeline), so this step's gradients would be wrong. Every later forward on "
+                "that generator now holds its lock: run the step again. To avoid this, draw on every "
+                "micro-batch, or keep such partitions on devices of their own"
+            )
+
+    def _give_back(self) -> None:
+        """Give the generator the state it had before the recompute, then its lock."""
         try:
             if self.saved is not None:
-                replay = self.replay
-                generator = replay.guard.generator
-                mismatch = exc_type is None and _replay_differs(replay, _get_state(generator))
-                _set_state(generator, self.saved)
-                if mismatch:
-                    lock_for_good(generator)
-                    raise RNGReplayError(
-                        f"{replay.guard.name}: its recompute drew other random numbers than its forward on the "
-                        f"{replay.guard.device.type} generator, because another thread drew from that generator "
-                        "while the forward ran (a partition that drew only on some micro-batches, or a thread "
-                        "outside the pipeline), so this step's gradients would be wrong. Every later forward on "
-                        "that generator now holds its lock: run the step again. To avoid this, draw on every "
-                        "micro-batch, or keep such partitions on devices of their own"
-                    )
+                _set_state(self.replay.guard.generator, self.saved)
         finally:
             leave_rng_section(self.section)
             self.section = None
