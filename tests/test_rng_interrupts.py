@@ -289,3 +289,43 @@ def test_a_section_taken_by_a_polling_wait_gives_the_lock_back_when_interrupted(
         assert interrupted_once_each(scenario, check) >= 3
     finally:
         call_chain.adopt(root)
+
+
+class ThreadNoted(nn.Module):
+    """Notes the thread each forward runs on."""
+
+    def __init__(self, threads: set) -> None:
+        super().__init__()
+        self.threads = threads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.threads.add(threading.get_ident())
+        return x
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_ctrl_c_in_a_one_micro_batch_forward_on_the_callers_thread_leaves_the_generator_as_a_fresh_pipes(checkpoint):
+    """A call of one micro-batch runs its stages on the caller's thread, and with
+    ``checkpoint='always'`` or ``reproducible=True`` their forwards hold the generator's lock
+    and seed it there: a Ctrl-C anywhere in that must leave the lock free and the next step
+    drawing what a fresh pipeline's draws."""
+    x = torch.randn(8, 8)
+    lock = _lock_for(torch.default_generator)
+    root = call_chain.current()
+    threads: set = set()
+
+    def model() -> nn.Sequential:
+        return nn.Sequential(ThreadNoted(threads), *noisy_model())
+
+    with Pipe(model(), [3, 2], chunks=1, checkpoint=checkpoint, reproducible=True) as fresh:
+        expected = seeded_step_gradients(fresh, x)
+    assert threads == {threading.get_ident()}, "the call did not run on this thread: the test tests nothing here"
+    with Pipe(model(), [3, 2], chunks=1, checkpoint=checkpoint, reproducible=True) as pipe:
+        def check() -> None:
+            assert_free(lock)
+            assert_thread_clean(root)
+
+        assert interrupted_once_each(lambda: pipe(x), check) >= 20
+        got = seeded_step_gradients(pipe, x)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)

@@ -1102,12 +1102,12 @@ class Pipe(nn.Module):
         and not inside ``torch.utils.checkpoint`` (or another Pipe's checkpointed stage): there
         the stages would save their tensors through the checkpoint's hooks, whose early stop
         raises inside the recompute's last stage, and the Pipe keeps its own saved tensors on
-        its workers instead (guide, section 7). Nor a call whose forwards hold a generator's
-        lock (checkpointing, ``reproducible``): taking and leaving it is not safe against a
-        Ctrl-C, which lands on the caller's thread only, and would leave it held for good.
+        its workers instead (guide, section 7). Forwards that hold a generator's lock
+        (checkpointing, ``reproducible``) may run here: a Ctrl-C, which lands on this thread
+        only, gives the lock back (`call_chain.HeldLock`), as in a backward's recompute.
         """
         return (program.chain_order is not None and self._device_types == ["cpu"]
-                and self._intra_op_threads is None and not context.rng_sections and not self.reproducible
+                and self._intra_op_threads is None
                 and not in_torch_checkpoint())
 
     def _run_holding_lock(self, plan: Plan, program: Program, context: Any,
