@@ -92,6 +92,11 @@ def assert_thread_clean(chain: call_chain.Chain) -> None:
     assert not checkpoint_module.is_recomputing() and not checkpoint_module.is_checkpointing()
 
 
+def section_on(generator: torch.Generator, lock: threading.Lock) -> Callable[[], None]:
+    """A scenario: one section on ``generator``, entered and left on this thread's chain."""
+    return lambda: call_chain.leave_rng_section(call_chain.enter_rng_section(generator, lock))
+
+
 @pytest.fixture
 def generator() -> torch.Generator:
     return torch.Generator().manual_seed(7)
@@ -164,15 +169,12 @@ def test_a_nested_section_interrupted_anywhere_gives_back_the_sub_lock_and_the_o
         inside = call_chain.current()
         sub_lock = inside.rng_locks[id(generator)].sub_lock
 
-        def scenario() -> None:
-            call_chain.leave_rng_section(call_chain.enter_rng_section(generator, lock))
-
         def check() -> None:
             assert_free(sub_lock, "the outer section's sub-lock")
             assert lock.locked(), "the outer section lost the generator's lock"
             assert call_chain.current() is inside, "the nested section left this thread's chain changed"
 
-        assert interrupted_once_each(scenario, check) >= 2
+        assert interrupted_once_each(section_on(generator, lock), check) >= 2
     finally:
         call_chain.leave_rng_section(outer)
     assert_free(lock)
@@ -189,15 +191,12 @@ def test_work_that_outlived_its_section_takes_the_generator_lock_itself_and_give
     sub_lock = outlived.rng_locks[id(generator)].sub_lock
     call_chain.adopt(outlived)
     try:
-        def scenario() -> None:
-            call_chain.leave_rng_section(call_chain.enter_rng_section(generator, lock))
-
         def check() -> None:
             assert_free(lock)
             assert_free(sub_lock, "the ended section's sub-lock")
             assert call_chain.current() is outlived
 
-        assert interrupted_once_each(scenario, check) >= 3
+        assert interrupted_once_each(section_on(generator, lock), check) >= 3
     finally:
         call_chain.adopt(root)
 
@@ -279,14 +278,11 @@ def test_a_section_taken_by_a_polling_wait_gives_the_lock_back_when_interrupted(
     serving = root.serving(call_chain.new_owner(), call_chain.Cancel())
     call_chain.adopt(serving)
     try:
-        def scenario() -> None:
-            call_chain.leave_rng_section(call_chain.enter_rng_section(generator, lock))
-
         def check() -> None:
             assert_free(lock)
             assert call_chain.current() is serving
 
-        assert interrupted_once_each(scenario, check) >= 3
+        assert interrupted_once_each(section_on(generator, lock), check) >= 3
     finally:
         call_chain.adopt(root)
 
