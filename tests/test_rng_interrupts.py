@@ -21,6 +21,7 @@ record it before the call returned), an interrupt at the end of that acquire lef
 held in every test below; with the new acquire but the old recompute context, an interrupt
 while it read or set the generator's state left the lock held (three tests).
 """
+import contextlib
 import sys
 import threading
 from typing import Any, Callable
@@ -36,7 +37,8 @@ from torchpipe.checkpoint import RNGGuard, StageRNG, _lock_for, draw_step_seed, 
 
 pytestmark = pytest.mark.timeout(120)
 
-SECTION_FILES = frozenset({call_chain.__file__, checkpoint_module.__file__})
+# contextlib too: torch's checkpoint and torchpipe's recompute contexts run through it.
+SECTION_FILES = frozenset({call_chain.__file__, checkpoint_module.__file__, contextlib.__file__})
 
 
 class InterruptAt:
@@ -249,21 +251,27 @@ def seeded_step_gradients(pipe: Pipe, x: torch.Tensor) -> list:
 def test_ctrl_c_in_a_checkpointed_backward_never_leaves_the_next_step_waiting_or_drawing_otherwise():
     """The user's view: Ctrl-C during ``loss.backward()`` of a checkpointed pipeline with random
     layers, whose recompute runs on this thread under the CPU generator's lock, then the next
-    step. Whatever point the interrupt hit, the next step runs (it would wait for the lock for
-    good) and draws what a fresh pipeline's step draws (a generator left rewound would not)."""
+    step. Whatever point the interrupt hit, the generator is where the forward left it (each
+    recompute rewinds it and gives its state back), the next step runs (it would wait for the
+    lock for good), and its gradients are a fresh pipeline's."""
     x = torch.randn(8, 8)
     lock = _lock_for(torch.default_generator)
     root = call_chain.current()
     with Pipe(noisy_model(), [2, 2], chunks=2, checkpoint="always", reproducible=True) as fresh:
         expected = seeded_step_gradients(fresh, x)
     with Pipe(noisy_model(), [2, 2], chunks=2, checkpoint="always", reproducible=True) as pipe:
+        after_forward = []
+
         def forward() -> tuple:  # on the workers, not interrupted
             pipe.zero_grad()
-            return (pipe(x).sum(),)
+            loss = pipe(x).sum()
+            after_forward[:] = [torch.default_generator.get_state()]
+            return (loss,)
 
         def check() -> None:
             assert_free(lock)
             assert_thread_clean(root)
+            assert torch.equal(torch.default_generator.get_state(), after_forward[0]), "the generator was left moved"
 
         assert interrupted_once_each(lambda loss: loss.backward(), check, prepare=forward) >= 40
         got = seeded_step_gradients(pipe, x)
@@ -304,7 +312,8 @@ def test_ctrl_c_in_a_one_micro_batch_forward_on_the_callers_thread_leaves_the_ge
     """A call of one micro-batch runs its stages on the caller's thread, and with
     ``checkpoint='always'`` or ``reproducible=True`` their forwards hold the generator's lock
     and seed it there: a Ctrl-C anywhere in that must leave the lock free and the next step
-    drawing what a fresh pipeline's draws."""
+    drawing what a fresh pipeline's draws. The generator itself moved by the step seed's draw at
+    most (every section gives back the state it seeded)."""
     x = torch.randn(8, 8)
     lock = _lock_for(torch.default_generator)
     root = call_chain.current()
@@ -317,11 +326,23 @@ def test_ctrl_c_in_a_one_micro_batch_forward_on_the_callers_thread_leaves_the_ge
         expected = seeded_step_gradients(fresh, x)
     assert threads == {threading.get_ident()}, "the call did not run on this thread: the test tests nothing here"
     with Pipe(model(), [3, 2], chunks=1, checkpoint=checkpoint, reproducible=True) as pipe:
+        before: list = []
+
+        def unmoved() -> tuple:
+            before[:] = [torch.default_generator.get_state()]
+            seed_drawn = torch.Generator()
+            seed_drawn.set_state(before[0])
+            torch.randint(0, 1 << 62, (1,), generator=seed_drawn)  # draw_step_seed's draw
+            before.append(seed_drawn.get_state())
+            return ()
+
         def check() -> None:
             assert_free(lock)
             assert_thread_clean(root)
+            state = torch.default_generator.get_state()
+            assert any(torch.equal(state, allowed) for allowed in before), "the generator was left moved or seeded"
 
-        assert interrupted_once_each(lambda: pipe(x), check) >= 20
+        assert interrupted_once_each(lambda: pipe(x), check, prepare=unmoved) >= 20
         got = seeded_step_gradients(pipe, x)
     for g, e in zip(got, expected):
         assert torch.equal(g, e)

@@ -185,7 +185,13 @@ def leave_rng_section(entered: Optional[RNGSection]) -> None:
 
     Waits for work under this section's sub-lock to leave it first, so that nothing it
     started draws after the generator's lock went to someone else. The lock is given back
-    even if this is interrupted (Ctrl-C) half way; calling it again does nothing more.
+    even if this is interrupted (Ctrl-C) half way, and only once: calling this again sets
+    the chain back and waits for the sub-lock again, but releases nothing.
+
+    A Ctrl-C that interrupts that wait (work under the sub-lock that does not return: a
+    nested pipeline's stage, left behind) gives the generator's lock back while that work
+    may still draw under the sub-lock: the step is interrupted anyway, and the lock held
+    for good would hang every later step on the generator.
     """
     if entered is not None:
         held, chain, section = entered

@@ -7,6 +7,7 @@ worker thread and recomputation runs on the autograd engine's thread.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -45,7 +46,6 @@ def _set_flag(name: str) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 # Checkpointing with RNG replay
 # --------------------------------------------------------------------------------------------
-import contextlib  # noqa: E402
 import functools  # noqa: E402
 import inspect  # noqa: E402
 import weakref  # noqa: E402
@@ -459,14 +459,8 @@ class StageRNG:
     def _sections(self, training: Optional[bool], seed: Optional[int]) -> Any:
         if len(self.guards) == 1:
             return _ForwardSection(self.guards[0], training, seed)
-        stack = contextlib.ExitStack()
-        try:
-            for index, guard in enumerate(self.guards):
-                stack.enter_context(_ForwardSection(guard, training, None if seed is None else task_seed(seed, index)))
-        except BaseException:  # noqa: B902 - the sections entered so far are left again
-            stack.close()
-            raise
-        return stack
+        return _Contexts([functools.partial(_ForwardSection, guard, training, None if seed is None else task_seed(seed, index))
+                          for index, guard in enumerate(self.guards)])
 
     def new_replay(self, training: bool) -> "_StageReplay":
         return _StageReplay([guard.new_replay(training) for guard in self.guards])
@@ -497,24 +491,53 @@ class _StageReplay:
 
 
 class _Contexts:
-    """Enters the contexts the factories make, in order; leaves them in reverse."""
+    """Enters the contexts the factories make, in order; leaves them in reverse, every one of
+    them even when leaving a later one raised.
 
-    __slots__ = ("factories", "stack")
+    Not an ``ExitStack``: a recompute's generator sections are among these contexts, and a
+    Ctrl-C landing inside ``ExitStack``'s own bookkeeping (between a context's enter and its
+    registration, or in its exit loop) would skip one's exit and leave the generator's lock
+    held for good. Here a context counts as entered as soon as its ``__enter__`` returns (the
+    append that records it is one C call after a Python return, with no point in between
+    where Python raises a pending interrupt), and each exit runs in a ``finally`` of the one
+    after it, with no loop.
+    """
+
+    __slots__ = ("factories", "entered")
 
     def __init__(self, factories: List[Callable[[], Any]]) -> None:
         self.factories = factories
 
     def __enter__(self) -> None:
-        self.stack = contextlib.ExitStack()
+        entered: List[Any] = []
+        self.entered = entered
         try:
             for factory in self.factories:
-                self.stack.enter_context(factory())
-        except BaseException:  # noqa: B902 - the caller will not call __exit__: undo what was entered
-            self.stack.close()
+                context = factory()
+                context.__enter__()
+                entered.append(context)
+        except BaseException:  # noqa: B902 - Ctrl-C too: the caller will not call __exit__, undo what was entered
+            self._leave(-1, sys.exc_info())
             raise
 
     def __exit__(self, *exc: Any) -> None:
-        self.stack.__exit__(*exc)
+        self._leave(-1, exc)
+
+    def _leave(self, index: int, exc: Tuple[Any, ...]) -> None:
+        """Leave the entered contexts from ``entered[index]`` back to the first (``index`` counts
+        from the end); an exception raised in one is what the ones before it see, and goes up
+        once they are all left. (No ``len()``: a C call before the first exit would be a point
+        where a pending interrupt skips them all.)"""
+        try:
+            context = self.entered[index]
+        except IndexError:  # all left
+            return
+        try:
+            context.__exit__(*exc)
+        except BaseException:  # noqa: B902 - re-raised once the earlier contexts are left too
+            self._leave(index - 1, sys.exc_info())
+            raise
+        self._leave(index - 1, exc)
 
 
 TensorSlot = Tuple[Dict[str, Any], str]
