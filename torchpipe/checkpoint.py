@@ -499,8 +499,8 @@ class _Contexts:
     registration, or in its exit loop) would skip one's exit and leave the generator's lock
     held for good. Here a context counts as entered as soon as its ``__enter__`` returns (the
     append that records it is one C call after a Python return, with no point in between
-    where Python raises a pending interrupt), and each exit runs in a ``finally`` of the one
-    after it, with no loop.
+    where Python raises a pending interrupt), and each exit is followed by the call that
+    leaves the one before it, whether it returned or raised: no loop, no ``len()``.
     """
 
     __slots__ = ("factories", "entered")
