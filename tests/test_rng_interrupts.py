@@ -6,7 +6,7 @@ generator state its forward saw. Python raises a pending ``KeyboardInterrupt`` b
 bytecodes; a signal that arrives while a C call runs (``lock.acquire()``, the generator's
 ``get_state()``, where the time goes) is raised as that call returns. These tests raise one
 there, at each C call of the section code (``torchpipe/call_chain.py``,
-``torchpipe/checkpoint.py``) in turn, through a profile function, and check what it left:
+``torchpipe/checkpoint.py``, ``contextlib``) in turn, through a profile function, and check what it left:
 the generator's lock must be free (else the next checkpointed step waits for it for good),
 this thread's chain and the checkpoint flags as they were, and the generator's state where
 it belongs.
@@ -19,7 +19,9 @@ there (``leave_rng_section`` called from a ``finally``).
 Shown to fail without the fix: with the old ``_acquire`` (``lock.acquire()``, and nothing to
 record it before the call returned), an interrupt at the end of that acquire left the lock
 held in every test below; with the new acquire but the old recompute context, an interrupt
-while it read or set the generator's state left the lock held (three tests).
+while it read or set the generator's state left the lock held (three tests); with
+``contextlib.ExitStack`` holding a stage's recompute contexts, an interrupt in its bookkeeping
+left the lock held (the two-generator and the end-to-end backward tests).
 """
 import contextlib
 import sys
@@ -37,7 +39,8 @@ from torchpipe.checkpoint import RNGGuard, StageRNG, _lock_for, draw_step_seed, 
 
 pytestmark = pytest.mark.timeout(120)
 
-# contextlib too: torch's checkpoint and torchpipe's recompute contexts run through it.
+# contextlib too: the generator-based contexts a recompute enters (frozen running statistics,
+# skip replay) run through it, and so did the ExitStack that once held the recompute contexts.
 SECTION_FILES = frozenset({call_chain.__file__, checkpoint_module.__file__, contextlib.__file__})
 
 
