@@ -8,22 +8,31 @@ hand-off (last job's end to ``wall_end``) and the exit (``wall_end`` to the call
 gathering). It also prints what the runtime's jobs themselves allow: the fill-drain critical
 path computed from each job's own measured duration.
 
+``count`` counts the Python-level calls (function calls and builtin calls) per forward call,
+by thread, with ``t = 0``: the caller's entry and exit, and each stage thread's share of its
+jobs. A measure of the work that, unlike the times above, does not move with the VM's noise.
+
 ``cold`` shows why the entry and exit cost more here than the same code in a tight loop: on
 this VM a thread that slept runs its first torch ops several times slower (the caller sleeps
 for the whole step, the stages' threads for each job's sleep).
 
     .venv/bin/python docs/probe_call_edges.py edges [m]
+    .venv/bin/python docs/probe_call_edges.py count [m]
     .venv/bin/python docs/probe_call_edges.py cold
 """
 
 from __future__ import annotations
 
+import collections
 import statistics
 import sys
+import threading
 import time
+from typing import Any
 
 import torch
 
+import torchpipe
 from torchpipe import Pipe
 from torchpipe.bench.gpipe import STAGE_S, STAGES, make_model, measured_sleep
 
@@ -73,6 +82,33 @@ def edges(m: int, calls: int = 60) -> None:
     print(f"  exit (wall_end -> return)    {_median_us(exit_):6.0f} us")
 
 
+def count(m: int, calls: int = 10) -> None:
+    counts: collections.Counter = collections.Counter()
+    counting = False
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if counting and event in ("call", "c_call"):
+            counts[(threading.current_thread().name.split("-")[0], event)] += 1
+
+    sys.setprofile(profile)  # before the Pipe starts its workers, so that they inherit it
+    threading.setprofile(profile)
+    pipe = Pipe(make_model(0.0), balance=[1] * STAGES, chunks=m, checkpoint="never")
+    x = torch.randn(64, 16)
+    with torch.no_grad():
+        for _ in range(5):
+            pipe(x)
+        counting = True
+        for _ in range(calls):
+            pipe(x)
+        counting = False
+    sys.setprofile(None)
+    threading.setprofile(None)
+    pipe.close()
+    print(f"m = {m}: calls per forward, by thread (torchpipe from {torchpipe.__file__})")
+    for (thread, event), n in sorted(counts.items()):
+        print(f"  {thread:12s} {event:7s} {n / calls:7.1f}")
+
+
 def cold(rounds: int = 60) -> None:
     x = torch.randn(64, 16)
     for idle in (0.0, 0.0005, 0.002, 0.025):
@@ -105,7 +141,9 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "edges"
     if what == "edges":
         edges(int(sys.argv[2]) if len(sys.argv) > 2 else 8)
+    elif what == "count":
+        count(int(sys.argv[2]) if len(sys.argv) > 2 else 8)
     elif what == "cold":
         cold()
     else:
-        raise SystemExit(f"unknown probe {what!r}: expected 'edges' or 'cold'")
+        raise SystemExit(f"unknown probe {what!r}: expected 'edges', 'count' or 'cold'")

@@ -178,6 +178,14 @@ def test_a_layout_chunk_cannot_split_is_refused_naming_it_and_chunks_1_passes_it
     assert all(b[1] is x for b in kept)
 
 
+def test_outputs_that_are_a_tensor_in_one_micro_batch_and_a_tuple_in_another_are_refused():
+    # Was an AttributeError from inside the join ("not an atomic batch").
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    with pytest.raises(TypeError, match="a tensor in one micro-batch and a tuple in another"):
+        gather([Batch(a), Batch((b,))])
+    assert torch.equal(gather([Batch(a), Batch(b)]), torch.cat([a, b]))
+
+
 def test_a_jagged_nested_tensor_splits_at_dim_0_but_its_output_is_not_joined():
     x = _jagged(2, 3, 1, 4)
     parts = scatter(x, 2)

@@ -1197,6 +1197,21 @@ def test_a_trace_track_names_the_stage_a_plan_placed_on_another_worker():
     assert tracks == {0: "torchpipe-stage-0 (stage 1)", 1: "torchpipe-stage-1 (stage 0)"}
 
 
+def test_the_forward_program_keeps_the_outputs_in_micro_batch_order_and_refuses_a_plan_that_would_not():
+    # Pipe's forward reads the outputs by position (Runtime.run_kept), not sorted by key.
+    from torchpipe.lowering import lower_forward
+    from torchpipe.schedule import Plan
+
+    with Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1], devices=["cpu"] * 2, chunks=3) as pipe:
+        program = pipe._forward_program(3)[1]
+        assert [key.microbatch for key, _ in program.kept] == [0, 1, 2]
+        x = torch.randn(6, 4)
+        assert torch.equal(pipe(x), pipe[:](x))
+        reversed_outputs = Plan.from_lists("reversed", [["0F0", "0F1"], ["1F1", "1F0"]])
+        with pytest.raises(ValueError, match=r"last stage's forwards in micro-batch order, got \[1, 0\]"):
+            lower_forward(reversed_outputs, pipe._stages)
+
+
 def test_profiler_sees_labelled_tasks_from_worker_threads():
     with Pipe(make_model(), [3, 3, 3], chunks=2) as pipe:
         with torchpipe.profiling.profile() as prof:

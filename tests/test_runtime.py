@@ -150,6 +150,24 @@ def test_hand_made_program_with_cross_worker_dependencies(make_runtime):
         assert where[name] is runtime.workers[worker].thread, name
 
 
+def test_run_kept_returns_the_kept_results_in_job_order_and_run_the_same_by_key(make_runtime):
+    # run_kept serves Pipe's forward, which reads its outputs by position (lower_forward keeps
+    # them in micro-batch order); run builds its dict from the same list.
+    runtime = make_runtime(2)
+    program = Program(2)
+    program.add(1, "late", const("on worker 1"), keep=True)
+    program.add(0, "dropped", const("not kept"))
+    program.add(0, "early", lambda ctx, inputs: inputs[0] + "!", deps=["dropped"], keep=True)
+    program.add(1, "last", lambda ctx, inputs: inputs, deps=["late", "early"], keep=True)
+    assert runtime.run_kept(program, None) == ["on worker 1", "not kept!", ("on worker 1", "not kept!")]
+    assert runtime.run(program, None) == {"late": "on worker 1", "early": "not kept!",
+                                          "last": ("on worker 1", "not kept!")}
+    chain = Program(2)  # one chain, run on the caller's thread: the same order
+    chain.add(0, "a", const(1), keep=True)
+    chain.add(1, "b", lambda ctx, inputs: inputs[0] + 1, deps=["a"], keep=True)
+    assert runtime.run_kept(chain, None, inline_chains=True) == [1, 2]
+
+
 def test_jobs_of_one_worker_run_in_program_order(make_runtime):
     runtime = make_runtime(2)
     log = []

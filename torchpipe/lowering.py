@@ -354,16 +354,21 @@ def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContex
             ctx.batches[microbatch] = None  # type: ignore[call-overload]  # the pipeline owns it now
         if needs_receive(stage, batch, event):
             batch = receive(batch, event, stage.device, stream, stage.copy_stream_for)
-        output = run_partition(stage, ctx, microbatch, batch)
+        output = _run_partition(stage, ctx, microbatch, batch, None)  # no record: nothing for run_partition to add
         return output, (None if on_cpu else mark_ready(backend, stream))
 
     return run
 
 
 def lower_forward(plan: Any, stages: Sequence[StageRunner]) -> Program:
-    """A program that runs the F actions of ``plan``; the last stage's outputs are kept."""
+    """A program that runs the F actions of ``plan``; the last stage's outputs are kept, and
+    come back from ``Runtime.run_kept`` in micro-batch order (ValueError for a plan whose last
+    stage runs its forwards in another order)."""
     program = Program(plan.num_workers)
     last = plan.num_stages - 1
+    outputs = [action.microbatch for actions in plan.worker_actions for action in actions if action.stage == last]
+    if outputs != list(range(plan.num_microbatches)):
+        raise ValueError(f"lower_forward needs the last stage's forwards in micro-batch order, got {outputs}")
     for worker, actions in enumerate(plan.worker_actions):
         for action in actions:
             if action.kind != "F":

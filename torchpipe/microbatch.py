@@ -259,7 +259,8 @@ def scatter(input: TensorOrTensors, chunks: int, batch_dim: BatchDim = 0) -> Lis
     batch_size(input, batch_dim)
     if chunks == 1:
         return [Batch(input)]
-    _check_splittable(input, batch_dim, chunks)
+    if not isinstance(input, Tensor) or input.is_nested or input.layout != torch.strided:
+        _check_splittable(input, batch_dim, chunks)  # a plain tensor splits: no loop over its items
     if isinstance(input, Tensor):
         return [Batch(part) for part in input.chunk(chunks, batch_dim if isinstance(batch_dim, int) else batch_dim[0])]
     dims = _item_dims(input, batch_dim, "batch_dim", "input")
@@ -403,7 +404,11 @@ def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0, samples: Optional[
     dims = _item_dims(first.value, batch_dim, "output_batch_dim", "output")
     try:
         if first.atomic:
-            return torch.cat([b.tensor for b in outputs], dims[0])
+            tensors = [b.values[0] for b in outputs if b.atomic]  # without a property call per output
+            if len(tensors) < len(outputs):
+                raise TypeError("the pipeline's output is a tensor in one micro-batch and a tuple in another: "
+                                "they cannot be concatenated")
+            return torch.cat(tensors, dims[0])
         gathered = [
             torch.cat([b.values[i] for b in outputs], dim) if dim is not None else value
             for i, (value, dim) in enumerate(zip(first.values, dims))

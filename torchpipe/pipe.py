@@ -840,10 +840,9 @@ class Pipe(nn.Module):
             stop = 0
         context = ForwardContext(batches, self._input_events(batches), stop)
         plan, program = self._forward_program(m)
-        results = self._run(plan, program, context)
-        ordered = [value for _, value in sorted(results.items(), key=lambda item: item[0].microbatch)]
+        outputs = self._run(plan, program, context)  # in micro-batch order (lower_forward)
         with _failures_marked_in(context.record):
-            return self._hand_back(ordered), context.record
+            return self._hand_back(outputs), context.record
 
     def evaluate(
         self,
@@ -1069,8 +1068,9 @@ class Pipe(nn.Module):
         return leaves
 
     def _run(self, plan: Plan, program: Program, context: Any,
-             step_leaves: Optional[List[Tensor]] = None) -> Dict[Any, Any]:
-        """Run one step's program with the worker streams fenced against the caller's stream.
+             step_leaves: Optional[List[Tensor]] = None) -> List[Any]:
+        """Run one step's program with the worker streams fenced against the caller's stream;
+        returns its kept results in job order (`Runtime.run_kept`).
 
         One step at a time per Pipe: what a step sets up on the Pipe (deferred batch norm's
         micro-batch count, the RNG guards, the plan ``last_report`` reads) is set under the
@@ -1111,7 +1111,7 @@ class Pipe(nn.Module):
                 and not in_torch_checkpoint())
 
     def _run_holding_lock(self, plan: Plan, program: Program, context: Any,
-                          step_leaves: Optional[List[Tensor]], inline: bool) -> Dict[Any, Any]:
+                          step_leaves: Optional[List[Tensor]], inline: bool) -> List[Any]:
         """``_run``'s step itself, under ``_step_lock``."""
         if not self._finalizer.alive:  # closed by another thread since the caller's check
             raise RuntimeError("this Pipe is closed")
@@ -1143,11 +1143,11 @@ class Pipe(nn.Module):
                 grad_round.start()
             device_types = self._device_types
             if device_types == ["cpu"]:  # no streams, nothing to fence
-                results = self._runtime.run(program, context, device_types, inline_chains=inline)
+                results = self._runtime.run_kept(program, context, device_types, inline_chains=inline)
             else:
                 streams_wait_for_caller(self._worker_streams())
                 try:
-                    results = self._runtime.run(program, context, device_types)
+                    results = self._runtime.run_kept(program, context, device_types)
                 finally:
                     caller_waits_for_streams(self._worker_streams())
             if replayed and _moved(replayed):
@@ -1267,6 +1267,8 @@ class Pipe(nn.Module):
     def _hand_back(self, results: List[Tuple[Batch, Any]]) -> List[Batch]:
         """Make the last stage's outputs safe to use on the caller's current stream."""
         device = self._devices[-1]
+        if device.type == "cpu":  # no events: host tensors are ready
+            return [batch for batch, _ in results]
         outputs = []
         for batch, event in results:
             if event is not None:  # never on the CPU

@@ -279,7 +279,9 @@ class Worker:
             if type(task) is _Carried:  # put by hand: run it under the putting thread's state
                 carried, task = task, task.task
             try:
-                if carried is None:
+                if carried is None and task.stream is None:  # the runtime's jobs on a CPU worker
+                    result = task.compute()
+                elif carried is None:
                     result = self._compute(task)
                 else:
                     with torch.set_grad_enabled(carried.state.grad_enabled), carried.state.contexts(task.label):
