@@ -4,7 +4,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from torchpipe.microbatch import Batch, batch_size, check_batch_dim, common_batch_dim, gather, samples, scatter
+from torchpipe.microbatch import (Batch, batch_size, check_batch_dim, check_joins, common_batch_dim, gather, samples,
+                                  scatter)
 
 Pair = namedtuple("Pair", "src mask")
 
@@ -178,12 +179,23 @@ def test_a_layout_chunk_cannot_split_is_refused_naming_it_and_chunks_1_passes_it
     assert all(b[1] is x for b in kept)
 
 
-def test_outputs_that_are_a_tensor_in_one_micro_batch_and_a_tuple_in_another_are_refused():
-    # Was an AttributeError from inside the join ("not an atomic batch").
-    a, b = torch.randn(2, 3), torch.randn(2, 3)
+@pytest.mark.parametrize("first, later", [
+    ("tensor", (torch.randn(2, 3),)),
+    ("tensor", (torch.randn(2, 3), torch.randn(2, 3))),
+    ("tensor", ("tag",)),
+    ("tensor", (torch.randn(2, 3, 1),)),
+    ((torch.randn(2, 3),), "tensor"),  # was joined into a tuple, silently
+])
+def test_outputs_that_are_a_tensor_in_one_micro_batch_and_a_tuple_in_another_are_refused(first, later):
+    # Was an AttributeError from inside the join ("not an atomic batch"), or no error at all.
+    a = torch.randn(2, 3)
+    outputs = [Batch(a if value == "tensor" else value) for value in (first, later)]
+    for samples in (None, [2, 2]):
+        with pytest.raises(TypeError, match="a tensor in one micro-batch and a tuple in another"):
+            gather(outputs, samples=samples)
     with pytest.raises(TypeError, match="a tensor in one micro-batch and a tuple in another"):
-        gather([Batch(a), Batch((b,))])
-    assert torch.equal(gather([Batch(a), Batch(b)]), torch.cat([a, b]))
+        check_joins(outputs[1], 0, outputs[0])
+    assert torch.equal(gather([Batch(a), Batch(a + 1)]), torch.cat([a, a + 1]))
 
 
 def test_a_jagged_nested_tensor_splits_at_dim_0_but_its_output_is_not_joined():

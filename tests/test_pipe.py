@@ -1210,6 +1210,8 @@ def test_the_forward_program_keeps_the_outputs_in_micro_batch_order_and_refuses_
         reversed_outputs = Plan.from_lists("reversed", [["0F0", "0F1"], ["1F1", "1F0"]])
         with pytest.raises(ValueError, match=r"last stage's forwards in micro-batch order, got \[1, 0\]"):
             lower_forward(reversed_outputs, pipe._stages)
+        with pytest.raises(ValueError, match="got a B action .*expected a forward-only plan"):
+            lower_forward(pipe.plan(2, "1f1b"), pipe._stages)
 
 
 def test_profiler_sees_labelled_tasks_from_worker_threads():

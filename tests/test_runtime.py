@@ -162,10 +162,12 @@ def test_run_kept_returns_the_kept_results_in_job_order_and_run_the_same_by_key(
     assert runtime.run_kept(program, None) == ["on worker 1", "not kept!", ("on worker 1", "not kept!")]
     assert runtime.run(program, None) == {"late": "on worker 1", "early": "not kept!",
                                           "last": ("on worker 1", "not kept!")}
-    chain = Program(2)  # one chain, run on the caller's thread: the same order
-    chain.add(0, "a", const(1), keep=True)
+    chain = Program(2)  # one chain, run on the caller's thread: job order, not the order run in
     chain.add(1, "b", lambda ctx, inputs: inputs[0] + 1, deps=["a"], keep=True)
-    assert runtime.run_kept(chain, None, inline_chains=True) == [1, 2]
+    chain.add(0, "a", const(1), keep=True)
+    assert [job.key for job in chain.freeze().chain_order] == ["a", "b"]
+    assert runtime.run_kept(chain, None, inline_chains=True) == [2, 1]
+    assert runtime.run_kept(chain, None) == [2, 1]
 
 
 def test_jobs_of_one_worker_run_in_program_order(make_runtime):

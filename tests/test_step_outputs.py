@@ -67,6 +67,33 @@ def test_outputs_that_cannot_be_gathered_fail_the_step_before_it_leaves_gradient
     assert loss.dim() == 0 and all(p.grad is not None for p in model.parameters())
 
 
+class TensorOrTuple(nn.Module):
+    """A tensor for the micro-batch of positive samples, a 1-tuple for the other."""
+
+    def forward(self, x):
+        return x if x[0, 0] > 0 else (x,)
+
+
+def test_outputs_that_are_a_tensor_in_one_micro_batch_and_a_tuple_in_another_fail_the_step_before_its_gradients():
+    # Review (helper-129): check_joins let the mix through, so the join failed after backward.
+    model = nn.Sequential(nn.Linear(3, 3), TensorOrTuple())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(3))
+        model[0].bias.zero_()
+    x = torch.ones(4, 3)
+    x[2:] = -1
+
+    def loss_fn(output, target):
+        return nn.functional.mse_loss(output[0] if isinstance(output, tuple) else output, target)
+
+    with Pipe(model, [1, 1], chunks=2) as pipe:
+        with pytest.raises(TypeError, match="a tensor in one micro-batch and a tuple in another"):
+            pipe.step(x, torch.zeros(4, 3), loss_fn, return_outputs=True)
+        assert all(p.grad is None for p in model.parameters())
+        pipe.step(x, torch.zeros(4, 3), loss_fn)  # without the outputs, nothing is joined
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_return_outputs_must_be_a_bool():
     with Pipe(nn.Sequential(nn.Linear(4, 4)), [1], chunks=1) as pipe:
         with pytest.raises(TypeError, match="return_outputs must be a bool, got 'yes'"):

@@ -366,7 +366,8 @@ def lower_forward(plan: Any, stages: Sequence[StageRunner]) -> Program:
     stage runs its forwards in another order)."""
     program = Program(plan.num_workers)
     last = plan.num_stages - 1
-    outputs = [action.microbatch for actions in plan.worker_actions for action in actions if action.stage == last]
+    outputs = [action.microbatch for actions in plan.worker_actions for action in actions
+               if action.stage == last and action.kind == "F"]  # another kind is refused below
     if outputs != list(range(plan.num_microbatches)):
         raise ValueError(f"lower_forward needs the last stage's forwards in micro-batch order, got {outputs}")
     for worker, actions in enumerate(plan.worker_actions):

@@ -346,8 +346,13 @@ def why_not_gatherable(output: Batch, batch_dim: BatchDim = 0) -> Optional[str]:
     return None
 
 
+_MIXED_OUTPUTS = ("the pipeline's output is a tensor in one micro-batch and a tuple in another: they cannot be "
+                  "put together; return the same kind from every micro-batch")
+
+
 def check_joins(output: Batch, batch_dim: BatchDim, first: Optional[Batch], samples: Optional[int] = None) -> None:
-    """ValueError unless ``output`` can be concatenated after ``first`` along its batch dims.
+    """ValueError unless ``output`` can be concatenated after ``first`` along its batch dims
+    (TypeError when one is a tensor and the other a tuple).
 
     ``gather`` takes each item's treatment from ``first``: a tensor item with a batch dim is
     concatenated, so ``output`` must have a tensor of the same rank and shape there but
@@ -358,6 +363,8 @@ def check_joins(output: Batch, batch_dim: BatchDim, first: Optional[Batch], samp
     silently when the sizes allow it.
     """
     template = output if first is None else first
+    if output.atomic != template.atomic:
+        raise TypeError(_MIXED_OUTPUTS)
     dims = _item_dims(template.value, batch_dim, "output_batch_dim", "output")
     if len(output.values) != len(template.values):
         raise ValueError(f"the pipeline's output has {len(output.values)} items in one micro-batch and "
@@ -395,6 +402,8 @@ def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0, samples: Optional[
     if len(outputs) == 1:
         return outputs[0].value
     first = outputs[0]
+    if len({b.atomic for b in outputs}) > 1:
+        raise TypeError(_MIXED_OUTPUTS)
     problem = why_not_gatherable(first, batch_dim)
     if problem is not None:
         raise TypeError(problem)
@@ -403,12 +412,8 @@ def gather(outputs: Sequence[Batch], batch_dim: BatchDim = 0, samples: Optional[
             check_joins(output, batch_dim, first, size)
     dims = _item_dims(first.value, batch_dim, "output_batch_dim", "output")
     try:
-        if first.atomic:
-            tensors = [b.values[0] for b in outputs if b.atomic]  # without a property call per output
-            if len(tensors) < len(outputs):
-                raise TypeError("the pipeline's output is a tensor in one micro-batch and a tuple in another: "
-                                "they cannot be concatenated")
-            return torch.cat(tensors, dims[0])
+        if first.atomic:  # every output is (checked above): read without a property call each
+            return torch.cat([b.values[0] for b in outputs], dims[0])
         gathered = [
             torch.cat([b.values[i] for b in outputs], dim) if dim is not None else value
             for i, (value, dim) in enumerate(zip(first.values, dims))

@@ -1030,7 +1030,7 @@ class Pipe(nn.Module):
                 "grad_fn), so there is nothing to back-propagate: do the model's parameters or its input "
                 "require grad? (a micro-batch whose loss is a constant, a fully masked one say, is "
                 "allowed when another micro-batch's loss has a graph)")
-        # Checked on the workers already (check_joins), before any gradient was kept.
+        # Checked on the workers already (check_joins, why_not_gatherable), before any gradient was kept.
         gathered = gather(cast(List[Batch], context.outputs), output_dim) if return_outputs else None
         upstream.backward()
         object.__setattr__(self, "last_memory", context.memory)  # a plain attribute (see _last_run)

@@ -21,6 +21,7 @@ installed, and the next call ends it, or refuses while that job runs on.
 """
 from __future__ import annotations
 
+import _thread
 import contextlib
 import json
 import threading
@@ -62,7 +63,10 @@ later call tries again.
 """
 
 
-_LOCK_TYPE = type(threading.Lock())
+# A step's locks are made and taken through these, both read here: a threading.Lock patched
+# later (gevent, a lock tracer) does not mix its locks with this type's acquire.
+_new_lock = _thread.allocate_lock
+_LOCK_TYPE = type(_new_lock())
 
 
 class StepAborted(Exception):
@@ -373,7 +377,7 @@ class _Step:
         self.values: List[Any] = [None] * n
         self.remaining_consumers = list(program.consumers)
         # Created and taken in C loops: at the start of every step, on the critical path.
-        self.locks = list(starmap(threading.Lock, repeat((), n)))
+        self.locks = list(starmap(_new_lock, repeat((), n)))
         deque(map(_LOCK_TYPE.acquire, self.locks), 0)
         self.done = [False] * n
         self.keep = program.keep
@@ -588,7 +592,7 @@ class Runtime:
                     inputs: Tuple[Any, ...] = (step.take(only_dep),)
                 elif deps:
                     inputs = tuple([step.take(d) for d in deps])
-                else:  # a first stage's job: its input is in the context
+                else:  # a job with no deps (a first stage's: its input is in the context)
                     inputs = ()
                 state = step.state
                 adopt(state.chain)

@@ -279,7 +279,7 @@ class Worker:
             if type(task) is _Carried:  # put by hand: run it under the putting thread's state
                 carried, task = task, task.task
             try:
-                if carried is None and task.stream is None:  # the runtime's jobs on a CPU worker
+                if carried is None and task.stream is None:  # no stream of its own (the runtime's jobs)
                     result = task.compute()
                 elif carried is None:
                     result = self._compute(task)
