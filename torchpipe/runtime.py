@@ -675,21 +675,13 @@ class Runtime:
         finally:
             self._lock.release()
 
-    def run(
-        self,
-        program: Program,
-        context: Any,
-        device_types: Sequence[str] = ("cpu",),
-        on_abort: Optional[Callable[[Optional[BaseException]], None]] = None,
-        owner: Optional[int] = None,
-        inline_chains: bool = False,
-    ) -> Dict[Hashable, Any]:
+    def run(self, program: Program, context: Any, *args: Any, **kwargs: Any) -> Dict[Hashable, Any]:
         """Run one step of ``program``; returns the results of its ``keep`` jobs by key.
 
-        :meth:`run_kept` (the same arguments) returns them as a list instead, in job order,
-        without hashing a key: a caller that knows that order saves a call per result.
+        Takes :meth:`run_kept`'s arguments, which returns the results as a list instead, in
+        job order, without hashing a key: a caller that knows that order saves a call per result.
         """
-        kept = self.run_kept(program, context, device_types, on_abort, owner, inline_chains)
+        kept = self.run_kept(program, context, *args, **kwargs)
         return dict(zip([key for key, _ in program.kept], kept))
 
     def run_kept(
