@@ -36,7 +36,8 @@ from .skip import Skippable, use_skip_tracker
 from .skip.portal import PipelineSkipTracker, SkipStore, StageSkips, replay_context
 from .workers import Worker
 
-__all__ = ["StageRunner", "PartitionLayout", "ForwardContext", "lower_forward", "run_partition", "needs_receive"]
+__all__ = ["StageRunner", "PartitionLayout", "ForwardContext", "lower_forward", "run_partition", "leaf_changed_in_place",
+           "needs_receive"]
 
 
 class StageRunner:
@@ -251,32 +252,21 @@ def needs_receive(stage: StageRunner, batch: Batch, event: Any) -> bool:
     return True
 
 
-def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips] = None) -> Batch:
-    """Run ``stage``'s partition on one micro-batch: checkpointed or not, RNG-safe, with skips.
-
-    ``ctx`` provides ``checkpoint_stop``, ``rng_sections`` and ``skips`` (the step's
-    :class:`SkipStore`); ``record`` collects stashes and pops for an explicit backward
-    (``Pipe.step``, whose partition inputs are leaves: an in-place change of one gets an
-    error that says so).
-    """
-    try:
-        return _run_partition(stage, ctx, microbatch, batch, record)
-    except RuntimeError as exc:
-        if record is not None and "leaf Variable that requires grad" in str(exc):
-            raise RuntimeError(_leaf_changed_in_place(stage.index, exc, bool(record.popped))) from exc
-        raise
-
-
-def _leaf_changed_in_place(index: int, exc: RuntimeError, popped: bool) -> str:
-    if popped:  # either may be the leaf: the error does not say which tensor
-        return (
-            f"partition {index}: {exc} That leaf is the partition's input or a skip tensor it popped: Pipe.step "
+def leaf_changed_in_place(index: int, error: RuntimeError, record: StageSkips) -> Optional[RuntimeError]:
+    """The error to raise instead of ``error`` when partition ``index`` changed a leaf in place
+    under ``Pipe.step`` (whose partition inputs, and the skips it pops, are leaves of the stage's
+    graph): one that says which leaves and what to do. None for any other error."""
+    if "leaf Variable that requires grad" not in str(error):
+        return None
+    if record.popped:  # either may be the leaf: the error does not say which tensor
+        return RuntimeError(
+            f"partition {index}: {error} That leaf is the partition's input or a skip tensor it popped: Pipe.step "
             "makes each of them a leaf of the stage's graph (their gradients go to other partitions), and a leaf "
             "cannot be changed in place. Make that operation out-of-place (x = x + skip, not x += skip; "
             "skip * 0.5, not skip.mul_(0.5)), or train through pipe(x) and backward()"
         )
-    return (
-        f"partition {index}: {exc} If that leaf is the partition's input: Pipe.step makes each partition's "
+    return RuntimeError(
+        f"partition {index}: {error} If that leaf is the partition's input: Pipe.step makes each partition's "
         "input a leaf of the stage's graph (its gradient goes to the previous stage), and a leaf cannot be "
         "changed in place. Make that operation out-of-place (torch.relu(x), not torch.relu_(x)), or start the "
         "partition with the in-place layer itself (nn.ReLU(inplace=True): Pipe gives it a copy), or train "
@@ -297,7 +287,13 @@ def _builds_a_graph(partition: nn.Module, batch: Batch) -> bool:
     return any(p.requires_grad for p in parameters_in_order(partition))
 
 
-def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips]) -> Batch:
+def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips]) -> Batch:
+    """Run ``stage``'s partition on one micro-batch: checkpointed or not, RNG-safe, with skips.
+
+    ``ctx`` provides ``checkpoint_stop``, ``rng_sections`` and ``skips`` (the step's
+    :class:`SkipStore`); ``record`` collects stashes and pops for an explicit backward
+    (``Pipe.step``, whose partition inputs are leaves: see :func:`leaf_changed_in_place`).
+    """
     partition, layout = stage.partition, stage.layout
     checkpointed = microbatch < ctx.checkpoint_stop and _builds_a_graph(partition, batch)
     if layout.starts_in_place and (checkpointed or record is not None or _has_view(batch)):
@@ -309,7 +305,8 @@ def _run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, 
         else:  # the copy must be checked for the alias
             partition = _on_private_copy(stage.partition, (stage.index, skip))
     if not (checkpointed or ctx.rng_sections or layout.has_skips):
-        return Batch(partition(batch.value))  # the common case: nothing to set up around the call
+        # The common case: nothing to set up around the call (``batch.value`` without its property call).
+        return Batch(partition(batch.values[0] if batch.atomic else batch.values))
     training = stage.partition.training
     replay = stage.rng.new_replay(training) if checkpointed else None
     if replay is not None:
@@ -354,7 +351,7 @@ def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContex
             ctx.batches[microbatch] = None  # type: ignore[call-overload]  # the pipeline owns it now
         if needs_receive(stage, batch, event):
             batch = receive(batch, event, stage.device, stream, stage.copy_stream_for)
-        output = _run_partition(stage, ctx, microbatch, batch, None)  # no record: nothing for run_partition to add
+        output = run_partition(stage, ctx, microbatch, batch, None)
         return output, (None if on_cpu else mark_ready(backend, stream))
 
     return run

@@ -591,7 +591,7 @@ class Runtime:
                 if only_dep is not None:
                     inputs: Tuple[Any, ...] = (step.take(only_dep),)
                 elif deps:
-                    inputs = tuple([step.take(d) for d in deps])
+                    inputs = tuple(map(step.take, deps))
                 else:  # a job with no deps (a first stage's: its input is in the context)
                     inputs = ()
                 state = step.state

@@ -14,6 +14,7 @@ starts from the gradients ``I`` left at the parameter branches (see split_backwa
 from __future__ import annotations
 
 import contextlib
+import operator
 
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from . import engine
 from .checkpoint import explain_hooks_refusal, task_seed
 from .copy import mark_ready, receive
-from .lowering import StageRunner, needs_receive, run_partition
+from .lowering import StageRunner, leaf_changed_in_place, needs_receive, run_partition
 from .microbatch import (Batch, BatchDim, check_joins, items_of, map_nested, nested_tensor_paths, rebuild,
                          why_not_gatherable)
 from .runtime import Program
@@ -207,6 +208,11 @@ Path = Tuple[Any, ...]
 """Where a value sits in a batch: its index, then indices or keys into nested tuples, lists and dicts."""
 
 
+_WHOLE_BATCH: Tuple[Path, ...] = ((0,),)
+"""The grad positions of an atomic batch whose tensor requires grad (the common case, taken
+without the nested walk: these run in every forward job of a step)."""
+
+
 def _grad_positions(output: Batch) -> Tuple[Path, ...]:
     """Where in a stage's output the tensors that carry a gradient back are.
 
@@ -214,6 +220,8 @@ def _grad_positions(output: Batch) -> Tuple[Path, ...]:
     in one that kept the producer's graph would let the consumer's backward run into the
     producer's.
     """
+    if output.atomic:
+        return _WHOLE_BATCH if output.values[0].requires_grad else ()
     return tuple(path for path, tensor in nested_tensor_paths(output.values) if tensor.requires_grad)
 
 
@@ -221,6 +229,12 @@ def _value_at(values: Sequence[Any], path: Path) -> Any:
     for i in path:
         values = values[i]
     return values
+
+
+def _values_at(values: Sequence[Any], positions: Sequence[Path]) -> List[Any]:
+    if positions is _WHOLE_BATCH:
+        return [values[0]]
+    return [_value_at(values, path) for path in positions]
 
 
 def _as_leaves(batch: Batch, positions: Sequence[Path]) -> Tuple[Batch, List[Tensor]]:
@@ -232,6 +246,9 @@ def _as_leaves(batch: Batch, positions: Sequence[Path]) -> Tuple[Batch, List[Ten
     """
     if not positions:
         return batch, []
+    if batch.atomic:  # then ``positions`` is the batch itself: an atomic batch has no other path
+        leaf = batch.values[0].detach().requires_grad_(True)
+        return Batch(leaf), [leaf]
     leaves = [_value_at(batch.values, path).detach().requires_grad_(True) for path in positions]
     values = _with_leaves(batch.values, (), dict(zip(positions, leaves)))
     return Batch(values[0] if batch.atomic else rebuild(batch.values, values)), leaves
@@ -295,6 +312,9 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
             try:
                 output = run_partition(stage, ctx, microbatch, batch, skips)
             except RuntimeError as exc:
+                changed = leaf_changed_in_place(index, exc, skips)
+                if changed is not None:
+                    raise changed from exc
                 explain_hooks_refusal(
                     exc, "Pipe.step runs each stage's forward under saved-tensor hooks of its own (they count what "
                          "backward keeps, for last_memory, and let a failed step free its graph)",
@@ -322,8 +342,9 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                         check_joins(output, ctx.output_batch_dim, first, expected)
                     ctx.outputs[microbatch] = Batch(map_nested(output.value, Tensor.detach))
         grad_positions = () if last else _grad_positions(output)
-        outputs = [loss] if last else [_value_at(output.values, path) for path in grad_positions]
-        outputs += [tensor for _, tensor in skips.stashed]
+        outputs = [loss] if last else _values_at(output.values, grad_positions)
+        if skips.stashed:
+            outputs += [tensor for _, tensor in skips.stashed]
         ctx.memory.kept(index, counter.nbytes)
         saved = _Saved(leaves, outputs, counter.nbytes, skips, aliased=sends_copies, grad_positions=grad_positions)
         if last:
@@ -422,6 +443,9 @@ def _pairs(saved: _Saved, grads: Sequence[Optional[Tensor]]) -> Tuple[List[Tenso
     return outputs, grad_outputs
 
 
+_grad_of = operator.attrgetter("grad")  # a leaf's gradient, read in C (once per leaf and backward job)
+
+
 def _leaf_grads(stage: StageRunner, saved: _Saved, grads: List[Optional[Tensor]]) -> _Handoff:
     on_cpu = stage.backend.type == "cpu"
     return _Handoff(Batch(tuple(grads)), None if on_cpu else mark_ready(stage.backend, stage.stream), None)
@@ -438,8 +462,9 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool,
         outputs, grad_outputs = _pairs(saved, grads)
         if outputs:
             engine.backward(outputs, grad_outputs)
-        _send_skip_grads(stage, ctx, microbatch, saved, [leaf.grad for _, leaf in saved.skips.popped])
-        result = None if first else _leaf_grads(stage, saved, [leaf.grad for leaf in saved.leaves])
+        if saved.skips.popped:
+            _send_skip_grads(stage, ctx, microbatch, saved, [leaf.grad for _, leaf in saved.skips.popped])
+        result = None if first else _leaf_grads(stage, saved, list(map(_grad_of, saved.leaves)))
         _release(ctx, index, saved)
         if final:
             _gradients_final(ctx, index)
