@@ -397,6 +397,117 @@ def test_zero_bubble_weight_pass_does_not_redo_the_input_pass(checkpoint):
         torch.testing.assert_close(a, b)
 
 
+class FusedLinear(torch.autograd.Function):
+    """``x @ w.t()`` whose backward also adds the weight gradient into a ``main_grad`` kept on
+    ctx (Megatron's fused weight-gradient accumulation): a side effect that must happen once
+    per micro-batch. It returns the weight gradient too, so ``.grad`` is checked as well."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, weight, main_grad):
+        ctx.save_for_backward(x, weight)
+        ctx.main_grad = main_grad
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        FusedLinear.calls += 1
+        x, weight = ctx.saved_tensors
+        grad_weight = grad.t() @ x
+        ctx.main_grad.add_(grad_weight)
+        return grad @ weight, grad_weight, None
+
+
+class FusedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 6) * 0.3)
+        self.weight.main_grad = torch.zeros(6, 6, dtype=torch.float64)
+
+    def forward(self, x):
+        return torch.tanh(FusedLinear.apply(x, self.weight, self.weight.main_grad))
+
+
+def _fused_model(layers, tied=False):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[TiedLinear6() if tied and i % 2 else FusedLayer() for i in range(layers)]).double()
+    for layer in model:  # .double() made new parameters: main_grad to match
+        if isinstance(layer, FusedLayer):
+            layer.weight.main_grad = torch.zeros(6, 6, dtype=torch.float64)
+    return model
+
+
+class TiedLinear6(nn.Module):
+    """A weight used by ``F.linear`` and directly by a matmul: its branches meet, so the split
+    falls back to the stage's whole backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6) * 0.3)
+
+    def forward(self, x):
+        return torch.tanh(nn.functional.linear(x, self.w)) @ self.w
+
+
+# Regression: zb-h1 and zb-v ran a custom Function that sits where a parameter branch leaves
+# the input path once in I and again in W, so its side effect (main_grad) happened twice per
+# micro-batch on every stage whose input needs a gradient, silently; a stage whose split fell
+# back to the whole backward (tied weights) ran it twice as well.
+@pytest.mark.parametrize("tied", [False, True], ids=["split", "whole"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule,options,balance", SCHEDULE_CASES)
+def test_a_functions_backward_runs_once_per_micro_batch_in_every_schedule(schedule, options, balance, checkpoint, tied):
+    layers = 2 * len(balance)
+    chunks = 2
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    reference = _fused_model(layers, tied)
+    nn.MSELoss()(reference(x), y).backward()
+    model = _fused_model(layers, tied)
+    with Pipe(model, [2] * len(balance), chunks=chunks, checkpoint=checkpoint) as pipe:
+        FusedLinear.calls = 0
+        pipe.step(x, y, nn.MSELoss(), schedule=schedule, **options)
+        fused = sum(isinstance(layer, FusedLayer) for layer in model)
+        assert FusedLinear.calls == fused * chunks
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, msg=name)
+        if hasattr(param, "main_grad"):
+            torch.testing.assert_close(param.main_grad, expected.main_grad, msg=name)
+
+
+class FusedFromSaved(torch.autograd.Function):
+    """Megatron's older style: the backward reads ``main_grad`` off the saved weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        weight.main_grad.add_(grad.t() @ x)
+        return grad @ weight, None
+
+
+class FusedFromSavedLayer(FusedLayer):
+    def forward(self, x):
+        return torch.tanh(FusedFromSaved.apply(x, self.weight))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_backward_reading_an_attribute_off_a_saved_parameter_gets_a_note_on_why_it_is_missing(schedule):
+    # Under any saved-tensor hooks torch hands back plain tensors from ctx.saved_tensors (the
+    # plain model under save_on_cpu fails the same way); the note says so and what works.
+    model = nn.Sequential(FusedFromSavedLayer(), FusedFromSavedLayer())
+    with Pipe(model, [1, 1], chunks=2, checkpoint="never") as pipe:
+        with pytest.raises(AttributeError, match="main_grad") as caught:
+            pipe.step(torch.randn(4, 6), torch.randn(4, 6), nn.MSELoss(), schedule=schedule)
+        assert any("ctx.main_grad = weight.main_grad" in note for note in caught.value.__notes__)
+        with torch.autograd.graph.save_on_cpu(), pytest.raises(AttributeError, match="main_grad"):
+            nn.MSELoss()(pipe[:](torch.randn(4, 6)), torch.randn(4, 6)).backward()
+
+
 class SplitWithMask(nn.Module):
     """Sends (float tensor that needs no grad, integer tensor, activation) to the next stage."""
 

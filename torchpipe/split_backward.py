@@ -29,9 +29,16 @@ A stage whose input path holds a region that cannot keep its graph (a compiled b
 that donates its buffers) or hides its parameters from the graph (a reentrant
 ``torch.utils.checkpoint``) runs its whole backward in ``I``, and ``W`` has nothing to do.
 
-Where the input path holds module backward hooks (``register_full_backward_hook`` and its
-pre-hook), walking it again in ``W`` would call them a second time for the micro-batch. Such
-a fallback runs the whole backward in ``I`` instead, once, and leaves ``W`` nothing to do.
+The backward of an ``autograd.Function`` (a user's, a compiled region's, the one that calls
+module backward hooks) must run once per micro-batch: it may do more than return gradients
+(accumulate into ``weight.main_grad``, call the hooks), and it computes every gradient its
+forward said it needs whatever the engine asks for. As a frontier node it runs in ``I`` only:
+a hook after it keeps what it sent into its parameter branches, and ``W`` starts those
+branches from there without calling it again. Where the input path holds one and the split
+falls back to the whole backward above, that fallback runs in ``I`` instead, once, and leaves
+``W`` nothing to do. One case still runs such a node twice: a tensor hook that replaces a
+gradient on a built-in frontier node's path (see ``_side_grads``) sends ``W`` back to the
+whole backward after ``I`` ran.
 
 A parameter whose ``AccumulateGrad`` node is a branch's first node (a bias, a conv weight)
 has its tensor hooks (``p.register_hook``) applied at ``W``'s capture and again when ``W``
@@ -45,6 +52,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
 
 from . import engine
@@ -124,9 +132,17 @@ def _is_reentrant_checkpoint(node: Node) -> bool:
 _REENTRANT_REFUSAL = "use_reentrant=True"
 
 
-def _calls_module_hooks(node: Node) -> bool:
-    """Whether ``node`` calls an ``nn.Module``'s full backward hooks or pre-hooks."""
-    return type(node).__name__ == "BackwardHookFunctionBackward"
+def _runs_once(node: Node) -> bool:
+    """Whether ``node`` is the backward of an ``autograd.Function`` (a user's, a compiled region's,
+    the one that calls an ``nn.Module``'s full backward hooks).
+
+    Such a backward computes every input gradient its forward said it needs, whatever the
+    engine asks for, and may do more than return them: accumulate into ``weight.main_grad``
+    (Megatron's fused weight-gradient accumulation), call module hooks, count. It must run
+    once per micro-batch, so its gradients for the parameter branches are kept when ``I``
+    runs it, not asked of it again in ``W``.
+    """
+    return isinstance(node, BackwardCFunction)
 
 
 def _below(roots: Sequence[Node]) -> Set[Node]:
@@ -163,11 +179,11 @@ class WeightSplit:
             elif output.grad_fn not in seen:
                 seen.add(output.grad_fn)
                 stack.append(output.grad_fn)
-        donating = module_hooks = False
+        donating = runs_once = False
         while stack:
             node = stack.pop()
             donating = donating or _donates_buffers(node) or _is_reentrant_checkpoint(node)
-            module_hooks = module_hooks or _calls_module_hooks(node)
+            runs_once = runs_once or _runs_once(node)
             side: Dict[Edge, int] = {}
             for output, (child, slot) in enumerate(node.next_functions):
                 if child is None:
@@ -185,14 +201,18 @@ class WeightSplit:
         if self.whole:
             self.frontier = {}
         self.kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
+        # What each frontier node that runs once (_runs_once) sent into its parameter
+        # branches when I ran it.
+        self.sent: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
         # See input_grads: a region on the input path that cannot keep its graph or that
-        # hides its parameters (a reentrant checkpoint), or module hooks that a whole
-        # backward in W would call a second time.
-        self.whole_in_input = donating or (self.whole and module_hooks)
+        # hides its parameters (a reentrant checkpoint), or a node that must run once, which a
+        # whole backward in W would run a second time.
+        self.whole_in_input = donating or (self.whole and runs_once)
         self.done_in_input = False
         if self.whole_in_input:
             self.frontier = {}
-        self._hooks = [node.register_prehook(self._keeper(node)) for node in self.frontier]
+        self._hooks = [node.register_hook(self._sender(node)) if _runs_once(node)
+                       else node.register_prehook(self._keeper(node)) for node in self.frontier]
 
     def _branches_meet(self) -> bool:
         """Whether one parameter branch feeds another (see the module docstring)."""
@@ -211,6 +231,14 @@ class WeightSplit:
             self.kept[node] = grad_outputs
 
         return keep
+
+    def _sender(self, node: Node) -> Any:
+        outputs = self.side_outputs[node]
+
+        def record(grad_inputs: Tuple[Optional[Tensor], ...], grad_outputs: Tuple[Any, ...]) -> None:
+            self.sent[node] = tuple(grad_inputs[i] for i in outputs)
+
+        return record
 
     def input_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor], leaves: Sequence[Tensor]) -> List[Optional[Tensor]]:
         """``I``: gradients for ``leaves``; the graph is kept and the frontier's gradients too.
@@ -243,7 +271,7 @@ class WeightSplit:
                     hook.remove()
                 self._hooks = []
         self.done_in_input = True
-        self.kept.clear()
+        self._clear()
         engine.backward(outputs, grad_outputs)  # the stage's own input leaves get .grad as well
         return [leaf.grad for leaf in leaves]
 
@@ -261,14 +289,17 @@ class WeightSplit:
             return
         entering: Dict[Edge, Tensor] = {}  # per branch start: the gradient that enters it
         for node, side in self.frontier.items():
-            kept = self.kept.get(node)
-            if kept is None:  # the node got no gradient in I (its outputs were unused)
+            if _runs_once(node):
+                side_grads = self.sent.get(node)  # None: I did not run it (its outputs were unused)
+            else:
+                kept = self.kept.get(node)
+                side_grads = None if kept is None else self._side_grads(node, kept, side, self.side_outputs[node])
+                if kept is not None and side_grads is None:  # a tensor hook changed a gradient: see _side_grads
+                    self._clear()
+                    self._whole_weight_grads(outputs, grad_outputs)
+                    return
+            if side_grads is None:
                 continue
-            side_grads = self._side_grads(node, kept, side, self.side_outputs[node])
-            if side_grads is None:  # a tensor hook changed a gradient: see _side_grads
-                self.kept.clear()
-                self._whole_weight_grads(outputs, grad_outputs)
-                return
             for edge, grad in zip(side, side_grads):
                 if grad is not None:
                     entering[edge] = grad if edge not in entering else entering[edge] + grad
@@ -281,7 +312,11 @@ class WeightSplit:
                 source_grads.append(grad)
         if sources:  # branches and detached outputs reach no stage input: no need to name inputs
             engine.backward(sources, source_grads)
+        self._clear()
+
+    def _clear(self) -> None:
         self.kept.clear()
+        self.sent.clear()
 
     def _side_grads(self, node: Node, kept: Tuple[Optional[Tensor], ...], side: List[Edge],
                     outputs: List[int]) -> Optional[Tuple[Optional[Tensor], ...]]:

@@ -25,6 +25,7 @@ from . import engine
 from .checkpoint import explain_hooks_refusal, task_seed
 from .copy import mark_ready, receive
 from .lowering import StageRunner, leaf_changed_in_place, needs_receive, run_partition
+from .notes import add_note
 from .microbatch import (Batch, BatchDim, check_joins, items_of, map_nested, nested_tensor_paths, rebuild,
                          why_not_gatherable)
 from .runtime import Program
@@ -278,6 +279,20 @@ def _with_leaves(values: Any, prefix: Path, leaf_at: Dict[Path, Tensor]) -> Any:
     return out
 
 
+def explain_saved_attribute(error: AttributeError) -> None:
+    """Add a note to an AttributeError that a backward raised reading an attribute of a tensor:
+    likely one a custom ``autograd.Function`` set on a parameter and read back from
+    ``ctx.saved_tensors``, which under any saved-tensor hooks (these, torch's ``save_on_cpu``
+    and non-reentrant checkpoint) hands back plain tensors, not the objects saved."""
+    if "'Tensor' object has no attribute" in str(error):
+        add_note(error, "[torchpipe] Pipe.step runs each stage's forward under saved-tensor hooks of its own (they "
+                        "count what backward keeps, for last_memory), and under any saved-tensor hooks (torch's "
+                        "save_on_cpu and non-reentrant checkpoint too) ctx.saved_tensors gives back plain tensors, "
+                        "not the Parameter objects saved: an attribute set on a parameter (weight.main_grad) is not "
+                        "on them. Keep what the backward needs on ctx in forward (ctx.main_grad = weight.main_grad), "
+                        "or train this model with pipe(x) and backward()")
+
+
 def _copies_between(producer: StageRunner, consumer: StageRunner) -> bool:
     """Whether the consumer gets its own copy of what the producer sends (another device)."""
     return producer.device != consumer.device
@@ -461,7 +476,11 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool,
         grads = _received_grads(stage, saved, inputs[1] if len(inputs) > 1 else None, last, microbatch, ctx)
         outputs, grad_outputs = _pairs(saved, grads)
         if outputs:
-            engine.backward(outputs, grad_outputs)
+            try:
+                engine.backward(outputs, grad_outputs)
+            except AttributeError as exc:
+                explain_saved_attribute(exc)
+                raise
         if saved.skips.popped:
             _send_skip_grads(stage, ctx, microbatch, saved, [leaf.grad for _, leaf in saved.skips.popped])
         result = None if first else _leaf_grads(stage, saved, list(map(_grad_of, saved.leaves)))
@@ -488,7 +507,11 @@ def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) ->
         else:
             # A checkpointed micro-batch recomputes its forward once per backward call W makes.
             saved.split = WeightSplit(outputs, wanted, checkpointed=microbatch < ctx.checkpoint_stop)
-            all_grads = saved.split.input_grads(outputs, grad_outputs, wanted)
+            try:
+                all_grads = saved.split.input_grads(outputs, grad_outputs, wanted)
+            except AttributeError as exc:
+                explain_saved_attribute(exc)
+                raise
         leaf_grads = all_grads[: len(saved.leaves)]
         _send_skip_grads(stage, ctx, microbatch, saved, all_grads[len(saved.leaves):])
         handoff = _leaf_grads(stage, saved, leaf_grads)
@@ -506,12 +529,16 @@ def _weight_grad(stage: StageRunner, microbatch: int, final: bool) -> Callable[[
         saved: _Saved = inputs[0].saved
         assert saved.grads is not None
         outputs, grad_outputs = _pairs(saved, saved.grads)
-        if outputs and saved.split is not None:
-            saved.split.weight_grads(outputs, grad_outputs)
-        elif outputs:
-            # I had no input to differentiate (the first stage, or inputs that need no gradient):
-            # W is the whole backward, into the caller's input too when that requires one.
-            engine.backward(outputs, grad_outputs)
+        try:
+            if outputs and saved.split is not None:
+                saved.split.weight_grads(outputs, grad_outputs)
+            elif outputs:
+                # I had no input to differentiate (the first stage, or inputs that need no gradient):
+                # W is the whole backward, into the caller's input too when that requires one.
+                engine.backward(outputs, grad_outputs)
+        except AttributeError as exc:
+            explain_saved_attribute(exc)
+            raise
         _release(ctx, index, saved)
         if final:
             _gradients_final(ctx, index)
