@@ -329,3 +329,26 @@ def test_a_table_named_like_a_mapping_call_leaves_the_views_mapping_calls_workin
     bags = CachedEmbeddingBagCollection(tables, 8).embedding_bags
     assert sorted(dict(bags)) == sorted([name, "t1"]) and bags == bags
     assert list(bags.keys()) == [name, "t1"] and len(list(bags.items())) == len(list(bags.values())) == 2
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(24, 4, device="meta"), [[0.0] * 4] * 24, torch.zeros(24, 4).to_sparse()],
+                         ids=["meta", "list", "sparse"])
+def test_a_value_that_cannot_load_leaves_every_table_as_it_was(bad) -> None:
+    """Review (helper-130): t0 was overwritten on the host before t1's value failed to copy, the
+    cached rows were never refreshed (old in the cache, new on the host), and the error was a
+    NotImplementedError, or an AttributeError for a list, naming no key."""
+    model, batches = trained_model()
+    before = model.state_dict()
+    wrong = {"embedding_bags.t0.weight": torch.ones(40, 4), "embedding_bags.t1.weight": bad}
+    with pytest.raises(RuntimeError, match='parameter named "embedding_bags.t1.weight"'):
+        model.load_state_dict(wrong)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # The cache agrees with the host: training on matches a model that never saw the failed load.
+    twin = CachedEmbeddingBagCollection(make_tables(), 16, optimizer=RowWiseAdagrad(lr=0.5))
+    twin.load_state_dict(before)
+    twin.load_optimizer_state_dict(model.optimizer_state_dict())
+    for kjt in batches[:5]:
+        model(kjt).values().sum().backward()
+        twin(kjt).values().sum().backward()
+    assert all(torch.equal(model.state_dict()[k], twin.state_dict()[k]) for k in before)

@@ -110,7 +110,8 @@ class EmbeddingCache:
             increasing = n == 1 or bool((keys[1:] > keys[:-1]).all())
             low, high = (int(keys[0]), int(keys[-1])) if increasing else (int(keys.min()), int(keys.max()))
             if low < 0 or high >= self.num_rows:
-                raise ValueError(f"table {self.name!r}: keys out of range [0, {self.num_rows})")
+                bad = keys[(keys < 0) | (keys >= self.num_rows)]
+                raise ValueError(f"table {self.name!r}: keys out of range [0, {self.num_rows}): e.g. {bad[:5].tolist()}")
             if not increasing and torch.unique(keys).numel() != n:
                 raise ValueError(f"table {self.name!r}: plan_swap needs unique keys")
         return keys

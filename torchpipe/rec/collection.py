@@ -115,7 +115,8 @@ class CachedEmbeddingBagCollection(nn.Module):
     for step.
     """
 
-    _LOCKS = {"_plan_lock": threading.Lock, "_finish_lock": threading.RLock}
+    _LOCKS = {"_plan_lock": threading.Lock, "_finish_lock": threading.RLock, "_direct_lock": threading.RLock,
+              "_sync_lock": threading.RLock}
 
     optimizer = FusedOptimizerAttribute()
 
@@ -164,6 +165,15 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._finish_lock = threading.RLock()
         # Direct lookups whose backward has not run, with a witness of their graph (see _Witness).
         self._sync_plans: list[tuple[BatchPlan, weakref.ref[_Witness]]] = []
+        # Direct lookups from several threads (serving) run one at a time, as Pipe's calls do:
+        # each plans, swaps and looks up while no other can plan. Taken first, before any
+        # other lock of the collection.
+        self._direct_lock = threading.RLock()
+        # Guards _sync_plans and the release of a direct lookup's rows: a backward holds it
+        # from its stale check through its row update to the release, so another thread's
+        # lookup cannot release (and evict) the rows in between. Taken last: it only waits
+        # for the caches' own locks.
+        self._sync_lock = threading.RLock()
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
 
     # -- per-batch steps ---------------------------------------------------------------
@@ -366,11 +376,15 @@ class CachedEmbeddingBagCollection(nn.Module):
         return fused_pooled_lookup(self._anchor, [self.slots[n] for n in names],
                                    [plan.tables[n].slots_of_keys.to(self.device) for n in names],
                                    [plan.keys.tables[n] for n in names], self.optimizer,
-                                   before_update, after_update)
+                                   before_update, after_update, self._sync_lock if release_after_backward else None)
 
     def _forward_sync(self, features: KeyedJaggedTensor | None) -> KeyedTensor:
         if features is None:
             raise ValueError("forward needs features or a plan")
+        with self._direct_lock:
+            return self._forward_sync_locked(features)
+
+    def _forward_sync_locked(self, features: KeyedJaggedTensor) -> KeyedTensor:
         keys = self.prepare(features)
         self._release_sync_plans(keep_live=True)
         self.finish_swaps()
@@ -404,7 +418,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.finish_swaps([plan])  # the rows must not stay in the wrong slots
             raise
         if out.values().requires_grad:
-            self._sync_plans.append((plan, weakref.ref(witness)))
+            with self._sync_lock:
+                self._sync_plans.append((plan, weakref.ref(witness)))
         else:
             self.release(plan)
         return out
@@ -412,15 +427,16 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _release_sync_plans(self, keep_live: bool) -> None:
         """Release direct lookups whose backward never ran: those whose graph is gone, or
         (``keep_live=False``) all of them, whose backward then raises `StaleBatchError`."""
-        kept = []
-        for plan, witness in self._sync_plans:
-            if plan.released:  # its backward ran
-                continue
-            if keep_live and witness() is not None:
-                kept.append((plan, witness))
-            else:
-                self.release(plan)
-        self._sync_plans = kept
+        with self._sync_lock:
+            kept = []
+            for plan, witness in self._sync_plans:
+                if plan.released:  # its backward ran
+                    continue
+                if keep_live and witness() is not None:
+                    kept.append((plan, witness))
+                else:
+                    self.release(plan)
+            self._sync_plans = kept
 
     # -- whole-table operations --------------------------------------------------------
     def in_flight(self) -> int:
@@ -620,17 +636,28 @@ class CachedEmbeddingBagCollection(nn.Module):
                               error_msgs: list[str]) -> None:
         mine = {prefix + weight_key(name): name for name in self.hosts}
         loads: dict[str, torch.Tensor] = {}
+        refused = False
         for key, name in mine.items():
             if key not in state_dict:
                 missing_keys.append(key)
                 continue
             value = state_dict[key]
-            expected = tuple(self.hosts[name].weight.shape)
-            if tuple(value.shape) != expected:
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
-                                  f"the table has shape {expected}.")
+            problem = self._load_problem(key, name, value)
+            if problem is not None:
+                error_msgs.append(problem)
+                refused = True
                 continue
-            loads[name] = value
+            # Made a host tensor of the table's dtype now (no copy when it is one): what can
+            # fail, fails before any table is written.
+            try:
+                loads[name] = value.detach().to(device="cpu", dtype=self.hosts[name].weight.dtype)
+            except Exception as exc:  # noqa: BLE001 - reported as torch reports a failed copy
+                error_msgs.append(f'While copying the parameter named "{key}", whose dimensions in the model are '
+                                  f"{tuple(self.hosts[name].weight.shape)} and whose dimensions in the checkpoint "
+                                  f"are {tuple(value.shape)}, an exception occurred : {exc.args}.")
+                refused = True
+        if refused:  # every table or none: a table half loaded would differ from its cached rows
+            loads = {}
         if strict:  # torch's rule: a key under this prefix that no table, child or own tensor takes
             own = set(self._parameters) | set(self._buffers)
             for key in state_dict:
@@ -641,6 +668,22 @@ class CachedEmbeddingBagCollection(nn.Module):
                     unexpected_keys.append(key)
         if loads:
             self._flush("load_state_dict()")
-            for name, value in loads.items():
-                self.hosts[name].weight.copy_(value.detach())
-            self._refresh_slots()
+            try:
+                for name, value in loads.items():
+                    self.hosts[name].weight.copy_(value)
+            finally:  # the cached rows follow whatever the host tables hold now
+                self._refresh_slots()
+
+    def _load_problem(self, key: str, name: str, value: Any) -> str | None:
+        """Why ``value`` cannot be table ``name``'s weight (torch's wording), or None."""
+        expected = tuple(self.hosts[name].weight.shape)
+        if not isinstance(value, torch.Tensor):
+            return (f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like object from '
+                    f"checkpoint but received {type(value)}")
+        if tuple(value.shape) != expected:
+            return (f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                    f"the table has shape {expected}.")
+        if value.layout != torch.strided or value.device.type == "meta":
+            return (f'While copying the parameter named "{key}": expected a dense tensor with values, got a '
+                    f"{value.layout} tensor on {value.device}")
+        return None

@@ -8,7 +8,8 @@ ops on the very same shapes, which is what makes cache training bitwise equal to
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torchrec import KeyedTensor
@@ -69,26 +70,30 @@ class _FusedRows(torch.autograd.Function):
 def fused_pooled_lookup(anchor: torch.Tensor, storages: Sequence[torch.Tensor], row_indices: Sequence[torch.Tensor],
                         batches: Sequence[TableBatch], optimizer: RowOptimizer,
                         before_update: Callable[[], None] | None = None,
-                        after_update: Callable[[], None] | None = None) -> KeyedTensor:
+                        after_update: Callable[[], None] | None = None,
+                        update_lock: ContextManager[Any] | None = None) -> KeyedTensor:
     """Pool every table's bags from ``storages[t][row_indices[t]]`` into a `KeyedTensor`.
 
     ``row_indices[t][u]`` is the storage row of unique key ``u`` of table ``t`` (a cache
     slot, or the key itself for a full table). ``anchor`` is a tensor requiring grad so
     the output joins autograd without the tables being parameters. In backward the
     optimizer updates each table's unique rows (grads of duplicate keys are summed by the
-    pooling backward); ``before_update``/``after_update`` bracket that (stale check, release).
+    pooling backward); ``before_update``/``after_update`` bracket that (stale check, release),
+    all three under ``update_lock`` when given (so that another thread cannot release the
+    batch's rows between the check and the update).
     """
     dims = [b.layout.dim for b in batches]
     device = storages[0].device if storages else anchor.device
 
     def on_backward(grads: list[torch.Tensor | None]) -> None:
-        if before_update is not None:
-            before_update()
-        for storage, index, grad, dim in zip(storages, row_indices, grads, dims):
-            if grad is not None:
-                apply_row_update(storage, index, grad, optimizer, dim)
-        if after_update is not None:
-            after_update()
+        with update_lock if update_lock is not None else contextlib.nullcontext():
+            if before_update is not None:
+                before_update()
+            for storage, index, grad, dim in zip(storages, row_indices, grads, dims):
+                if grad is not None:
+                    apply_row_update(storage, index, grad, optimizer, dim)
+            if after_update is not None:
+                after_update()
 
     rows = _FusedRows.apply(anchor, list(storages), list(row_indices), dims, on_backward)
     keys: list[str] = []
