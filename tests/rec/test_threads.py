@@ -145,3 +145,55 @@ def test_a_lookup_that_needs_the_rows_of_a_backward_in_progress_waits_for_its_up
     model.flush()
     assert torch.equal(model.full_weight("t0"), reference.full_weight("t0"))
     assert model.in_flight() == 0
+
+
+def test_a_lookup_never_reads_rows_that_a_backward_on_another_thread_is_updating(monkeypatch) -> None:
+    # Review (helper-132): a lookup on thread B, past its own start when thread A's backward
+    # began, read the rows while A's update was between its two tables: t0 updated, t1 not.
+    import torchpipe.rec.fused_lookup as fused_lookup
+
+    tables = make_tables(num_rows=(40, 24))
+    model = CachedEmbeddingBagCollection(tables, 16, optimizer=SGD(lr=1.0), weights=integer_weights(tables))
+    kjt = make_kjt(tables, {feature: [[0, 1]] for table in tables for feature in table.feature_names})
+    with torch.no_grad():
+        before = model(kjt).values().clone()
+    out = model(kjt).values()
+    in_lookup, resume, updating, go = (threading.Event() for _ in range(4))
+    update, swaps = fused_lookup.apply_row_update, model.finish_swaps
+
+    def held_update(*args, **kwargs):
+        result = update(*args, **kwargs)
+        if threading.current_thread().name == "backward-a" and not updating.is_set():
+            updating.set()  # one table updated, the other not yet
+            go.wait(timeout=10)
+        return result
+
+    def held_swaps(*args, **kwargs):  # B, inside its lookup, before it plans and reads
+        if threading.current_thread().name == "lookup-b" and not in_lookup.is_set():
+            in_lookup.set()
+            resume.wait(timeout=10)
+        return swaps(*args, **kwargs)
+
+    monkeypatch.setattr(fused_lookup, "apply_row_update", held_update)
+    monkeypatch.setattr(model, "finish_swaps", held_swaps)
+    seen: list = []
+
+    def look() -> None:
+        with torch.no_grad():
+            seen.append(model(kjt).values().clone())
+
+    b = threading.Thread(target=look, name="lookup-b")
+    b.start()
+    assert in_lookup.wait(timeout=10)
+    a = threading.Thread(target=lambda: out.sum().backward(), name="backward-a")
+    a.start()
+    updating.wait(timeout=1.0)  # A gets here only if it may update while B looks up
+    resume.set()
+    b.join(timeout=30)
+    go.set()
+    a.join(timeout=30)
+    assert not a.is_alive() and not b.is_alive()
+    with torch.no_grad():
+        after = model(kjt).values()
+    assert len(seen) == 1
+    assert torch.equal(seen[0], before) or torch.equal(seen[0], after), "a lookup read rows half updated"

@@ -115,8 +115,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     for step.
     """
 
-    _LOCKS = {"_plan_lock": threading.Lock, "_finish_lock": threading.RLock, "_direct_lock": threading.RLock,
-              "_sync_lock": threading.RLock}
+    _LOCKS = {"_plan_lock": threading.Lock, "_finish_lock": threading.RLock, "_direct_lock": threading.RLock}
 
     optimizer = FusedOptimizerAttribute()
 
@@ -165,15 +164,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._finish_lock = threading.RLock()
         # Direct lookups whose backward has not run, with a witness of their graph (see _Witness).
         self._sync_plans: list[tuple[BatchPlan, weakref.ref[_Witness]]] = []
-        # Direct lookups from several threads (serving) run one at a time, as Pipe's calls do:
-        # each plans, swaps and looks up while no other can plan. Taken first, before any
-        # other lock of the collection.
+        # Direct lookups from several threads (serving) run one at a time, as Pipe's calls do,
+        # and none runs while a direct lookup's backward updates its rows (from its stale check
+        # to its release): a lookup would read rows half updated, or release and evict them.
+        # Also guards _sync_plans. Taken before any other lock of the collection; nothing
+        # under it waits for another thread.
         self._direct_lock = threading.RLock()
-        # Guards _sync_plans and the release of a direct lookup's rows: a backward holds it
-        # from its stale check through its row update to the release, so another thread's
-        # lookup cannot release (and evict) the rows in between. Taken last: it only waits
-        # for the caches' own locks.
-        self._sync_lock = threading.RLock()
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
 
     # -- per-batch steps ---------------------------------------------------------------
@@ -376,7 +372,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         return fused_pooled_lookup(self._anchor, [self.slots[n] for n in names],
                                    [plan.tables[n].slots_of_keys.to(self.device) for n in names],
                                    [plan.keys.tables[n] for n in names], self.optimizer,
-                                   before_update, after_update, self._sync_lock if release_after_backward else None)
+                                   before_update, after_update, self._direct_lock if release_after_backward else None)
 
     def _forward_sync(self, features: KeyedJaggedTensor | None) -> KeyedTensor:
         if features is None:
@@ -418,8 +414,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             self.finish_swaps([plan])  # the rows must not stay in the wrong slots
             raise
         if out.values().requires_grad:
-            with self._sync_lock:
-                self._sync_plans.append((plan, weakref.ref(witness)))
+            self._sync_plans.append((plan, weakref.ref(witness)))
         else:
             self.release(plan)
         return out
@@ -427,7 +422,7 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _release_sync_plans(self, keep_live: bool) -> None:
         """Release direct lookups whose backward never ran: those whose graph is gone, or
         (``keep_live=False``) all of them, whose backward then raises `StaleBatchError`."""
-        with self._sync_lock:
+        with self._direct_lock:
             kept = []
             for plan, witness in self._sync_plans:
                 if plan.released:  # its backward ran
@@ -459,6 +454,10 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def _flush(self, call: str) -> None:
         """`flush`, for ``call`` (named in the refusal: what the user called, not this helper)."""
+        with self._direct_lock:  # no direct lookup's backward changes the rows being written
+            self._flush_locked(call)
+
+    def _flush_locked(self, call: str) -> None:
         self._release_sync_plans(keep_live=True)
         self.finish_swaps()
         live = [table_plan for plan, _ in self._sync_plans for table_plan in plan.tables.values()]
