@@ -10,14 +10,14 @@ path computed from each job's own measured duration.
 
 ``count`` counts the Python-level calls (function calls and builtin calls) per forward call,
 by thread, with ``t = 0``: the caller's entry and exit, and each stage thread's share of its
-jobs. A measure of the work that, unlike the times above, does not move with the VM's noise.
+jobs; with a schedule name after ``m``, per ``Pipe.step`` on the ``schedules`` suite's model. A measure of the work that, unlike the times above, does not move with the VM's noise.
 
 ``cold`` shows why the entry and exit cost more here than the same code in a tight loop: on
 this VM a thread that slept runs its first torch ops several times slower (the caller sleeps
 for the whole step, the stages' threads for each job's sleep).
 
     .venv/bin/python docs/probe_call_edges.py edges [m]
-    .venv/bin/python docs/probe_call_edges.py count [m]
+    .venv/bin/python docs/probe_call_edges.py count [m] [schedule]
     .venv/bin/python docs/probe_call_edges.py cold
 """
 
@@ -82,7 +82,9 @@ def edges(m: int, calls: int = 60) -> None:
     print(f"  exit (wall_end -> return)    {_median_us(exit_):6.0f} us")
 
 
-def count(m: int, calls: int = 10) -> None:
+def count(m: int, schedule: str = "forward", calls: int = 10) -> None:
+    """Calls per ``pipe(x)`` under no_grad (``schedule='forward'``), or per ``Pipe.step`` with
+    ``schedule`` on the ``schedules`` suite's model (t = 0); also per job on the stage threads."""
     counts: collections.Counter = collections.Counter()
     counting = False
 
@@ -92,21 +94,37 @@ def count(m: int, calls: int = 10) -> None:
 
     sys.setprofile(profile)  # before the Pipe starts its workers, so that they inherit it
     threading.setprofile(profile)
-    pipe = Pipe(make_model(0.0), balance=[1] * STAGES, chunks=m, checkpoint="never")
-    x = torch.randn(64, 16)
-    with torch.no_grad():
-        for _ in range(5):
-            pipe(x)
-        counting = True
-        for _ in range(calls):
-            pipe(x)
-        counting = False
+    if schedule == "forward":
+        pipe = Pipe(make_model(0.0), balance=[1] * STAGES, chunks=m, checkpoint="never")
+        x = torch.randn(64, 16)
+
+        def call() -> None:
+            with torch.no_grad():
+                pipe(x)
+    else:
+        from torchpipe.bench.schedules import BATCH, WIDTH, SplitSleepLayer, _loss
+
+        pipe = Pipe(torch.nn.Sequential(*[SplitSleepLayer(0.0) for _ in range(STAGES)]), [1] * STAGES,
+                    chunks=m, checkpoint="never")
+        x, target = torch.randn(BATCH, WIDTH, requires_grad=True), torch.randn(BATCH, WIDTH)
+
+        def call() -> None:
+            pipe.step(x, target, _loss, schedule=schedule, reduction="sum")
+    for _ in range(5):
+        call()
+    counting = True
+    for _ in range(calls):
+        call()
+    counting = False
     sys.setprofile(None)
     threading.setprofile(None)
+    jobs = len(pipe.last_step.keys)
     pipe.close()
-    print(f"m = {m}: calls per forward, by thread (torchpipe from {torchpipe.__file__})")
+    print(f"m = {m}, {schedule}: calls per call, by thread, and per job on the stage threads "
+          f"({jobs} jobs; torchpipe from {torchpipe.__file__})")
     for (thread, event), n in sorted(counts.items()):
-        print(f"  {thread:12s} {event:7s} {n / calls:7.1f}")
+        print(f"  {thread:12s} {event:7s} {n / calls:7.1f}" + (f"  {n / calls / jobs:5.2f} per job"
+                                                             if thread == "torchpipe" else ""))
 
 
 def cold(rounds: int = 60) -> None:
@@ -142,7 +160,7 @@ if __name__ == "__main__":
     if what == "edges":
         edges(int(sys.argv[2]) if len(sys.argv) > 2 else 8)
     elif what == "count":
-        count(int(sys.argv[2]) if len(sys.argv) > 2 else 8)
+        count(int(sys.argv[2]) if len(sys.argv) > 2 else 8, sys.argv[3] if len(sys.argv) > 3 else "forward")
     elif what == "cold":
         cold()
     else:
