@@ -167,8 +167,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         # Direct lookups from several threads (serving) run one at a time, as Pipe's calls do,
         # and none runs while a direct lookup's backward updates its rows (from its stale check
         # to its release): a lookup would read rows half updated, or release and evict them.
-        # Also guards _sync_plans. Taken before any other lock of the collection; nothing
-        # under it waits for another thread.
+        # Also guards _sync_plans. Taken before any other lock of the collection. What runs
+        # under it may wait for a host write-back queued earlier (finish_swaps), never for a
+        # thread that needs this lock: write-backs take none of the collection's locks.
         self._direct_lock = threading.RLock()
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
 
