@@ -848,7 +848,7 @@ class _HookedWeight(nn.Module):
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_tensor_hooks_that_replace_gradients_apply_once_in_split_backward(schedule, balance, checkpoint):
     """W re-ran the node that I had fed the hooked gradient, so the hook applied twice: 3x the
-    weight gradients, silently. Such hooks now make W take the whole backward (applied once)."""
+    weight gradients, silently. W now takes such a node's gradients from a direct call (applied once)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), _HookedOutput(), _HookedWeight(), nn.Tanh(), nn.Linear(4, 4),
                           nn.Linear(4, 2)).double()
@@ -859,6 +859,60 @@ def test_tensor_hooks_that_replace_gradients_apply_once_in_split_backward(schedu
         pipe.step(x, y, nn.MSELoss(), schedule=schedule)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-12, atol=1e-12, msg=f"{schedule}: {name}")
+
+
+class _HookedLinear6(nn.Module):
+    """A Linear whose output gradient a tensor hook scales: the hook sits at a built-in node where
+    a parameter branch (weight, bias) leaves the input path."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.linear(x)
+        h.register_hook(lambda g: g * 3)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule, options, balance", [("zb-h1", {}, [2, 2, 2]), ("zb-v", {}, [2, 2, 2, 2])])
+def test_a_function_before_a_hook_that_replaces_a_gradient_runs_once_under_zero_bubble(schedule, options, balance,
+                                                                                         checkpoint):
+    """A replacing hook at a frontier node sent W back to the stage's whole backward after I had
+    run, so a custom Function on the stage's input path ran a second time: twice the main_grad.
+    W now asks that node alone, called outside the engine, for its branches' gradients; nor do
+    the modules' full backward hooks and pre-hooks run again."""
+    counts = {"reference": collections.Counter(), "pipe": collections.Counter()}
+
+    def build(which):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[layer for _ in balance for layer in (FusedLayer(), _HookedLinear6())]).double()
+        seen = counts[which]
+        for index, layer in enumerate(model):
+            if isinstance(layer, FusedLayer):
+                layer.weight.main_grad = torch.zeros(6, 6, dtype=torch.float64)
+            layer.register_full_backward_pre_hook(lambda m, g, index=index: seen.update([f"pre {index}"]))
+            layer.register_full_backward_hook(lambda m, gi, go, index=index: seen.update([f"post {index}"]))
+        return model
+
+    chunks = 3
+    x, y = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 6, dtype=torch.float64)
+    reference = build("reference")
+    for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+        (nn.MSELoss(reduction="sum")(reference(xs), ys) / x.numel()).backward()
+    model = build("pipe")
+    with Pipe(model, balance, devices=["cpu"] * len(balance), chunks=chunks, checkpoint=checkpoint) as pipe:
+        FusedLinear.calls = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "Full backward hook is firing ... no inputs require gradients"
+            pipe.step(x, y, nn.MSELoss(), schedule=schedule, **options)
+        assert FusedLinear.calls == len(balance) * chunks
+    assert counts["pipe"] == counts["reference"]
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-12, atol=1e-12, msg=name)
+        if hasattr(param, "main_grad"):
+            torch.testing.assert_close(param.main_grad, expected.main_grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def _counting_model():

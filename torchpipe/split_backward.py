@@ -36,9 +36,12 @@ forward said it needs whatever the engine asks for. As a frontier node it runs i
 a hook after it keeps what it sent into its parameter branches, and ``W`` starts those
 branches from there without calling it again. Where the input path holds one and the split
 falls back to the whole backward above, that fallback runs in ``I`` instead, once, and leaves
-``W`` nothing to do. One case still runs such a node twice: a tensor hook that replaces a
-gradient on a built-in frontier node's path (see ``_side_grads``) sends ``W`` back to the
-whole backward after ``I`` ran.
+``W`` nothing to do.
+
+A tensor hook that replaces a gradient on a built-in frontier node's path would apply twice
+when ``W`` runs that node through the engine again (see ``_side_grads``). Where one does,
+``W`` calls the node directly instead (``_called_directly``): no hook runs there, and nothing
+else on the input path runs again.
 
 A parameter whose ``AccumulateGrad`` node is a branch's first node (a bias, a conv weight)
 has its tensor hooks (``p.register_hook``) applied at ``W``'s capture and again when ``W``
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge
@@ -156,6 +160,20 @@ def _below(roots: Sequence[Node]) -> Set[Node]:
         seen.add(node)
         stack.extend(child for child, _ in node.next_functions if child is not None and child not in seen)
     return seen
+
+
+def _called_directly(node: Node, received: Tuple[Optional[Tensor], ...], outputs: List[int]) -> Tuple[Optional[Tensor], ...]:
+    """What ``node`` sends into its outputs ``outputs`` for the gradients ``received``, computed by
+    calling it outside the engine, where no hook runs.
+
+    ``received`` is what reached ``node`` in ``I``, its tensor hooks already applied; the engine
+    would apply them again. A direct call computes every gradient the node can (the input
+    path's too, once more) and leaves broadcast gradients unreduced: the engine reduces them to
+    each edge's shape when ``W`` starts its branches from them.
+    """
+    with torch.no_grad():  # a graph of the backward itself would only hold memory
+        sent = node(*received)
+    return tuple(sent[i] for i in outputs)
 
 
 class WeightSplit:
@@ -295,9 +313,7 @@ class WeightSplit:
                 kept = self.kept.get(node)
                 side_grads = None if kept is None else self._side_grads(node, kept, side, self.side_outputs[node])
                 if kept is not None and side_grads is None:  # a tensor hook changed a gradient: see _side_grads
-                    self._clear()
-                    self._whole_weight_grads(outputs, grad_outputs)
-                    return
+                    side_grads = _called_directly(node, kept, self.side_outputs[node])
             if side_grads is None:
                 continue
             for edge, grad in zip(side, side_grads):
@@ -329,8 +345,8 @@ class WeightSplit:
         ``stage_backward_weight`` does so for a hook on a ``Linear``'s output). Hooks that replace a gradient are seen
         here, before anything is accumulated: what reaches ``node`` and what stops at each
         branch is compared, by identity, with what was fed and what ``node`` sent. Then None:
-        the caller runs the whole backward into the parameters instead, which applies every
-        hook once.
+        the caller takes the node's gradients from a direct call (``_called_directly``), and
+        ``W`` applies each branch's hooks once, when it starts the branch.
         """
         fed = {i: g for i, g in enumerate(kept) if g is not None}
         if not fed:
