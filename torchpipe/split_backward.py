@@ -52,7 +52,7 @@ reduction and optimizer-in-backward code rely.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -72,39 +72,50 @@ Node = Any  # torch.autograd.graph.Node
 Edge = Tuple[Node, int]
 
 
+def _accumulator_type() -> type:
+    leaf = torch.zeros(1, requires_grad=True)
+    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])
+
+
+_ACCUMULATE_GRAD = _accumulator_type()  # a leaf's node: compared by type, per node of every walk
+
+# What a node leads to, as bits: a stage input (a leaf the caller named), a parameter (any
+# other leaf that needs a gradient), or both.
+_TO_INPUT = 1
+_TO_WEIGHT = 2
+
+
 def _is_accumulator(node: Node) -> bool:
-    return type(node).__name__ == "AccumulateGrad"
+    return type(node) is _ACCUMULATE_GRAD
 
 
-class _Reach:
-    """Memoised 'does this node lead to a leaf that ``wanted`` accepts' over one autograd graph."""
+def _reach(roots: Sequence[Node], leaf_ids: Set[int]) -> Dict[Node, int]:
+    """Per node under ``roots``: the leaves it leads to (``_TO_INPUT`` and/or ``_TO_WEIGHT`` bits).
 
-    def __init__(self, wanted: Callable[[Tensor], bool]) -> None:
-        self.wanted = wanted
-        self.memo: Dict[Node, bool] = {}
-
-    def __call__(self, root: Optional[Node]) -> bool:
-        if root is None:
-            return False
-        if root in self.memo:
-            return self.memo[root]
-        # Iterative post-order: deep stage graphs must not hit Python's recursion limit.
-        stack: List[Tuple[Node, bool]] = [(root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in self.memo and not expanded:
+    One walk of the whole graph, iterative (deep stage graphs must not hit Python's recursion
+    limit), in post-order: a node's bits are its children's, joined once they are all known.
+    ``I`` makes one per micro-batch, so it is written for few Python calls.
+    """
+    reach: Dict[Node, int] = {}
+    stack: List[Tuple[Node, bool]] = [(root, False) for root in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            bits = 0
+            for child, _ in node.next_functions:
+                if child is not None:
+                    bits |= reach[child]
+            reach[node] = bits
+        elif node not in reach:
+            if type(node) is _ACCUMULATE_GRAD:
+                reach[node] = _TO_INPUT if id(node.variable) in leaf_ids else _TO_WEIGHT
                 continue
-            if _is_accumulator(node):
-                self.memo[node] = self.wanted(node.variable)
-                continue
-            children = [child for child, _ in node.next_functions if child is not None]
-            if expanded:
-                self.memo[node] = any(self.memo.get(child, False) for child in children)
-                continue
-            self.memo[node] = False  # provisional, breaks cycles (there are none in autograd)
+            reach[node] = 0  # provisional until expanded (an autograd graph has no cycles)
             stack.append((node, True))
-            stack.extend((child, False) for child in children if child not in self.memo)
-        return self.memo[root]
+            for child, _ in node.next_functions:
+                if child is not None and child not in reach:
+                    stack.append((child, False))
+    return reach
 
 
 def _donates_buffers(node: Node) -> bool:
@@ -131,22 +142,22 @@ def _is_reentrant_checkpoint(node: Node) -> bool:
     return type(node).__name__ == "CheckpointFunctionBackward"
 
 
+# The type names of the nodes the two checks above look at (the checks read only these).
+_HOLDS_REGION = frozenset({"CompiledFunctionBackward", "CheckpointFunctionBackward"})
+
 # torch's words when a reentrant checkpoint runs under ``inputs=`` (a backstop for a node
 # _is_reentrant_checkpoint does not know by name).
 _REENTRANT_REFUSAL = "use_reentrant=True"
 
 
-def _runs_once(node: Node) -> bool:
-    """Whether ``node`` is the backward of an ``autograd.Function`` (a user's, a compiled region's,
-    the one that calls an ``nn.Module``'s full backward hooks).
-
-    Such a backward computes every input gradient its forward said it needs, whatever the
-    engine asks for, and may do more than return them: accumulate into ``weight.main_grad``
-    (Megatron's fused weight-gradient accumulation), call module hooks, count. It must run
-    once per micro-batch, so its gradients for the parameter branches are kept when ``I``
-    runs it, not asked of it again in ``W``.
-    """
-    return isinstance(node, BackwardCFunction)
+# The nodes that must run once per micro-batch: the backward of an ``autograd.Function`` (a
+# user's, a compiled region's, the one that calls an ``nn.Module``'s full backward hooks).
+# Such a backward computes every input gradient its forward said it needs, whatever the engine
+# asks for, and may do more than return them: accumulate into ``weight.main_grad`` (Megatron's
+# fused weight-gradient accumulation), call module hooks, count. So its gradients for the
+# parameter branches are kept when ``I`` runs it, not asked of it again in ``W``. Tested with
+# ``isinstance`` inline: ``I`` and ``W`` test every frontier node, per micro-batch.
+_RUNS_ONCE = BackwardCFunction
 
 
 def _below(roots: Sequence[Node]) -> Set[Node]:
@@ -158,7 +169,9 @@ def _below(roots: Sequence[Node]) -> Set[Node]:
         if node in seen:
             continue
         seen.add(node)
-        stack.extend(child for child, _ in node.next_functions if child is not None and child not in seen)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                stack.append(child)
     return seen
 
 
@@ -182,8 +195,7 @@ class WeightSplit:
     def __init__(self, outputs: Sequence[Tensor], leaves: Sequence[Tensor], *, checkpointed: bool = False) -> None:
         leaf_ids = {id(t) for t in leaves}
         self.leaf_ids = leaf_ids
-        reaches_leaf = _Reach(lambda variable: id(variable) in leaf_ids)
-        reaches_weight = _Reach(lambda variable: id(variable) not in leaf_ids)
+        reach = _reach([o.grad_fn for o in outputs if o.grad_fn is not None], leaf_ids)
         self.frontier: Dict[Node, List[Edge]] = {}
         # Per frontier node and side edge: the node's output that feeds the edge (see _side_grads).
         self.side_outputs: Dict[Node, List[int]] = {}
@@ -192,26 +204,30 @@ class WeightSplit:
         seen: Set[Node] = set()
         stack: List[Node] = []
         for index, output in enumerate(outputs):
-            if output.grad_fn is None or not reaches_leaf(output.grad_fn):
+            grad_fn = output.grad_fn
+            if grad_fn is None or not reach[grad_fn] & _TO_INPUT:
                 self.detached_outputs.append(index)
-            elif output.grad_fn not in seen:
-                seen.add(output.grad_fn)
-                stack.append(output.grad_fn)
+            elif grad_fn not in seen:
+                seen.add(grad_fn)
+                stack.append(grad_fn)
         donating = runs_once = False
-        while stack:
+        while stack:  # the input path: nodes that lead to a stage input
             node = stack.pop()
-            donating = donating or _donates_buffers(node) or _is_reentrant_checkpoint(node)
-            runs_once = runs_once or _runs_once(node)
+            if not donating and type(node).__name__ in _HOLDS_REGION:
+                donating = _donates_buffers(node) or _is_reentrant_checkpoint(node)
+            runs_once = runs_once or isinstance(node, _RUNS_ONCE)
             side: Dict[Edge, int] = {}
-            for output, (child, slot) in enumerate(node.next_functions):
+            for output, edge in enumerate(node.next_functions):
+                child = edge[0]
                 if child is None:
                     continue
-                if reaches_leaf(child):
-                    if child not in seen and not _is_accumulator(child):
+                bits = reach[child]
+                if bits & _TO_INPUT:
+                    if child not in seen and type(child) is not _ACCUMULATE_GRAD:
                         seen.add(child)
                         stack.append(child)
-                elif reaches_weight(child):
-                    side.setdefault((child, slot), output)  # one capture per edge
+                elif bits and edge not in side:  # one capture per edge
+                    side[edge] = output
             if side:
                 self.frontier[node] = list(side)
                 self.side_outputs[node] = list(side.values())
@@ -219,7 +235,7 @@ class WeightSplit:
         if self.whole:
             self.frontier = {}
         self.kept: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
-        # What each frontier node that runs once (_runs_once) sent into its parameter
+        # What each frontier node that runs once (_RUNS_ONCE) sent into its parameter
         # branches when I ran it.
         self.sent: Dict[Node, Tuple[Optional[Tensor], ...]] = {}
         # See input_grads: a region on the input path that cannot keep its graph or that
@@ -229,20 +245,26 @@ class WeightSplit:
         self.done_in_input = False
         if self.whole_in_input:
             self.frontier = {}
-        self._hooks = [node.register_hook(self._sender(node)) if _runs_once(node)
-                       else node.register_prehook(self._keeper(node)) for node in self.frontier]
+        self._hooks = []
+        for node in self.frontier:
+            self._hooks.append(node.register_hook(self._sender(node)) if isinstance(node, _RUNS_ONCE)
+                               else node.register_prehook(self._keeper(node)))
 
     def _branches_meet(self) -> bool:
         """Whether one parameter branch feeds another (see the module docstring)."""
-        owners: Dict[Node, Node] = {}
-        branches = [(node, child) for node, side in self.frontier.items() for child, _ in side]
-        if any(owners.setdefault(child, node) is not node for node, child in branches):
-            return True  # two frontier nodes feed one branch
+        owners: Dict[Node, Node] = {}  # per branch start: the frontier node that feeds it
+        for node, side in self.frontier.items():
+            for child, _ in side:
+                if owners.setdefault(child, node) is not node:
+                    return True  # two frontier nodes feed one branch
         # A branch start below another start's children is reached from that branch (autograd
         # graphs have no cycles, so a start is never below itself): one walk for all of them.
-        starts = {child for _, child in branches}
-        below_starts = _below([grand for start in starts for grand, _ in start.next_functions if grand is not None])
-        return not below_starts.isdisjoint(starts)
+        grandchildren = []
+        for start in owners:
+            for grand, _ in start.next_functions:
+                if grand is not None:
+                    grandchildren.append(grand)
+        return not _below(grandchildren).isdisjoint(owners)
 
     def _keeper(self, node: Node) -> Any:
         def keep(grad_outputs: Tuple[Optional[Tensor], ...]) -> None:
@@ -307,7 +329,7 @@ class WeightSplit:
             return
         entering: Dict[Edge, Tensor] = {}  # per branch start: the gradient that enters it
         for node, side in self.frontier.items():
-            if _runs_once(node):
+            if isinstance(node, _RUNS_ONCE):
                 side_grads = self.sent.get(node)  # None: I did not run it (its outputs were unused)
             else:
                 kept = self.kept.get(node)
@@ -348,28 +370,30 @@ class WeightSplit:
         the caller takes the node's gradients from a direct call (``_called_directly``), and
         ``W`` applies each branch's hooks once, when it starts the branch.
         """
-        fed = {i: g for i, g in enumerate(kept) if g is not None}
+        fed_at, fed = [], []
+        for i, grad in enumerate(kept):
+            if grad is not None:
+                fed_at.append(i)
+                fed.append(grad)
         if not fed:
-            return tuple(None for _ in side)
-        seen: Dict[str, Any] = {"replaced": False, "sent": None}
+            return (None,) * len(side)
+        ran: List[Tuple[Tuple[Any, ...], Tuple[Optional[Tensor], ...]]] = []  # what node received, what it sent
 
-        def check_received(grads: Tuple[Optional[Tensor], ...]) -> None:
-            seen["replaced"] = seen["replaced"] or any(grads[i] is not g for i, g in fed.items())
+        def record(grad_inputs: Tuple[Optional[Tensor], ...], grad_outputs: Tuple[Any, ...]) -> None:
+            ran.append((grad_outputs, grad_inputs))
 
-        def record_sent(grad_inputs: Tuple[Optional[Tensor], ...], grad_outputs: Tuple[Any, ...]) -> None:
-            seen["sent"] = grad_inputs
-
-        handles = [node.register_prehook(check_received), node.register_hook(record_sent)]
+        handle = node.register_hook(record)
         try:
-            side_grads = engine.grad([GradientEdge(node, i) for i in fed],
-                                     [GradientEdge(child, slot) for child, slot in side], list(fed.values()),
-                                     retain_graph=True)
+            side_grads = engine.grad([GradientEdge(node, i) for i in fed_at],
+                                     [GradientEdge(child, slot) for child, slot in side], fed, retain_graph=True)
         finally:
-            for handle in handles:
-                handle.remove()
-        sent = seen["sent"]
-        if seen["replaced"] or sent is None:
+            handle.remove()
+        if not ran:
             return None
+        received, sent = ran[0]
+        for i, grad in zip(fed_at, fed):
+            if received[i] is not grad:
+                return None
         for output, grad in zip(outputs, side_grads):
             if grad is not None and sent[output] is not grad:
                 return None
