@@ -8,6 +8,7 @@ import datetime
 import os
 import re
 import sys
+import time
 from types import SimpleNamespace
 from typing import Optional
 
@@ -514,6 +515,88 @@ def train_failure_worker(rank: int, init_file: str, tests_dir: str, where: str) 
 @pytest.mark.parametrize("where", TRAIN_FAILURES)
 def test_a_train_step_that_fails_on_one_rank_fails_on_every_rank_and_they_go_on_in_step(tmp_path, where) -> None:
     run_ranks(train_failure_worker, tmp_path, where)
+
+
+class _FailsOnce:
+    """An iterator over ``batches`` whose ``failing`` item raises OSError instead (that item is lost,
+    as a record that cannot be read is), then goes on."""
+
+    def __init__(self, batches, failing: Optional[int]):
+        self.batches, self.failing, self.index = list(batches), failing, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        index = self.index
+        if index >= len(self.batches):
+            raise StopIteration
+        self.index += 1
+        if index == self.failing:
+            raise OSError(f"injected: item {index} cannot be read")
+        return self.batches[index]
+
+
+def uneven_data_worker(rank: int, init_file: str, tests_dir: str, case: str) -> None:
+    """Review: a rank whose data ended (or whose data iterator raised) left the other rank in its
+    admission vote, paired with the next batch's key exchange, until the group's timeout (gloo's
+    30 minutes by default). Now every rank raises in the same call, well within the 20 s timeout:
+    for uneven data an UnevenDataError on both, after which the same iterators drain in step;
+    for a failed read the failing rank its own error and the other a RecInputError, and both skip
+    that batch. What they trained equals single-process training of the global batches formed."""
+    join(rank, init_file, tests_dir, timeout_s=20)
+    from train_helpers import DENSE_IN
+
+    from torchpipe.rec import RecInputError
+    from torchpipe.train import EmbCacheTrainPipeline, UnevenDataError
+
+    try:
+        setup = failure_test_setup()
+        mine = setup.before[rank]
+        if case == "uneven":
+            data = _FailsOnce(mine[:8] if rank == 0 else mine[:6], None)
+            trained = list(range(6))
+        else:
+            data = _FailsOnce(mine[:8], 2 if rank == 1 else None)
+            trained = [0, 1, 3, 4, 5, 6, 7]
+        model = SparseAndDense(setup.ebc, DENSE_IN)
+        opt = torch.optim.SGD(model.dense.parameters(), lr=2.0 ** -6)
+        outputs: list = []
+        started = time.monotonic()
+        with EmbCacheTrainPipeline(model, opt, collection=setup.ebc, sharding=setup.sharding, host_threads=2,
+                                   device_threads=1, dense_grads="sum") as pipe:
+            error = progress_until_it_fails(pipe, data, outputs)
+            calls = [None] * WORLD
+            dist.all_gather_object(calls, len(outputs))
+            assert calls[0] == calls[1], calls  # the same call raised on both ranks
+            assert time.monotonic() - started < 15, "a rank waited for the group's timeout"
+            if case == "uneven":
+                assert isinstance(error, UnevenDataError), repr(error)
+                assert "the data ended on ranks [1] while ranks [0] still had a batch" in str(error), str(error)
+                assert ("this rank's batch was not admitted" if rank == 0 else "this rank's data ended too") in str(error)
+            elif rank == 1:
+                assert isinstance(error, OSError) and "injected" in str(error), repr(error)
+                assert "the data iterator of ranks [1] failed" in "".join(error.__notes__), error.__notes__
+            else:
+                assert isinstance(error, RecInputError), repr(error)
+                assert "the data iterator of ranks [1] failed (see their error)" in str(error), str(error)
+            rest = progress_until_it_fails(pipe, data, outputs)
+            assert rest is None, repr(rest)  # the same iterator: drained (uneven) or on to its end, in step
+            assert pipe.steps_done == len(trained), (pipe.steps_done, trained)
+        global_batches = [concat_samples([setup.before[r][i] for r in range(WORLD)]) for i in trained]
+        reference, expected, _ = reference_training(setup.tables, setup.weights, global_batches, rank)
+        assert len(outputs) == len(expected), (len(outputs), len(expected))
+        for step, (got, want) in enumerate(zip(outputs, expected)):
+            assert torch.equal(got, want), f"rank {rank}: output {step} differs"
+        assert_same_state(rank, setup.ebc, model, reference)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["uneven", "failed read"])
+def test_uneven_data_or_a_failed_read_on_one_rank_raises_on_every_rank_instead_of_a_timeout(tmp_path, case) -> None:
+    run_ranks(uneven_data_worker, tmp_path, case)
 
 
 class FailingStep(torch.optim.SGD):

@@ -10,10 +10,10 @@ a device copy worker, device-less host threads). Ready pipelines: `TrainPipeline
 
 from .schedule import Clock, ClockSchedule, schedule_table
 from .dist import DistSplits, TableWiseSharding
-from .staged import PipelineFailure, PipelineStage, StagedPipeline
+from .staged import PipelineFailure, PipelineStage, StagedPipeline, UnevenDataError
 from .pipelines import (EmbCacheTrainPipeline, RecBatch, TrainPipelineBase, TrainPipelineSparseDist, check_features,
                         train_step)
 
 __all__ = ["Clock", "ClockSchedule", "DistSplits", "EmbCacheTrainPipeline", "PipelineFailure", "PipelineStage", "RecBatch",
-           "StagedPipeline", "TableWiseSharding", "TrainPipelineBase", "TrainPipelineSparseDist", "check_features", "schedule_table",
-           "train_step"]
+           "StagedPipeline", "TableWiseSharding", "TrainPipelineBase", "TrainPipelineSparseDist", "UnevenDataError", "check_features",
+           "schedule_table", "train_step"]

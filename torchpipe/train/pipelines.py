@@ -25,17 +25,23 @@ from ..devices import get_backend, usable_device
 from ..grad_sync import (PeerStepFailed, grad_buckets, start_first_rank_broadcast, take_first_ranks_values,
                          unflatten_into, write_back_grads)
 from ..notes import add_note
-from ..rec import BatchPlan, CachedEmbeddingBagCollection, CacheTooSmallError
+from ..rec import BatchPlan, CachedEmbeddingBagCollection, CacheTooSmallError, RecInputError
 from ..rec.batch_keys import BatchKeys, check_kjt
 from ..rec.collection import mark_pipeline_hook
 from ..thread_state import records_graphs
 from ..workers import OwnsThreads
 from .schedule import Clock
 from .dist import ExchangeRecord, TableWiseSharding
-from .staged import (PipelineFailure, PipelineStage, StagedPipeline, check_pipeline_options, fail_clock_now, record_streams,
+from .staged import (PipelineFailure, PipelineStage, StagedPipeline, UnevenDataError, check_pipeline_options, fail_clock_now, record_streams,
                      keep_flushed_outputs)
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
+
+# What each rank says in the vote before a batch is admitted (sharded pipelines).
+_HAS_BATCH = 0  # a batch that passed its checks
+_REFUSED = 1  # a batch that failed them
+_DATA_ENDED = 2  # no batch: the data iterator ended
+_NO_BATCH = 3  # no batch: the data iterator raised
 
 
 @dataclass
@@ -687,7 +693,8 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
              PipelineStage("swap", _weakly(self._swap), "host", local=True),
              PipelineStage("train", _weakly(self._train_cached), "device", local=True)],
             device=self.device, host_threads=host_threads, device_threads=device_threads, overlap=overlap,
-            admit=_weakly(self._admit), on_abort=self.collection.abort, on_failure=_weakly(self._recover),
+            admit=_weakly(self._admit), data_ended=_weakly(self._data_ended) if sharding is not None else None,
+            on_abort=self.collection.abort, on_failure=_weakly(self._recover),
             after_clock=_weakly(self._after_clock), before_call=_weakly(self._release_leftovers),
             agree=_weakly(self._agree_on_clock) if sharding is not None else None, keep_records=keep_records)
         serve(self.collection, self)  # last: a constructor that failed leaves the serving pipeline as it was
@@ -707,7 +714,41 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             refusal: Optional[Exception] = None
         except Exception as exc:  # noqa: BLE001 - voted on, then raised
             refusal = exc
-        self._sharding.agree(refusal)
+        self._admission_vote(_REFUSED if refusal is not None else _HAS_BATCH, refusal)
+
+    def _data_ended(self, failure: Optional[Exception]) -> None:
+        """Sharded: this rank has no batch (its data ended, or its iterator raised ``failure``);
+        it votes all the same, as the ranks that have one do in ``_admit``."""
+        self._admission_vote(_DATA_ENDED if failure is None else _NO_BATCH, failure)
+
+    def _admission_vote(self, code: int, own_error: Optional[Exception]) -> None:
+        """Every rank's admission code (one small all-reduce before a batch's collectives); raises
+        on every rank unless every rank has a good batch, or every rank's data ended.
+
+        A rank whose data ended would otherwise leave the others in the next batch's key
+        exchange until the group's timeout; a rank whose iterator failed, likewise.
+        """
+        assert self._sharding is not None
+        codes = self._sharding.codes_later(code)()
+        ended = [rank for rank, c in enumerate(codes) if c == _DATA_ENDED]
+        refused = [rank for rank, c in enumerate(codes) if c == _REFUSED]
+        broken = [rank for rank, c in enumerate(codes) if c == _NO_BATCH]
+        if ended and len(ended) < len(codes):
+            mine = ("this rank's data ended too" if code == _DATA_ENDED else
+                    "this rank's data iterator failed (the error this was raised from)" if code == _NO_BATCH else
+                    "this rank's batch was not admitted (not trained)")
+            raise UnevenDataError(
+                f"the data ended on ranks {ended} while ranks {[r for r in range(len(codes)) if r not in ended]} "
+                f"still had a batch: every rank must feed the same number of batches (drop_last=True, or shards "
+                f"of equal length); {mine}. The pipeline ends the data on every rank: call progress() with the "
+                "same iterator until StopIteration to finish the batches in flight") from own_error
+        what = " and ".join(([f"ranks {refused} refused their batch"] if refused else []) +
+                            ([f"the data iterator of ranks {broken} failed"] if broken else []))
+        if own_error is not None:
+            add_note(own_error, f"[torchpipe.train] {what}; every rank skips this batch, so the ranks stay in step")
+            raise own_error
+        if what:
+            raise RecInputError(f"{what} (see their error), so this rank skips its batch too: the ranks stay in step")
 
     def _check_batch(self, batch: Any) -> None:
         if not hasattr(batch, "sparse_features"):

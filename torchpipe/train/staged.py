@@ -143,6 +143,18 @@ class PipelineFailure:
         self.dropped = dropped
 
 
+class UnevenDataError(RuntimeError):
+    """The data ended on some ranks of a sharded pipeline while others still had a batch.
+
+    Why an error and not a hang: every rank takes part in each batch's collectives, so a rank
+    whose data ran out leaves the others waiting in theirs until the group's timeout. Raised
+    on every rank in the same ``progress()`` call (by the ``admit`` and ``data_ended`` hooks
+    that vote on it); the pipeline then treats the data as ended on every rank, so further
+    calls with the same iterator finish the batches in flight in step, then raise
+    StopIteration.
+    """
+
+
 def _keep_unreturned(exc: BaseException, clock: Clock, outputs: Dict[int, Any], last: int) -> None:
     """``clock`` handed its outputs on, then ``exc`` was raised: its finished batch, if any,
     goes to the caller on the error (the rest stays in flight)."""
@@ -233,7 +245,11 @@ class StagedPipeline(OwnsThreads):
     the highest one a stage runs on are not started (a generous value costs nothing).
     ``overlap=False`` runs the jobs of a clock one after another (same work, same order, no
     concurrency): the serial baseline. ``admit(batch)`` runs on the caller's thread before a batch enters; if it
-    raises, the batch is not admitted and nothing changes. ``on_abort(exc)`` runs once as
+    raises, the batch is not admitted and nothing changes. ``data_ended(error)`` runs there
+    instead when the data iterator had no batch: ``error`` is None when it ended, or what
+    ``next()`` raised (an ``Exception``; re-raised after the hook), so that ranks that vote on
+    every admission vote here too. If ``admit`` or ``data_ended`` raises `UnevenDataError`, the
+    data counts as ended: the call raises it, and later calls with that iterator only drain. ``on_abort(exc)`` runs once as
     soon as a clock aborts, because a stage raised or the caller was interrupted (wake waits
     the other jobs may be blocked in); ``on_failure(PipelineFailure)`` and ``after_clock(clock, outputs)`` run on
     the caller's thread after the runtime drained the clock. ``before_call()`` runs on the
@@ -266,6 +282,7 @@ class StagedPipeline(OwnsThreads):
     def __init__(self, stages: Sequence[PipelineStage], *, device: Union[str, torch.device] = "cpu",
                  host_threads: int = 1, device_threads: Optional[int] = None, overlap: bool = True,
                  admit: Optional[Callable[[Any], None]] = None,
+                 data_ended: Optional[Callable[[Optional[Exception]], None]] = None,
                  on_abort: Optional[Callable[[BaseException], None]] = None,
                  on_failure: Optional[Callable[[PipelineFailure], None]] = None,
                  after_clock: Optional[Callable[[Clock, Dict[int, Any]], None]] = None,
@@ -282,7 +299,7 @@ class StagedPipeline(OwnsThreads):
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         check_pipeline_options(host_threads, device_threads, overlap, keep_records)
-        for hook, value in (("admit", admit), ("on_abort", on_abort), ("on_failure", on_failure),
+        for hook, value in (("admit", admit), ("data_ended", data_ended), ("on_abort", on_abort), ("on_failure", on_failure),
                             ("after_clock", after_clock), ("before_call", before_call), ("agree", agree)):
             if value is not None and not callable(value):
                 raise TypeError(f"{hook} must be callable or None, got {value!r}")
@@ -296,6 +313,7 @@ class StagedPipeline(OwnsThreads):
         self.overlap = overlap
         self._admit, self._on_abort, self._on_failure, self._after_clock = admit, on_abort, on_failure, after_clock
         self._before_call = before_call
+        self._data_ended = data_ended
         self._agree = agree
         # The last clock's agree check, until it is asked (before the next clock or admission).
         self._unsettled: Optional[Tuple[Callable[[], Any], Clock, Optional[Exception], str]] = None
@@ -649,9 +667,19 @@ class StagedPipeline(OwnsThreads):
                 batch = next(dataloader_iter)
             except StopIteration:
                 self._exhausted = dataloader_iter
+                if self._data_ended is not None:
+                    self._data_ended(None)
                 return False
+            except Exception as exc:
+                if self._data_ended is not None:
+                    self._vote_without_batch(dataloader_iter, exc)
+                raise
             if self._admit is not None:
-                self._admit(batch)
+                try:
+                    self._admit(batch)
+                except UnevenDataError:
+                    self._exhausted = dataloader_iter
+                    raise
             self._values[0] = batch
             if self._streamed:  # the batch may still be in the making on the caller's stream
                 ready = self._backend.new_event()
@@ -676,6 +704,15 @@ class StagedPipeline(OwnsThreads):
             raise
         finally:
             self._call_owner = None
+
+    def _vote_without_batch(self, dataloader_iter: Iterator[Any], error: Exception) -> None:
+        """``data_ended(error)`` for an iterator that raised ``error``; the data ends if it says so."""
+        assert self._data_ended is not None
+        try:
+            self._data_ended(error)
+        except UnevenDataError:
+            self._exhausted = dataloader_iter
+            raise
 
     def _refuse_own_work(self, what: str) -> None:
         """RuntimeError for a call from work a ``progress()`` in flight waits on (it would deadlock).
