@@ -86,6 +86,46 @@ def test_explicit_backward_matches_plain_model(schedule, options, balance, check
         torch.testing.assert_close(got, want)
 
 
+@skippable(stash=["mask"])
+class _StashMask(nn.Module):
+    def forward(self, x):
+        yield stash("mask", (x[:, :1] > 0).float())  # a float tensor that needs no gradient
+        return x
+
+
+@skippable(pop=["mask"])
+class _ScaleByMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        mask = yield pop("mask")
+        assert not mask.requires_grad, "the pop got a tensor that requires grad"
+        return self.linear(x) * mask * float(mask.numpy().mean())  # numpy() refuses a tensor that requires grad
+
+
+@pytest.mark.parametrize("schedule,options,balance", [
+    ("gpipe", {}, [2, 2]), ("1f1b", {}, [2, 1, 1]), ("zb-h1", {}, [2, 1, 1]),
+    ("interleaved-1f1b", {"virtual_stages": 2}, [1, 1, 1, 1]), ("zb-v", {}, [1, 1, 1, 1]),
+])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_popped_skip_that_needs_no_gradient_stays_so_under_explicit_backward(schedule, options, balance, checkpoint):
+    """Review: Pipe.step made every popped floating-point skip a leaf that requires grad, so a
+    mask the plain model hands over as data refused numpy() and in-place ops there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_StashMask(), nn.Linear(4, 4), nn.Linear(4, 4), _ScaleByMask())
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with Pipe(model, balance, chunks=2, checkpoint=checkpoint) as pipe:
+        loss = pipe.step(x, y, nn.MSELoss(), schedule=schedule, **options)
+    expected = sum(nn.MSELoss(reduction="sum")(reference(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))) / y.numel()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for got, want in zip(grads(model), grads(reference)):
+        torch.testing.assert_close(got, want)
+
+
 def test_multiple_namespaces_keep_names_apart():
     model = unet(levels=3)
     layout = inspect_skip_layout([nn.Sequential(*list(model)[:2]), nn.Sequential(*list(model)[2:5]), nn.Sequential(*list(model)[5:])])

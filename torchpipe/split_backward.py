@@ -408,7 +408,11 @@ class WeightSplit:
                 engine.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=weights)
 
     def _weights(self, outputs: Sequence[Tensor]) -> List[Tensor]:
-        """Every leaf under ``outputs`` that needs a gradient, except the stage inputs."""
+        """Every leaf under ``outputs`` that needs a gradient, except the stage inputs; an output
+        that is such a leaf itself too (a parameter handed on, in the output or as a skip)."""
         roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
-        found = [node.variable for node in _below(roots) if _is_accumulator(node)]
-        return [v for v in found if id(v) not in self.leaf_ids]
+        found = {id(node.variable): node.variable for node in _below(roots) if _is_accumulator(node)}
+        for output in outputs:
+            if output.grad_fn is None and output.requires_grad:
+                found.setdefault(id(output), output)
+        return [leaf for key, leaf in found.items() if key not in self.leaf_ids]

@@ -117,9 +117,12 @@ class PipelineSkipTracker:
         if source == stage.index and self.record is not None:
             self._forget_local_stash(key, tensor)
         if source != stage.index:
+            # As the stash recorded it (save): only a tensor that requires grad gets one back. A
+            # mask or a constant stays what the plain model's pop gives (numpy() works on it).
+            wants_grad = isinstance(tensor, Tensor) and tensor.requires_grad
             if isinstance(tensor, Tensor) and (event is not None or tensor.device != stage.device):
                 tensor = receive(Batch(tensor), event, stage.device, stage.stream, stage.copy_stream_for).tensor
-            if self.record is not None and isinstance(tensor, Tensor) and tensor.is_floating_point():
+            if self.record is not None and wants_grad:
                 tensor = tensor.detach().requires_grad_(True)
                 self.record.popped.append((key, tensor))
         if self.memo is not None and is_checkpointing():
