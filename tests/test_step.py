@@ -307,6 +307,9 @@ def test_options_are_checked_on_every_call_not_only_the_first():
         pipe.step(x, y, nn.MSELoss(), "gpipe", backward=True)
         with pytest.raises(TypeError, match="backward must be a bool"):
             pipe.step(x, y, nn.MSELoss(), "gpipe", backward=1)
+        # A step cannot run gpipe's forward-only plan: its options are not offered to a step.
+        with pytest.raises(TypeError, match=r"\['foo'\]: .*schedule 'gpipe' takes no options"):
+            pipe.step(x, y, nn.MSELoss(), "gpipe", foo=1)
 
 
 def test_fault_in_a_copy_surfaces():

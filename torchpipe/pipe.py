@@ -981,11 +981,14 @@ class Pipe(nn.Module):
                                 "so pass none with it")
         else:
             schedule = resolve_schedule(schedule, SCHEDULES, besides="a torchpipe.schedule.Plan")
+            # gpipe's backward=False builds a forward-only plan, which a training step refuses:
+            # accepted (backward=True is harmless), not advertised.
+            takes = [option for option in schedule_options(schedule) if option != "backward"]
             unknown = sorted(set(options) - set(schedule_options(schedule)))
             if unknown:
                 raise TypeError(f"Pipe.step got unexpected keyword argument(s) {unknown}: its own are reduction, "
                                 f"return_outputs, losses and loss_kwargs, and schedule {schedule!r} takes "
-                                f"{schedule_options(schedule) or 'no options'}")
+                                f"{takes or 'no options'}")
         if not records_graphs():
             where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
             raise RuntimeError(f"Pipe.step computes gradients; it cannot run under {where}")
