@@ -116,6 +116,21 @@ def _as_group(group: Any) -> Any:
     return group if group is not None else dist.group.WORLD
 
 
+def check_carries_cpu_tensors(group: Any, role: str) -> None:
+    """ValueError unless ``group`` has a backend for CPU tensors (gloo): the keys, their counts and
+    every rank's votes are exchanged as CPU tensors, which an NCCL-only group refuses with
+    torch's "No backend type associated with device type cpu" at the first collective.
+    Raised alike on every rank (the ranks' groups are made alike), before any collective."""
+    read_config = getattr(dist, "get_backend_config", None)
+    if read_config is None:  # pragma: no cover - every torch we support has it
+        return
+    config = str(read_config(group))
+    if "cpu:" not in config:
+        raise ValueError(f"TableWiseSharding's {role} has no backend for CPU tensors (its backends: {config}), but "
+                         "the keys and the ranks' votes travel as CPU tensors: init_process_group("
+                         "backend='cpu:gloo,cuda:nccl'), or pass input_group=dist.new_group(backend='gloo')")
+
+
 def group_timeout(group: Any) -> Optional[datetime.timedelta]:
     """The timeout ``group`` (None: the default group) was made with, or None where torch does
     not say (then ``new_group``'s default applies)."""
@@ -171,6 +186,7 @@ class TableWiseSharding:
                  owners: Optional[Dict[str, int]] = None, *, is_weighted: bool = False) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TableWiseSharding needs torch.distributed initialised (init_process_group)")
+        check_carries_cpu_tensors(input_group, "input_group (None: the default group)")
         self.input_group = input_group
         self.output_group = output_group
         self._keys_on_default_group = _as_group(input_group) is dist.group.WORLD
