@@ -130,3 +130,54 @@ def test_a_close_cut_short_by_ctrl_c_finishes_when_called_again(monkeypatch, whe
     model.ebc.flush()  # refused while keys stayed protected
     reference, _, _ = reference_run(tables, batches, Adam(lr=0.5), steps=pipe.steps_done)
     assert_same_state(model, reference)
+
+
+def test_a_close_that_gave_up_waiting_and_the_call_it_left_release_each_batch_once() -> None:
+    """Review: close() from another thread gives up on a call after STOP_TIMEOUT_S and hands the
+    batches in flight back, while that call may be releasing its trained batches: both saw a
+    plan unreleased, and one raised "swap plan ... released twice". The two paths are raced here
+    directly: the call's release starts, and the hand-back meets it while each table's release
+    is slowed down, so that both paths pass their checks before either releases."""
+    import time
+
+    from torchpipe.rec import CachedEmbeddingBagCollection
+    from torchpipe.train.pipelines import _InFlight, _Item
+
+    tables = make_tables()
+    batches = make_batches(tables, 4, seed=5)
+    collection = CachedEmbeddingBagCollection(tables, window_minimum(tables, batches) * 2, optimizer=SGD(lr=0.1))
+    for cache in collection.caches.values():
+        def slow_release(plan, *args, _release=cache.release, **kwargs):
+            time.sleep(0.002)  # the window between a check of plan.released and the release
+            return _release(plan, *args, **kwargs)
+
+        cache.release = slow_release
+    errors: list = []
+    for _ in range(20):
+        in_flight = _InFlight(collection)
+        for batch in batches[:1]:  # swapped in, as the pipeline's swap stage leaves it
+            plan = collection.plan(collection.prepare(batch.sparse_features))
+            collection.write_back(plan, collection.gather_out(plan))
+            collection.scatter_in(plan, collection.fetch_in(plan))
+            in_flight.add(_Item(batch, plan=plan, trained=True))
+        start = threading.Barrier(2)
+
+        def race(work) -> None:
+            start.wait()
+            try:
+                work()
+            except BaseException as exc:  # noqa: B902 - reported below
+                errors.append(exc)
+
+        def drop_all_soon_after() -> None:  # the call's release goes first, the hand-back meets it
+            time.sleep(0.0005)
+            in_flight.drop_all()
+
+        threads = [threading.Thread(target=race, args=(work,)) for work in (in_flight.release_trained,
+                                                                            drop_all_soon_after)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert not errors, errors[0]
+        assert collection.in_flight() == 0, collection.in_flight()

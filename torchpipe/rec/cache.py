@@ -234,10 +234,16 @@ class EmbeddingCache:
             self.stats.swapped_out += int(out_keys.numel())
             return plan
 
-    def release(self, plan: SwapPlan) -> None:
-        """End the protection of ``plan``'s keys: its forward and backward are done."""
+    def release(self, plan: SwapPlan, *, done_ok: bool = False) -> None:
+        """End the protection of ``plan``'s keys: its forward and backward are done.
+
+        ``done_ok``: a plan already released is left as it is (a RuntimeError otherwise): for
+        the paths that complete a batch whoever gets there first, decided under this lock.
+        """
         with self._lock:
             if plan.released:
+                if done_ok:
+                    return
                 raise RuntimeError(f"swap plan {plan.seq} of table {self.name!r} released twice")
             slots = plan.slots_of_keys  # unique slots: a batch's keys are deduplicated
             minus_one = torch.full_like(slots, -1, dtype=torch.int32)

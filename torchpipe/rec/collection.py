@@ -283,8 +283,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                     if not plan.written:
                         self.write_back(plan, self.gather_out(plan))
                     self.scatter_in(plan, self.fetch_in(plan))
-                if not plan.released:
-                    self.release(plan)
+                self.release(plan, done_ok=True)
                 self._unfinished.pop(0)
 
     def settle(self) -> None:
@@ -336,16 +335,21 @@ class CachedEmbeddingBagCollection(nn.Module):
         for name, p in plan.tables.items():
             self.slots[name].index_copy_(0, p.slots_of_keys.to(self.device), rows[name])
 
-    def release(self, plan: BatchPlan) -> None:
+    def release(self, plan: BatchPlan, *, done_ok: bool = False) -> None:
         """End the protection of the batch's keys (after its backward, or when dropping it).
 
         Table by table: if it is cut short (a Ctrl-C), calling it again releases the rest.
+        ``done_ok``: a batch (or table) already released is no error: for a pipeline's
+        release of its trained batches, which may meet a ``close()`` from another thread that
+        gave up waiting for the call, and for `finish_swaps`; each table is released once.
         """
         if plan.released:
+            if done_ok:
+                return
             raise RuntimeError(f"batch {plan.seq} released twice")
         for name, p in plan.tables.items():
             if not p.released:
-                self.caches[name].release(p)
+                self.caches[name].release(p, done_ok=done_ok)
         plan.released = True
 
     def _lookup(self, plan: BatchPlan, release_after_backward: bool, witness: _Witness | None = None) -> KeyedTensor:

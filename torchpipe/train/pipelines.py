@@ -418,8 +418,9 @@ class _InFlight:
             done = [item for item in self._items if item.trained]
         for item in done:
             assert item.plan is not None
-            if not item.plan.released:
-                self.collection.release(item.plan)
+            # done_ok: a close() on another thread that gave up waiting for this call may be
+            # handing the same batches back (finish_swaps releases them too).
+            self.collection.release(item.plan, done_ok=True)
             with self._lock:
                 self._items = [other for other in self._items if other is not item]
 
