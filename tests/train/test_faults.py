@@ -111,11 +111,11 @@ def test_a_ctrl_c_while_a_trained_batch_is_released_leaves_nothing_protected() -
     model, opt = build(tables, window_minimum(tables, batches) + 4, Adam(lr=0.5))
     release, calls = model.ebc.caches["t1"].release, {"n": 0}
 
-    def interrupted_release(plan):
+    def interrupted_release(plan, **options):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt("Ctrl-C while the caller's thread releases a trained batch")
-        return release(plan)
+        return release(plan, **options)
 
     model.ebc.caches["t1"].release = interrupted_release
     with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
@@ -542,11 +542,11 @@ def test_a_ctrl_c_in_a_release_is_finished_before_the_next_plan_and_flush(interr
     model, opt = build(tables, window_minimum(tables, batches) + extra_rows, Adam(lr=0.5), policy=policy)
     release, calls = model.ebc.release, {"n": 0}
 
-    def interrupted_release(plan):
+    def interrupted_release(plan, **options):
         calls["n"] += 1
         if calls["n"] == interrupt_at:
             raise KeyboardInterrupt("Ctrl-C while the caller's thread releases a trained batch")
-        return release(plan)
+        return release(plan, **options)
 
     model.ebc.release = interrupted_release
     with EmbCacheTrainPipeline(model, opt, host_threads=3, device_threads=1) as pipe:
