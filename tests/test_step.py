@@ -981,6 +981,83 @@ def test_a_parameter_handed_on_by_a_stage_whose_split_falls_back_to_the_whole_ba
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-12, atol=1e-12, msg=name)
 
 
+class _SquaredScale(nn.Module):
+    """``x + v * v``: one node (``AddcmulBackward``) sends two of its outputs into one parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return torch.addcmul(x, self.v, self.v)
+
+
+class _Scaled(torch.autograd.Function):
+    """``x * a * b``: with ``a`` and ``b`` one parameter, a Function's two outputs feed one edge."""
+
+    @staticmethod
+    def forward(ctx, x, a, b):
+        ctx.save_for_backward(x, a, b)
+        return x * a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, b = ctx.saved_tensors
+        return grad * a * b, (grad * x * b).sum(0), (grad * x * a).sum(0)
+
+
+class _ScaledTwice(_SquaredScale):
+    def forward(self, x):
+        return _Scaled.apply(x, self.v, self.v)
+
+
+class _NodeHooked(nn.Module):
+    """A Linear whose node scales what it sends (``grad_fn.register_hook``) and whose output a
+    tensor hook scales too."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        h.grad_fn.register_hook(lambda grad_inputs, grad_outputs: tuple(
+            None if g is None else g * 0.5 for g in grad_inputs))
+        h.register_hook(lambda g: g * 3)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("layer", [_SquaredScale, _ScaledTwice, _NodeHooked])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_what_a_node_sends_its_parameter_branches_counts_once_and_whole_in_zero_bubble(layer, schedule, checkpoint):
+    """Review: a node feeding one parameter through two of its outputs (addcmul(x, v, v), or a
+    Function given the same weight twice) gave W only the first output's share; and W's direct
+    call of a hooked node skipped the node's own post-hooks."""
+    torch.manual_seed(0)
+    balance = [1, 3] if schedule == "zb-h1" else [1, 1, 1, 1]
+    model = nn.Sequential(nn.Linear(4, 4), layer(), nn.Tanh(), nn.Linear(4, 2)).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    expected_loss, expected = reference_grads(reference, x, y, nn.MSELoss())
+    with Pipe(model, balance, devices=["cpu"] * len(balance), chunks=2, checkpoint=checkpoint) as pipe:
+        loss = pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    torch.testing.assert_close(loss, expected_loss)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_torchpipe_imports_under_no_grad_and_inference_mode():
+    """Review: the split's module built a graph at import, which no_grad does not record."""
+    import subprocess
+    import sys
+
+    for mode in ("torch.no_grad()", "torch.inference_mode()"):
+        code = f"import torch\nwith {mode}:\n    import torchpipe.split_backward\n"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+
+
 def _counting_model():
     """Three stages of Linear/LayerNorm/Conv1d layers, each parameter a branch of its own node."""
     torch.manual_seed(0)

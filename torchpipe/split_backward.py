@@ -38,10 +38,11 @@ branches from there without calling it again. Where the input path holds one and
 falls back to the whole backward above, that fallback runs in ``I`` instead, once, and leaves
 ``W`` nothing to do.
 
-A tensor hook that replaces a gradient on a built-in frontier node's path would apply twice
-when ``W`` runs that node through the engine again (see ``_side_grads``). Where one does,
-``W`` calls the node directly instead (``_called_directly``): no hook runs there, and nothing
-else on the input path runs again.
+A built-in frontier node runs a second time in ``W``, through the engine, which applies the
+tensor hooks on its inputs again; a pre-hook hands the node what reached it in ``I`` instead,
+and its parameter branches get what it sends itself (not what reaches them, which their own
+hooks would change before ``W`` starts them): each hook's change counts once (see
+``_side_grads``).
 
 A parameter whose ``AccumulateGrad`` node is a branch's first node (a bias, a conv weight)
 has its tensor hooks (``p.register_hook``) applied at ``W``'s capture and again when ``W``
@@ -73,8 +74,9 @@ Edge = Tuple[Node, int]
 
 
 def _accumulator_type() -> type:
-    leaf = torch.zeros(1, requires_grad=True)
-    return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])
+    with torch.inference_mode(False), torch.enable_grad():  # importable under no_grad too
+        leaf = torch.zeros(1, requires_grad=True)
+        return type(leaf.view_as(leaf).grad_fn.next_functions[0][0])
 
 
 _ACCUMULATE_GRAD = _accumulator_type()  # a leaf's node: compared by type, per node of every walk
@@ -175,18 +177,15 @@ def _below(roots: Sequence[Node]) -> Set[Node]:
     return seen
 
 
-def _called_directly(node: Node, received: Tuple[Optional[Tensor], ...], outputs: List[int]) -> Tuple[Optional[Tensor], ...]:
-    """What ``node`` sends into its outputs ``outputs`` for the gradients ``received``, computed by
-    calling it outside the engine, where no hook runs.
-
-    ``received`` is what reached ``node`` in ``I``, its tensor hooks already applied; the engine
-    would apply them again. A direct call computes every gradient the node can (the input
-    path's too, once more) and leaves broadcast gradients unreduced: the engine reduces them to
-    each edge's shape when ``W`` starts its branches from them.
-    """
-    with torch.no_grad():  # a graph of the backward itself would only hold memory
-        sent = node(*received)
-    return tuple(sent[i] for i in outputs)
+def _summed(sent: Tuple[Optional[Tensor], ...], outputs: List[int]) -> Optional[Tensor]:
+    """What a node sends into one edge: the sum over its outputs that feed it (``torch.addcmul(x,
+    w, w)`` feeds ``w`` twice), as the engine sums them; None if none was computed."""
+    total = None
+    for i in outputs:
+        grad = sent[i]
+        if grad is not None:
+            total = grad if total is None else total + grad
+    return total
 
 
 class WeightSplit:
@@ -197,8 +196,8 @@ class WeightSplit:
         self.leaf_ids = leaf_ids
         reach = _reach([o.grad_fn for o in outputs if o.grad_fn is not None], leaf_ids)
         self.frontier: Dict[Node, List[Edge]] = {}
-        # Per frontier node and side edge: the node's output that feeds the edge (see _side_grads).
-        self.side_outputs: Dict[Node, List[int]] = {}
+        # Per frontier node and side edge: the node's outputs that feed the edge (see _summed).
+        self.side_outputs: Dict[Node, List[List[int]]] = {}
         # Outputs whose graph never reaches the stage inputs: W back-propagates them whole.
         self.detached_outputs: List[int] = []
         seen: Set[Node] = set()
@@ -216,7 +215,7 @@ class WeightSplit:
             if not donating and type(node).__name__ in _HOLDS_REGION:
                 donating = _donates_buffers(node) or _is_reentrant_checkpoint(node)
             runs_once = runs_once or isinstance(node, _RUNS_ONCE)
-            side: Dict[Edge, int] = {}
+            side: Dict[Edge, List[int]] = {}
             for output, edge in enumerate(node.next_functions):
                 child = edge[0]
                 if child is None:
@@ -226,8 +225,8 @@ class WeightSplit:
                     if child not in seen and type(child) is not _ACCUMULATE_GRAD:
                         seen.add(child)
                         stack.append(child)
-                elif bits and edge not in side:  # one capture per edge
-                    side[edge] = output
+                elif bits:
+                    side.setdefault(edge, []).append(output)
             if side:
                 self.frontier[node] = list(side)
                 self.side_outputs[node] = list(side.values())
@@ -276,7 +275,7 @@ class WeightSplit:
         outputs = self.side_outputs[node]
 
         def record(grad_inputs: Tuple[Optional[Tensor], ...], grad_outputs: Tuple[Any, ...]) -> None:
-            self.sent[node] = tuple(grad_inputs[i] for i in outputs)
+            self.sent[node] = tuple(_summed(grad_inputs, feeding) for feeding in outputs)
 
         return record
 
@@ -334,8 +333,6 @@ class WeightSplit:
             else:
                 kept = self.kept.get(node)
                 side_grads = None if kept is None else self._side_grads(node, kept, side, self.side_outputs[node])
-                if kept is not None and side_grads is None:  # a tensor hook changed a gradient: see _side_grads
-                    side_grads = _called_directly(node, kept, self.side_outputs[node])
             if side_grads is None:
                 continue
             for edge, grad in zip(side, side_grads):
@@ -357,18 +354,18 @@ class WeightSplit:
         self.sent.clear()
 
     def _side_grads(self, node: Node, kept: Tuple[Optional[Tensor], ...], side: List[Edge],
-                    outputs: List[int]) -> Optional[Tuple[Optional[Tensor], ...]]:
-        """The gradients ``node`` sends into its parameter branches ``side``, or None.
+                    outputs: List[List[int]]) -> Tuple[Optional[Tensor], ...]:
+        """The gradients ``node`` sends into its parameter branches ``side``.
 
         ``node`` runs again here, from the gradients it received in ``I``, and autograd calls
         the tensor hooks on its inputs again (those of ``h.register_hook`` for the tensor
         ``h`` it made), then those of each branch's first node when it stops there. A hook
-        that returns a new gradient would so be applied twice (torch 2.13's zero-bubble
-        ``stage_backward_weight`` does so for a hook on a ``Linear``'s output). Hooks that replace a gradient are seen
-        here, before anything is accumulated: what reaches ``node`` and what stops at each
-        branch is compared, by identity, with what was fed and what ``node`` sent. Then None:
-        the caller takes the node's gradients from a direct call (``_called_directly``), and
-        ``W`` applies each branch's hooks once, when it starts the branch.
+        that returns a new gradient would so count twice (torch 2.13's zero-bubble
+        ``stage_backward_weight`` does so for a hook on a ``Linear``'s output). So a pre-hook,
+        which runs after the tensor hooks, gives the node back what it received in ``I``; and
+        each branch gets what the node sent (a post-hook records it), not what reached the
+        branch: ``W`` applies the branch's own hooks when it starts it. The node's own hooks
+        run as in any backward, under checkpointing within the one recompute of this call.
         """
         fed_at, fed = [], []
         for i, grad in enumerate(kept):
@@ -377,27 +374,23 @@ class WeightSplit:
                 fed.append(grad)
         if not fed:
             return (None,) * len(side)
-        ran: List[Tuple[Tuple[Any, ...], Tuple[Optional[Tensor], ...]]] = []  # what node received, what it sent
+        ran: List[Tuple[Optional[Tensor], ...]] = []
+
+        def as_in_input(grads: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
+            return kept
 
         def record(grad_inputs: Tuple[Optional[Tensor], ...], grad_outputs: Tuple[Any, ...]) -> None:
-            ran.append((grad_outputs, grad_inputs))
+            ran.append(grad_inputs)
 
-        handle = node.register_hook(record)
+        handles = [node.register_prehook(as_in_input), node.register_hook(record)]
         try:
-            side_grads = engine.grad([GradientEdge(node, i) for i in fed_at],
-                                     [GradientEdge(child, slot) for child, slot in side], fed, retain_graph=True)
+            engine.grad([GradientEdge(node, i) for i in fed_at], [GradientEdge(child, slot) for child, slot in side],
+                        fed, retain_graph=True)
         finally:
-            handle.remove()
-        if not ran:
-            return None
-        received, sent = ran[0]
-        for i, grad in zip(fed_at, fed):
-            if received[i] is not grad:
-                return None
-        for output, grad in zip(outputs, side_grads):
-            if grad is not None and sent[output] is not grad:
-                return None
-        return side_grads
+            for handle in handles:
+                handle.remove()
+        sent = ran[0]
+        return tuple(_summed(sent, feeding) for feeding in outputs)
 
     def _whole_weight_grads(self, outputs: Sequence[Tensor], grad_outputs: Sequence[Optional[Tensor]]) -> None:
         """The stage's whole backward into its parameters (it walks the input path again)."""

@@ -738,11 +738,14 @@ class EmbCacheTrainPipeline(_ReadyPipeline):
             mine = ("this rank's data ended too" if code == _DATA_ENDED else
                     "this rank's data iterator failed (the error this was raised from)" if code == _NO_BATCH else
                     "this rank's batch was not admitted (not trained)")
+            had = [rank for rank, c in enumerate(codes) if c in (_HAS_BATCH, _REFUSED)]
+            others = " and ".join(([f"ranks {had} still had a batch"] if had else []) +
+                                  ([f"the data iterator of ranks {broken} failed"] if broken else []))
             raise UnevenDataError(
-                f"the data ended on ranks {ended} while ranks {[r for r in range(len(codes)) if r not in ended]} "
-                f"still had a batch: every rank must feed the same number of batches (drop_last=True, or shards "
-                f"of equal length); {mine}. The pipeline ends the data on every rank: call progress() with the "
-                "same iterator until StopIteration to finish the batches in flight") from own_error
+                f"the data ended on ranks {ended} while {others}: every rank must feed the same number of batches "
+                f"(drop_last=True, or shards of equal length); {mine}. The pipeline ends the data on every rank: "
+                "call progress() with the same iterator until StopIteration to finish the batches in flight"
+            ) from own_error
         what = " and ".join(([f"ranks {refused} refused their batch"] if refused else []) +
                             ([f"the data iterator of ranks {broken} failed"] if broken else []))
         if own_error is not None:
