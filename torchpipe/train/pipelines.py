@@ -32,8 +32,8 @@ from ..thread_state import records_graphs
 from ..workers import OwnsThreads
 from .schedule import Clock
 from .dist import ExchangeRecord, TableWiseSharding
-from .staged import (PipelineFailure, PipelineStage, StagedPipeline, UnevenDataError, check_pipeline_options, fail_clock_now, record_streams,
-                     keep_flushed_outputs)
+from .staged import (PipelineFailure, PipelineStage, StagedPipeline, UnevenDataError, check_pipeline_options,
+                     fail_clock_now, keep_flushed_outputs, record_streams)
 
 __all__ = ["RecBatch", "TrainPipelineBase", "TrainPipelineSparseDist", "EmbCacheTrainPipeline", "train_step"]
 

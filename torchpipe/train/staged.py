@@ -249,7 +249,8 @@ class StagedPipeline(OwnsThreads):
     instead when the data iterator had no batch: ``error`` is None when it ended, or what
     ``next()`` raised (an ``Exception``; re-raised after the hook), so that ranks that vote on
     every admission vote here too. If ``admit`` or ``data_ended`` raises `UnevenDataError`, the
-    data counts as ended: the call raises it, and later calls with that iterator only drain. ``on_abort(exc)`` runs once as
+    data counts as ended: the call raises it, and later calls with that iterator only drain.
+    ``on_abort(exc)`` runs once as
     soon as a clock aborts, because a stage raised or the caller was interrupted (wake waits
     the other jobs may be blocked in); ``on_failure(PipelineFailure)`` and ``after_clock(clock, outputs)`` run on
     the caller's thread after the runtime drained the clock. ``before_call()`` runs on the
@@ -299,7 +300,8 @@ class StagedPipeline(OwnsThreads):
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         check_pipeline_options(host_threads, device_threads, overlap, keep_records)
-        for hook, value in (("admit", admit), ("data_ended", data_ended), ("on_abort", on_abort), ("on_failure", on_failure),
+        for hook, value in (("admit", admit), ("data_ended", data_ended), ("on_abort", on_abort),
+                            ("on_failure", on_failure),
                             ("after_clock", after_clock), ("before_call", before_call), ("agree", agree)):
             if value is not None and not callable(value):
                 raise TypeError(f"{hook} must be callable or None, got {value!r}")
@@ -672,14 +674,10 @@ class StagedPipeline(OwnsThreads):
                 return False
             except Exception as exc:
                 if self._data_ended is not None:
-                    self._vote_without_batch(dataloader_iter, exc)
+                    self._vote(self._data_ended, exc, dataloader_iter)
                 raise
             if self._admit is not None:
-                try:
-                    self._admit(batch)
-                except UnevenDataError:
-                    self._exhausted = dataloader_iter
-                    raise
+                self._vote(self._admit, batch, dataloader_iter)
             self._values[0] = batch
             if self._streamed:  # the batch may still be in the making on the caller's stream
                 ready = self._backend.new_event()
@@ -705,11 +703,11 @@ class StagedPipeline(OwnsThreads):
         finally:
             self._call_owner = None
 
-    def _vote_without_batch(self, dataloader_iter: Iterator[Any], error: Exception) -> None:
-        """``data_ended(error)`` for an iterator that raised ``error``; the data ends if it says so."""
-        assert self._data_ended is not None
+    def _vote(self, hook: Callable[[Any], None], argument: Any, dataloader_iter: Iterator[Any]) -> None:
+        """``hook(argument)`` (``admit`` or ``data_ended``); if it says the data ended on another
+        rank (`UnevenDataError`), it ends here too."""
         try:
-            self._data_ended(error)
+            hook(argument)
         except UnevenDataError:
             self._exhausted = dataloader_iter
             raise
