@@ -16,7 +16,7 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from torchpipe.rec import SGD, Adam, FullTableEmbeddingBagCollection, RowWiseAdagrad
+from torchpipe.rec import SGD, Adam, CachedEmbeddingBagCollection, FullTableEmbeddingBagCollection, RowWiseAdagrad
 
 ROWS, STEPS = 6, 8
 
@@ -80,6 +80,36 @@ def test_weight_decay_reaches_only_the_rows_a_batch_reads(optimizer) -> None:
     untouched = [0, 2, 3, 5]
     assert torch.equal(got[untouched], start[untouched])
     assert (got[[1, 4]].abs() < start[[1, 4]].abs()).all()  # a zero gradient: only the decay moved them
+
+
+@pytest.mark.parametrize("collection", ["full", "cached"])
+@pytest.mark.parametrize("optimizer, moves", [
+    (lambda: SGD(lr=0.5), False),
+    (lambda: SGD(lr=0.5, weight_decay=0.1), True),
+    (lambda: Adam(lr=0.1), True),  # the moments of the first step carry on
+    (lambda: RowWiseAdagrad(lr=0.5, weight_decay=0.1, weight_decay_mode="decoupled"), True),
+])
+def test_a_table_the_loss_does_not_use_takes_a_zero_gradient_update(collection, optimizer, moves) -> None:
+    """FBGEMM's rules update every row a batch reads, with the gradient the one output tensor
+    gives it: zero for a table whose output the loss leaves out. So decay and Adam's moments
+    move those rows; rows no batch reads stay as they are."""
+    tables = [EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=3, name=name, feature_names=[feature],
+                                 pooling=PoolingType.SUM) for name, feature in (("t", "f"), ("u", "g"))]
+    starts = {name: torch.randn(ROWS, 3, generator=torch.Generator().manual_seed(seed))
+              for seed, name in enumerate(("t", "u"))}
+    if collection == "full":
+        ebc = FullTableEmbeddingBagCollection(tables, optimizer=optimizer(), weights=dict(starts))
+    else:
+        ebc = CachedEmbeddingBagCollection(tables, 4, optimizer=optimizer(), weights=dict(starts))
+    batch = KeyedJaggedTensor.from_lengths_sync(["f", "g"], torch.tensor([1, 4, 2, 5]), torch.ones(4, dtype=torch.int64))
+    ebc(batch).values().square().sum().backward()  # both tables: a gradient, and Adam's moments
+    after_first = ebc.full_weight("u").clone()
+    ebc(batch)["f"].square().sum().backward()  # u's output unused: a zero gradient for rows 2 and 5
+    got = ebc.full_weight("u")
+    untouched = [0, 1, 3, 4]
+    assert torch.equal(got[untouched], starts["u"][untouched])
+    assert torch.equal(got[[2, 5]], after_first[[2, 5]]) is not moves
+    assert not torch.equal(ebc.full_weight("t")[[1, 4]], starts["t"][[1, 4]])
 
 
 @pytest.mark.parametrize("build, error, words", [
