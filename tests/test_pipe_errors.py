@@ -9,6 +9,7 @@ from torch import nn
 
 from torchpipe import Pipe
 from torchpipe import BalanceError
+from torchpipe.balance import balance_by_time
 
 
 def model(layers=4):
@@ -213,6 +214,55 @@ def test_too_few_devices_is_an_index_error():
 def test_module_must_be_a_sequential():
     with pytest.raises(TypeError, match="must be nn.Sequential.*got ModuleList"):
         Pipe(nn.ModuleList([nn.Linear(4, 4)]), [1])
+
+
+class _Residual(nn.Sequential):
+    def forward(self, x):
+        return x + super().forward(x)
+
+
+def _with_forward_hook():
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    module.register_forward_hook(lambda *args: None)
+    return module
+
+
+def _with_full_backward_hook():
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    module.register_full_backward_hook(lambda *args: None)
+    return module
+
+
+def _with_own_parameter():
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    module.temperature = nn.Parameter(torch.ones(1))
+    return module
+
+
+def _with_own_buffer():
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    module.register_buffer("scale", torch.ones(1))
+    return module
+
+
+@pytest.mark.parametrize("build, error, words", [
+    (lambda: _Residual(nn.Linear(4, 4), nn.ReLU()), TypeError, "_Residual overrides nn.Sequential's forward"),
+    (_with_forward_hook, ValueError, r"module hooks of its own \(forward_hooks\)"),
+    (_with_full_backward_hook, ValueError, r"module hooks of its own \(backward_hooks\)"),
+    (_with_own_parameter, ValueError, r"parameters or buffers of its own, not under a child \(temperature\)"),
+    (_with_own_buffer, ValueError, r"parameters or buffers of its own, not under a child \(scale\)"),
+])
+def test_a_sequential_that_does_more_than_call_its_children_is_refused(build, error, words):
+    """Review (helper-138): the pipeline calls the children only, so a Sequential's own forward
+    (a residual around them), hooks, parameters and buffers silently dropped out: other outputs
+    than the plain model's, and a state_dict the model could not load back."""
+    module = build()
+    with pytest.raises(error, match=words):
+        Pipe(module, [1, 1])
+    with pytest.raises(error, match=words):
+        balance_by_time(2, module, torch.randn(4, 4))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(Pipe(nn.Sequential(*module), [1, 1])(x), nn.Sequential(*module)(x))  # its children run
 
 
 def test_the_same_layer_twice_is_refused():

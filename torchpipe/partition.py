@@ -11,7 +11,7 @@ from torch import nn
 
 from .devices import as_device
 
-__all__ = ["verify_module", "verify_unshared", "verify_balance", "split_module", "infer_placement", "BalanceError",
+__all__ = ["verify_module", "verify_only_children_run", "verify_unshared", "verify_balance", "split_module", "infer_placement", "BalanceError",
            "as_positive_int",
            "SpreadingSequential", "PartitionSequential", "SpreadingPartition", "PartitionList", "layers_fixed_error",
            "fixed_partitions"]
@@ -25,8 +25,35 @@ def verify_module(module: nn.Module) -> None:
     """Reject what a pipeline cannot run: non-Sequential modules, shared children or parameters."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}")
+    verify_only_children_run(module)
     # named_children() drops repeats, so count the Sequential's own slots.
     verify_unshared(list(module._modules.items()))
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def verify_only_children_run(module: nn.Sequential) -> None:
+    """Reject a Sequential that does more than call its children in order.
+
+    A pipeline calls the children, one partition after another, and never the Sequential
+    itself: a ``forward`` of its own, its own module hooks, and parameters or buffers not under
+    a child would silently drop out of the pipelined model (and out of its ``state_dict``).
+    """
+    name = type(module).__name__
+    if type(module).forward is not nn.Sequential.forward:
+        raise TypeError(f"{name} overrides nn.Sequential's forward, which a pipeline never calls: it runs the "
+                        "children one after another. Move that work into a layer of its own (a child), or pass a "
+                        "plain nn.Sequential")
+    hooks = [kind.strip("_") for kind in _MODULE_HOOKS if getattr(module, kind, None)]
+    if hooks:
+        raise ValueError(f"the {name} has module hooks of its own ({', '.join(hooks)}), which would never run: a "
+                         "pipeline calls its children, not the Sequential. Register them on its first or last "
+                         "child instead")
+    own = [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
+    if own:
+        raise ValueError(f"the {name} holds parameters or buffers of its own, not under a child ({', '.join(own)}): "
+                         "a pipeline keeps only its children's. Move them into a layer")
 
 
 def verify_unshared(layers: Sequence[Tuple[str, Optional[nn.Module]]], since: str = "") -> None:

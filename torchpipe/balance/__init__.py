@@ -25,6 +25,7 @@ from torchpipe.balance.profile_time import profile_times
 from torchpipe.balance.solver import as_count, balance_by_cost, blockpartition, check_partitions
 from torchpipe.devices import BackendUnavailableError, as_device, get_backend, usable_device
 from torchpipe.microbatch import BatchDim, batch_size, check_batch_dim
+from torchpipe.partition import verify_only_children_run
 
 __all__ = ["balance_by_time", "balance_by_size", "blockpartition", "balance_by_cost"]
 
@@ -95,6 +96,7 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: Activation, *
 def _check_common(partitions: int, module: nn.Sequential, sample: Activation, batch_dim: BatchDim) -> int:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
+    verify_only_children_run(module)  # a Pipe would refuse it: no balance to find for it
     partitions = check_partitions(partitions, len(module))
     batch_dim = check_batch_dim(batch_dim)
     if not tensors_of(sample, "the sample"):
