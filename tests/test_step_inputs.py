@@ -485,6 +485,28 @@ def test_a_step_whose_losses_all_lack_a_graph_is_refused_as_the_plain_backward_i
     assert all(param.grad is not None for param in model.parameters())
 
 
+def test_a_complex_loss_is_refused_as_the_plain_backward_refuses_it_and_evaluate_takes_it():
+    """Review (helper-137): step seeded backward with a complex full_like(loss) and gave the
+    real part's gradients, where loss.backward() refuses a complex loss."""
+    model = body()
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+
+    def complex_mse(out, target):
+        return F.mse_loss(out, target) * (1 + 2j)
+
+    with pytest.raises(RuntimeError, match="real scalar outputs"):
+        complex_mse(copy.deepcopy(model)(x), y).backward()
+    with Pipe(model, [2, 2], chunks=2) as pipe:
+        with pytest.raises(TypeError, match=r"loss_fn must return a real loss, got a torch.complex64 one .*\.real"):
+            pipe.step(x, y, complex_mse)
+        assert all(param.grad is None for param in model.parameters())
+        with torch.no_grad():
+            expected = complex_mse(model(x), y)
+        torch.testing.assert_close(pipe.evaluate(x, y, complex_mse), expected)  # no backward: as the plain model
+        pipe.step(x, y, nn.MSELoss())  # usable afterwards
+    assert all(param.grad is not None for param in model.parameters())
+
+
 class _ShiftedCrossEntropy(nn.CrossEntropyLoss):
     """A causal LM's loss: predicts token t + 1 from position t, so it averages over the
     non-ignored labels[:, 1:], not over the whole target."""

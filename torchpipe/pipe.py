@@ -900,7 +900,7 @@ class Pipe(nn.Module):
             for output, part in zip(outputs, targets):
                 if isinstance(part, Tensor):  # where the output is (nested in it, or else the last stage's device)
                     part = part.to(next((t.device for t in nested_tensors(output.values)), self._devices[-1]))
-                each.append(scalar_loss(loss_call(output.value, part)).detach())
+                each.append(scalar_loss(loss_call(output.value, part), backward=False).detach())
         return each
 
     def step(

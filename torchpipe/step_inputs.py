@@ -195,12 +195,16 @@ def microbatch_weights(loss_fn: Any, reduction: str, batches: Sequence[Batch], t
     return [share / total for share in shares]
 
 
-def scalar_loss(loss: Any) -> Tensor:
+def scalar_loss(loss: Any, *, backward: bool = True) -> Tensor:
     """A micro-batch's loss as a 0-dim tensor; TypeError if ``loss_fn`` returned anything else.
 
-    A one-element loss of another shape (``(1,)``) is taken too, as ``loss.backward()`` takes it.
+    A one-element loss of another shape (``(1,)``) is taken too, as ``loss.backward()`` takes it;
+    a complex one only where no backward starts from it (``backward=False``).
     """
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
         raise TypeError(f"loss_fn must return a scalar tensor (one element), got {type(loss).__name__} {shape}")
+    if backward and loss.is_complex():  # loss.backward() refuses one too: its implicit gradient is real
+        raise TypeError(f"loss_fn must return a real loss, got a {loss.dtype} one ({loss.detach().item()!r}): "
+                        "backward starts from a real scalar, as loss.backward() does; take its .real or .abs()")
     return loss if loss.dim() == 0 else loss.reshape(())
