@@ -141,6 +141,14 @@ def test_blockpartition_errors() -> None:
             blockpartition(unordered, 1)  # type: ignore[arg-type]
     assert blockpartition(torch.tensor([1.0, 1.0, 2.0]), 2) == [[0, 1], [2]]
     assert blockpartition(np.array([3, 1, 1, 1]), 2) == [[0], [1, 2, 3]]
+    # Review (helper-138): a list of 0-dim tensors (costs measured one layer at a time), which
+    # torchgpipe takes, was refused cost by cost.
+    assert blockpartition([torch.tensor(1.0), torch.tensor(1.0), torch.tensor(2.0)], 2) == [[0, 1], [2]]
+    assert balance_by_cost([np.array(3), torch.tensor(1), 1, 1], 2) == [1, 3]
+    with pytest.raises(ValueError, match="cost 1 must be non-negative"):
+        blockpartition([torch.tensor(1.0), torch.tensor(-1.0)], 1)
+    with pytest.raises(TypeError, match="cost 0 is not a real number"):
+        blockpartition([torch.tensor([1.0, 2.0])], 1)  # one element per layer
     assert blockpartition.solve(torch.tensor([2, 1, 1]), 2) == [[2], [1, 1]]
 
 
@@ -386,6 +394,8 @@ def test_argument_errors() -> None:
             balance(1, nn.Linear(2, 2), x)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="batch"):
             balance(1, model, torch.randn(0, 2))
+        with pytest.raises(ValueError, match="the sample is on the meta device"):  # was torch's bare "no data!"
+            balance(1, model, torch.randn(4, 2, device="meta"))
     for timeout in (-1.0, math.nan, math.inf):
         with pytest.raises(ValueError, match=f"timeout.*{timeout}"):
             balance_by_time(2, model, x, timeout=timeout)

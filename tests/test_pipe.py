@@ -1114,6 +1114,8 @@ def test_moving_is_denied_but_dtype_casts_work():
         assert {p.device.type for p in pipe.parameters()} == {"cpu"}
         pipe.to(torch.float64)
         assert pipe(torch.randn(3, 8, dtype=torch.float64)).dtype == torch.float64
+        pipe.to(device=None, dtype=torch.float32)  # no move, as to(None, torch.float32): was refused
+        assert pipe(torch.randn(3, 8)).dtype == torch.float32
 
 
 def test_workers_are_created_once_and_reused():

@@ -618,7 +618,7 @@ class Pipe(nn.Module):
 
     def to(self, *args: Any, **kwargs: Any) -> "Pipe":  # type: ignore[override]
         # Deny device moves; dtype casts (pipe.to(torch.float64)) are fine.
-        if "device" in kwargs or "tensor" in kwargs:
+        if kwargs.get("device") is not None or "tensor" in kwargs:  # device=None moves nothing, as in to(None, ...)
             raise MovingDenied(_MOVE_DENIED)
         if args:
             first = args[0]

@@ -99,8 +99,12 @@ def _check_common(partitions: int, module: nn.Sequential, sample: Activation, ba
     verify_only_children_run(module)  # a Pipe would refuse it: no balance to find for it
     partitions = check_partitions(partitions, len(module))
     batch_dim = check_batch_dim(batch_dim)
-    if not tensors_of(sample, "the sample"):
+    tensors = tensors_of(sample, "the sample")
+    if not tensors:
         raise TypeError("the sample tuple holds no Tensor to run the layers on")
+    if any(t.is_meta for t in tensors):
+        raise ValueError("the sample is on the meta device: it has shapes but no values to run the layers on; "
+                         "give a sample with values (torch.randn(..., device='cpu'))")
     if isinstance(sample, torch.Tensor) and sample.dim() == 0:
         raise ValueError("the sample is a 0-dim tensor: it needs a batch dimension to stand for a mini-batch")
     if batch_size(sample, batch_dim, what="sample") == 0:

@@ -115,6 +115,8 @@ def _exact_integers(costs: Sequence[float]) -> List[int]:
                         f"or array), got {type(costs).__name__} {costs!r}")
     fractions: List[Fraction] = []
     for index, cost in enumerate(costs):
+        if getattr(cost, "ndim", None) == 0 and hasattr(cost, "item"):  # a 0-dim tensor or array, as torchgpipe takes
+            cost = cost.item()
         if isinstance(cost, bool) or not isinstance(cost, Real):
             raise TypeError(f"cost {index} is not a real number: {cost!r}")
         if not isinstance(cost, Integral) and not math.isfinite(float(cost)):  # ints are exact, any size
