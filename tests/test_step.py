@@ -4,6 +4,7 @@ import copy
 import threading
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -1109,16 +1110,49 @@ def test_module_and_gradient_accumulator_hooks_run_once_per_micro_batch(schedule
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
+class _KeepsTrackOfRecomputes(nn.Module):
+    """A stage that notes each recompute's activation (weakly), to see when it is freed."""
+
+    def __init__(self, recomputed):
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 64), nn.Linear(64, 2)
+        self.recomputed = recomputed
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x))
+        if is_recomputing():
+            self.recomputed.append(weakref.ref(hidden.untyped_storage()))
+        return self.second(hidden)
+
+
+@pytest.mark.parametrize("hooked", ["first.bias", "first.weight"])
+def test_muting_a_parameter_hook_in_w_keeps_the_release_of_the_recompute(hooked):
+    """Review (helper-139): W first ran a parameter's hooks once by ending its capture call
+    with a raise, which skipped that backward call's engine callbacks, among them the one that
+    frees a checkpoint's recompute: it stayed alive through the rest of W."""
+    recomputed = []
+    model = nn.Sequential(nn.Linear(6, 6), _KeepsTrackOfRecomputes(recomputed))
+    calls = collections.Counter()
+    dict(model[1].named_parameters())[hooked].register_hook(lambda grad: calls.update(["hook"]))
+    alive_in_w = []
+    model[1].second.weight.register_post_accumulate_grad_hook(
+        lambda p: alive_in_w.append(sum(ref() is not None for ref in recomputed)))
+    with Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="always") as pipe:
+        pipe.step(torch.randn(6, 6), torch.randn(6, 2), nn.MSELoss(), schedule="zb-h1")
+    assert recomputed and alive_in_w == [0, 0]
+    assert calls["hook"] == 2  # once per micro-batch
+
+
 @pytest.mark.parametrize("anomaly", [False, True])
 def test_a_parameter_hook_that_replaces_its_gradient_applies_once_under_zero_bubble(anomaly):
-    """W accumulates a parameter's gradient once, with the hook applied once. Under anomaly
-    mode W takes the gradient through the engine's capture, which calls the hook too: what
-    the hook returns there must not count."""
+    """W accumulates a parameter's gradient once, with the hook applied once, under anomaly
+    mode too (which must not see an error in what W does)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     reference = copy.deepcopy(model)
-    for m in (model, reference):
-        m[2].bias.register_hook(lambda g: g * 3)
+    calls = collections.Counter()
+    for which, m in (("pipe", model), ("reference", reference)):
+        m[2].bias.register_hook(lambda g, which=which: calls.update([which]) or g * 3)
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
     nn.MSELoss()(reference(x), y).backward()
     grads = {}  # a post-accumulate hook still runs, once, after the accumulation W makes itself
@@ -1128,6 +1162,7 @@ def test_a_parameter_hook_that_replaces_its_gradient_applies_once_under_zero_bub
             warnings.simplefilter("always")
             pipe.step(x, y, nn.MSELoss(), schedule="zb-h1")
     assert not [w for w in caught if "Error detected" in str(w.message)]  # W's own doing is no error
+    assert calls["pipe"] == calls["reference"] == 1
     torch.testing.assert_close(model[2].bias.grad, reference[2].bias.grad, rtol=1e-12, atol=1e-12)
     assert len(grads["bias"]) == 1
     torch.testing.assert_close(grads["bias"][0], reference[2].bias.grad, rtol=1e-12, atol=1e-12)

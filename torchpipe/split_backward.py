@@ -46,10 +46,9 @@ hooks would change before ``W`` starts them): each hook's change counts once (se
 
 A parameter whose ``AccumulateGrad`` node is a branch's first node (a bias, a conv weight)
 would have its tensor hooks (``p.register_hook``) called where the engine captures that
-branch's gradient and again when ``W`` accumulates it; when it has some, the capture is cut
-short once the frontier node ran (``_NodeRan``), so they run once. Accumulating without the
-engine would skip the node's own hooks, on which gradient reduction and optimizer-in-backward
-code rely.
+branch's gradient and again when ``W`` accumulates it; they are muted during the capture
+(`_muted_parameter_hooks`), so they run once. Accumulating without the engine would skip
+the node's own hooks, on which gradient reduction and optimizer-in-backward code rely.
 """
 
 from __future__ import annotations
@@ -189,8 +188,25 @@ def _summed(sent: Tuple[Optional[Tensor], ...], outputs: List[int]) -> Optional[
     return total
 
 
-class _NodeRan(Exception):
-    """Raised by W's hook after a frontier node ran, to end that engine call there."""
+def _muted_parameter_hooks(side: List[Edge]) -> List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]]:
+    """Empty the tensor-hook dicts of the parameters whose accumulators start a branch in
+    ``side``; returns each dict with what it held, for `_restore_hooks`."""
+    muted = []
+    for child, _ in side:
+        if type(child) is _ACCUMULATE_GRAD:
+            hooks = child.variable._backward_hooks
+            if hooks:
+                muted.append((hooks, list(hooks.items())))
+                hooks.clear()
+    return muted
+
+
+def _restore_hooks(hooks: Dict[Any, Any], items: List[Tuple[Any, Any]]) -> None:
+    """Put ``items`` back first in ``hooks``, in their order, before any hook added meanwhile."""
+    added = list(hooks.items())
+    hooks.clear()
+    hooks.update(items)
+    hooks.update(added)
 
 
 class WeightSplit:
@@ -383,31 +399,26 @@ class WeightSplit:
         # The engine captures each branch's gradient where the branch starts, and calls the
         # tensor hooks there first: a parameter's own (``p.register_hook``: a bias's, whose
         # accumulator starts its branch) would run here and again when W starts the branch.
-        # So for such a parameter the engine stops once the node has run (the raise costs
-        # some 20 us, paid only then); ``record`` has what it sent. Not under anomaly mode,
-        # which prints a stop as an error.
-        stop = False
-        for child, _ in side:
-            if type(child) is _ACCUMULATE_GRAD and child.variable._backward_hooks:
-                stop = not torch.is_anomaly_enabled()
+        # Its hooks live in ``p._backward_hooks``, which the engine reads when it calls them:
+        # emptied during the capture, they run once. (Ending the call early instead, by a raise,
+        # would skip the call's engine callbacks, which free a checkpoint's recompute.)
+        muted = _muted_parameter_hooks(side)
 
         def as_in_input(grads: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
             return kept
 
         def record(grad_inputs: Tuple[Optional[Tensor], ...], grad_outputs: Tuple[Any, ...]) -> None:
             ran.append(grad_inputs)
-            if stop:
-                raise _NodeRan
 
         handles = [node.register_prehook(as_in_input), node.register_hook(record)]
         try:
             engine.grad([GradientEdge(node, i) for i in fed_at], [GradientEdge(child, slot) for child, slot in side],
                         fed, retain_graph=True)
-        except _NodeRan:
-            pass
         finally:
             for handle in handles:
                 handle.remove()
+            for hooks, items in muted:
+                _restore_hooks(hooks, items)
         sent = ran[0]
         return tuple(_summed(sent, feeding) for feeding in outputs)
 
