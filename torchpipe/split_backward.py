@@ -402,7 +402,11 @@ class WeightSplit:
         # Its hooks live in ``p._backward_hooks``, which the engine reads when it calls them:
         # emptied during the capture, they run once. (Ending the call early instead, by a raise,
         # would skip the call's engine callbacks, which free a checkpoint's recompute.)
-        muted = _muted_parameter_hooks(side)
+        muted: List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]] = []
+        for child, _ in side:  # inline: W runs this per frontier node and micro-batch
+            if type(child) is _ACCUMULATE_GRAD and child.variable._backward_hooks:
+                muted = _muted_parameter_hooks(side)
+                break
 
         def as_in_input(grads: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
             return kept
