@@ -77,6 +77,27 @@ def test_every_action_is_drawn_once_whatever_the_costs(name: str) -> None:
             assert [c for c in row if c not in (".", "~")] == [str(a) for a in acts], (table, costs)
 
 
+@pytest.mark.parametrize("nudge", [1e-7, 3e-8, -3e-8])
+def test_costs_just_off_whole_ratios_keep_every_action_in_its_slot(nudge: float) -> None:
+    """Review (helper-141): the slot grid took times within 1e-6 of a slot, but cells were
+    placed to 1e-9: an action just past a boundary went one column late, and one past the
+    last column was not drawn at all ("0B0" missing, "0B1" two slots wide)."""
+    assert build("gpipe", 1, 2).table({"F": 1, "B": 1 + nudge}).splitlines() == [
+        "slot 0   1   2   3",
+        "w0   0F0 0F1 0B1 0B0",
+    ]
+    plan = build("1f1b", 2, 8)
+    table = plan.table({"F": 1, "B": 2 + nudge})
+    assert table == plan.table({"F": 1, "B": 2})
+    for row, acts in zip(_cells(table), plan.worker_actions):
+        assert [c for c in row if c not in (".", "~")] == [str(a) for a in acts]
+
+
+def test_time_headers_tell_close_start_times_apart() -> None:
+    header = build("1f1b", 2, 2).table({"F": 1000, "B": 0.5}).splitlines()[0].split()
+    assert header == ["time", "0", "1000", "2000", "2000.5", "2001", "3000.5", "3001"]  # was 2000 twice
+
+
 def test_actions_without_duration_are_listed_under_the_grid() -> None:
     assert build("gpipe", 2, 2).table({"F": 1, "B": 0}).splitlines() == [
         "slot 0   1   2",

@@ -80,6 +80,15 @@ def _column_at(starts: list[float], t: float, tolerance: float) -> int:
     return bisect.bisect_left(starts, t - tolerance)
 
 
+def _time_labels(starts: list[float]) -> list[str]:
+    """Each column's start time, with as few digits as keep distinct times apart (4 at least)."""
+    for digits in range(4, 18):
+        labels = [f"{t:.{digits}g}" for t in starts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [repr(t) for t in starts]
+
+
 def table(plan: "Plan", costs: Costs = None, *, comm: float = 0.0) -> str:
     """One row per worker, one column per time slot; idle slots are ``.``.
 
@@ -98,10 +107,13 @@ def table(plan: "Plan", costs: Costs = None, *, comm: float = 0.0) -> str:
         if end - start <= tolerance:
             instant[w].append(str(act))
             continue
-        first, last = _column_at(starts, start, tolerance), _column_at(starts, end, tolerance)
+        if slot is not None:  # on the grid _equal_slot checked, to its tolerance
+            first, last = (min(len(starts), round(t / slot)) for t in (start, end))
+        else:
+            first, last = _column_at(starts, start, tolerance), _column_at(starts, end, tolerance)
         for k in range(first, last):
             grid[w][k] = str(act) if k == first else CONTINUED
-    header = [str(k) for k in range(len(starts))] if slot is not None else [f"{t:.4g}" for t in starts]
+    header = [str(k) for k in range(len(starts))] if slot is not None else _time_labels(starts)
     width = max([len(str(a)) for a in plan.actions()] + [len(h) for h in header])
     corner = "slot" if slot is not None else "time"
     label = max(len(f"w{plan.num_workers - 1}"), len(corner))
