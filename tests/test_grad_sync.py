@@ -171,6 +171,16 @@ def buffers_worker(rank: int, init_file: str) -> None:
             x, y = rank_batch(0)  # the same batch on every rank
             pipe.step(x, y, nn.MSELoss())
             assert same_on_every_rank([norm.running_mean]) is broadcast, broadcast
+            # The forward path too (review, helper-140): all_reduce() takes the first rank's
+            # buffers, as DDP's next forward would; they drifted apart before.
+            with torch.no_grad():
+                norm.running_mean.fill_(float(rank))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "gradients are this rank's own" until all_reduce
+                nn.functional.mse_loss(pipe(x), y).backward()
+            sync = pipe._gradient_sync
+            sync.all_reduce()
+            assert same_on_every_rank([norm.running_mean]) is broadcast, broadcast
     finally:
         dist.destroy_process_group()
 
@@ -337,8 +347,62 @@ def test_refusals_in_one_process(tmp_path) -> None:
         nn.functional.mse_loss(plain(x), y).backward()
         for got, want in zip(pipe.parameters(), plain.parameters()):
             torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-14)
+        # Review (helper-140): over the default group, a rebuilt one kept the old world size as
+        # the divisor (2 ranks shrunk to 1 halved every gradient).
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init2'}", rank=0, world_size=1)
+        pipe.zero_grad(set_to_none=True)
+        for call in (lambda: pipe.step(x, y, nn.MSELoss()), sync.all_reduce):
+            with pytest.raises(RuntimeError, match=r"default process group changed since this GradientSync was "
+                                                   r"built over it \(then of 1 ranks, now of 1 ranks\): call "
+                                                   r"sync.detach\(\)"):
+                call()
+            assert all(p.grad is None for p in pipe.parameters())
+        sync.detach()
+        GradientSync(pipe)
+        pipe.step(x, y, nn.MSELoss())
+        for got, want in zip(pipe.parameters(), plain.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-14)
     finally:
         dist.destroy_process_group()
+
+
+def refusing_worker(rank: int, init_file: str, result_file: str) -> None:
+    start(rank, init_file, timeout_s=20)
+    outcomes = []
+    try:
+        for case in ("attached", "broadcast_buffers"):
+            pipe = Pipe(make_model(seed=0), balance=[3, 3], devices=["cpu"] * 2)
+            if case == "attached" and rank == 1:
+                pipe._gradient_sync = object()  # as if this rank had attached one already
+            broadcast = case != "broadcast_buffers" or rank == 0
+            began = time.monotonic()
+            try:
+                GradientSync(pipe, broadcast_buffers=broadcast)
+                outcomes.append((case, "no error"))
+            except (RuntimeError, ValueError) as exc:
+                outcomes.append((case, f"{type(exc).__name__}: {str(exc)[:110]}", time.monotonic() - began < 10))
+        with open(f"{result_file}.{rank}", "w") as out:
+            out.write(repr(outcomes))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_refusal_on_one_rank_reaches_the_others_instead_of_their_timeout(tmp_path) -> None:
+    """Review (helper-140): a rank whose Pipe already had a sync raised before the layout
+    exchange, and the others waited in it until the group's timeout; ranks that disagreed on
+    broadcast_buffers built their syncs, then the first step waited out the timeout."""
+    result_file = str(tmp_path / "result")
+    spawn_ranks(refusing_worker, str(tmp_path / "init"), result_file, nprocs=WORLD)
+    zero, one = (eval(open(f"{result_file}.{rank}").read()) for rank in range(WORLD))
+    assert zero[0][0] == "attached" and zero[0][2], zero
+    assert zero[0][1].startswith("RuntimeError: rank 1 of the group refused its GradientSync (this Pipe already has "
+                                 "a GradientSync"), zero
+    assert one[0][0] == "attached" and one[0][2], one
+    assert one[0][1].startswith("RuntimeError: this Pipe already has a GradientSync; build one per Pipe"), one
+    for rank, outcome in enumerate((zero[1], one[1])):
+        assert outcome[0] == "broadcast_buffers" and outcome[2], outcome
+        assert outcome[1].startswith(f"ValueError: rank {1 - rank} of the group has broadcast_buffers="), outcome
 
 
 class WithSpare(nn.Module):

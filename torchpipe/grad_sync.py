@@ -237,6 +237,22 @@ class _Round:
             write_back_grads(flat, parameters)
 
 
+def _refusal(pipe: Any) -> Optional[Exception]:
+    """Why this rank cannot attach a sync to ``pipe`` (None if it can): told to every rank."""
+    others = [str(d) for d in pipe.devices if d.type != "cpu"]
+    if others:
+        return ValueError(f"GradientSync runs on CPU partitions only (gloo), got devices {others}; for "
+                          "accelerators, train through DistributedDataParallel(pipe) and pipe(x)")
+    if getattr(pipe, "_gradient_sync", None) is not None:
+        return RuntimeError("this Pipe already has a GradientSync; build one per Pipe (detach() the old one first "
+                            "to replace it)")
+    sparse = [name for name, p in pipe.named_parameters() if p.grad is not None and p.grad.is_sparse]
+    sparse += [name for name, m in pipe.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        return ValueError(f"GradientSync averages dense gradients; {sparse} make sparse ones")
+    return None
+
+
 class GradientSync:
     """Averages a :class:`~torchpipe.Pipe`'s gradients over ``process_group`` in every ``step``.
 
@@ -268,13 +284,6 @@ class GradientSync:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("GradientSync needs torch.distributed: call torch.distributed.init_process_group "
                                "on every rank first")
-        others = [str(d) for d in pipe.devices if d.type != "cpu"]
-        if others:
-            raise ValueError(f"GradientSync runs on CPU partitions only (gloo), got devices {others}; for "
-                             "accelerators, train through DistributedDataParallel(pipe) and pipe(x)")
-        if getattr(pipe, "_gradient_sync", None) is not None:
-            raise RuntimeError("this Pipe already has a GradientSync; build one per Pipe (detach() the old one first "
-                               "to replace it)")
         outside = process_group is dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives a non-member
         if outside:
             raise ValueError("this rank is not a member of process_group: build the GradientSync on the group's "
@@ -285,15 +294,13 @@ class GradientSync:
         if dist.get_rank(process_group) < 0:
             raise ValueError("this rank is not a member of process_group: build the GradientSync on the group's "
                              "ranks only")
-        sparse = [name for name, p in pipe.named_parameters() if p.grad is not None and p.grad.is_sparse]
-        sparse += [name for name, m in pipe.named_modules() if getattr(m, "sparse", False) is True]
-        if sparse:
-            raise ValueError(f"GradientSync averages dense gradients; {sparse} make sparse ones")
         self.process_group = process_group
+        # With the default group: the one this sync counted and checked (see _refuse_a_new_default_group).
+        self._default_group = dist.group.WORLD if process_group is None else None
         self.world_size = dist.get_world_size(process_group)
         self.broadcast_buffers = broadcast_buffers
         self._pipe = weakref.ref(pipe)
-        self._check_same_layout(dist)
+        self._check_same_layout(dist, _refusal(pipe))
         self._broadcast([p.data for p in pipe.parameters()] + list(pipe.buffers()))
         self._disabled = 0
         self._disabled_lock = threading.Lock()
@@ -317,20 +324,43 @@ class GradientSync:
         pipe = self._pipe()
         return [] if pipe is None else list(pipe.buffers())
 
-    def _check_same_layout(self, dist: Any) -> None:
+    def _check_same_layout(self, dist: Any, refusal: Optional[Exception]) -> None:
         """Every rank's partitions hold parameters of the same shapes, dtypes and trainability,
-        and the same buffers: a broadcast or an all-reduce of different layouts would mix
-        values up without an error."""
+        and the same buffers, and every rank broadcasts buffers or none does: a broadcast or an
+        all-reduce of different layouts would mix values up without an error, and mismatched
+        broadcasts would wait for the group's timeout. ``refusal``: why this rank refuses its
+        sync (`_refusal`), told to the others in the same exchange so that none waits for it."""
         layout = ([[(tuple(p.shape), str(p.dtype), p.requires_grad) for p in partition.parameters()]
                    for partition in self._partitions()],
                   [(tuple(b.shape), str(b.dtype)) for b in self._buffers()])
+        mine = (layout, self.broadcast_buffers, None if refusal is None else str(refusal))
         everyone: List[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, layout, group=self.process_group)
-        for rank, theirs in enumerate(everyone):
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        if refusal is not None:
+            raise refusal
+        for rank, (theirs, broadcasts, refused) in enumerate(everyone):
+            if refused is not None:
+                raise RuntimeError(f"rank {rank} of the group refused its GradientSync ({refused}), so this "
+                                   "rank's is refused too")
             if theirs != layout:
                 raise ValueError(f"rank {rank} of the group has partitions with parameters (shape, dtype, "
                                  f"requires_grad) {theirs[0]} and buffers {theirs[1]}, this rank {layout[0]} and "
                                  f"{layout[1]}: every rank must build the same Pipe (model, dtype and balance)")
+            if broadcasts != self.broadcast_buffers:
+                raise ValueError(f"rank {rank} of the group has broadcast_buffers={broadcasts}, this rank "
+                                 f"{self.broadcast_buffers}: every rank must give the same")
+
+    def refuse_a_new_default_group(self) -> None:
+        """RuntimeError if this sync runs over the default group and it was rebuilt since: its
+        world size (the average's divisor), the ranks whose layout it checked and its call count
+        are the old group's. Before a step or an ``all_reduce`` changes anything."""
+        import torch.distributed as dist
+
+        if self.process_group is None and (not dist.is_initialized() or dist.group.WORLD is not self._default_group):
+            now = f"of {dist.get_world_size()} ranks" if dist.is_initialized() else "none: it was destroyed"
+            raise RuntimeError(f"the default process group changed since this GradientSync was built over it (then of "
+                               f"{self.world_size} ranks, now {now}): call sync.detach() and build a new "
+                               "GradientSync on every rank of the new group")
 
     def _broadcast(self, tensors: Sequence[Tensor]) -> None:
         """The first rank's values of ``tensors`` on every rank (`take_first_ranks_values`)."""
@@ -387,6 +417,7 @@ class GradientSync:
 
     def ticket(self) -> "CallTicket":
         """A ``Pipe.step`` call's place in the count, taken when the call runs (see `CallTicket`)."""
+        self.refuse_a_new_default_group()
         return CallTicket(self)
 
     def round(self, call: int) -> Optional[_Round]:
@@ -394,8 +425,13 @@ class GradientSync:
         return None if self._disabled else _Round(self, call)
 
     def all_reduce(self) -> None:
-        """Average every parameter's ``.grad`` over the group now (after ``pipe(x)`` and ``backward``)."""
+        """Average every parameter's ``.grad`` over the group now (after ``pipe(x)`` and ``backward``);
+        then, with ``broadcast_buffers``, every rank takes the first rank's buffers, as DDP's
+        next forward would (its own step does that before it)."""
+        self.refuse_a_new_default_group()
         _Round(self, self.count_call()).finish()
+        if self.broadcast_buffers:
+            self.broadcast_buffers_now()
 
 
 class CallTicket:
