@@ -1143,6 +1143,73 @@ def test_muting_a_parameter_hook_in_w_keeps_the_release_of_the_recompute(hooked)
     assert calls["hook"] == 2  # once per micro-batch
 
 
+class _RegistersItsHookPerForward(nn.Module):
+    """Swaps its bias hook on every forward: a checkpoint's recompute inside W does it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.handle = nn.Linear(6, 6), None
+
+    def forward(self, x):
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.linear.bias.register_hook(lambda grad: grad * 2)
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_a_hook_removed_while_w_mutes_it_stays_removed(schedule):
+    """Review (helper-142): W emptied the hook dict during its capture and put the old items
+    back, so a hook the recompute removed meanwhile came back: one more per step, each
+    doubling the bias gradient again."""
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _RegistersItsHookPerForward(), nn.Linear(6, 6)).double()
+
+    reference = build()
+    for _ in range(3):
+        nn.MSELoss()(reference(x), y).backward()
+    model = build()
+    with Pipe(model, [2, 2] if schedule == "zb-h1" else [1, 1, 1, 1], chunks=1, checkpoint="always") as pipe:
+        for _ in range(3):
+            pipe.step(x, y, nn.MSELoss(), schedule=schedule)
+    assert len(model[2].linear.bias._backward_hooks) == 1
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_hooked_leaf_that_several_stages_use_gets_its_gradient_once_per_use():
+    """Review (helper-142): one stage's W muted the hooks of a leaf the other stages use too,
+    while their workers accumulated into it: hook calls skipped or doubled, the gradient
+    wrong and different from step to step."""
+    shared = torch.zeros(8, dtype=torch.float64, requires_grad=True)
+    shared.register_hook(lambda grad: grad * 2)
+
+    class AddShared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.linear(x) + shared)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[AddShared() for _ in range(4)]).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
+    nn.MSELoss()(reference(x), y).backward()
+    expected = shared.grad.clone()
+    with Pipe(model, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=8) as pipe:
+        for _ in range(5):
+            shared.grad = None
+            pipe.step(x, y, nn.MSELoss(), schedule="zb-h1")
+            torch.testing.assert_close(shared.grad, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad * 5, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("anomaly", [False, True])
 def test_a_parameter_hook_that_replaces_its_gradient_applies_once_under_zero_bubble(anomaly):
     """W accumulates a parameter's gradient once, with the hook applied once, under anomaly

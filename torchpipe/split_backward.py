@@ -46,14 +46,16 @@ hooks would change before ``W`` starts them): each hook's change counts once (se
 
 A parameter whose ``AccumulateGrad`` node is a branch's first node (a bias, a conv weight)
 would have its tensor hooks (``p.register_hook``) called where the engine captures that
-branch's gradient and again when ``W`` accumulates it; they are muted during the capture
-(`_muted_parameter_hooks`), so they run once. Accumulating without the engine would skip
+branch's gradient and again when ``W`` accumulates it; for the stage's own parameters they are
+muted during the capture (`_muted_parameter_hooks`), so they run once. A leaf that is no
+parameter of the stage (a tensor several stages use) may be accumulated by another worker
+meanwhile: its hooks are not muted, and run twice. Accumulating without the engine would skip
 the node's own hooks, on which gradient reduction and optimizer-in-backward code rely.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -188,31 +190,40 @@ def _summed(sent: Tuple[Optional[Tensor], ...], outputs: List[int]) -> Optional[
     return total
 
 
-def _muted_parameter_hooks(side: List[Edge]) -> List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]]:
-    """Empty the tensor-hook dicts of the parameters whose accumulators start a branch in
-    ``side``; returns each dict with what it held, for `_restore_hooks`."""
+def _stand_in_hook(grad: Tensor) -> None:
+    """Takes a muted hook's place during ``W``'s capture (see `_muted_parameter_hooks`)."""
+
+
+def _muted_parameter_hooks(side: List[Edge], owned: FrozenSet[int]) -> List[Tuple[Dict[Any, Any], Any, Any]]:
+    """Replace the tensor hooks of the stage's own parameters whose accumulators start a branch
+    in ``side`` by `_stand_in_hook`, under the same keys; returns (dict, key, hook) for
+    `_restore_hooks`. Only parameters of this stage (``owned``): no other worker reads their
+    hooks meanwhile, where a leaf several stages use may be accumulated by another one now."""
     muted = []
     for child, _ in side:
-        if type(child) is _ACCUMULATE_GRAD:
+        if type(child) is _ACCUMULATE_GRAD and id(child.variable) in owned:
             hooks = child.variable._backward_hooks
             if hooks:
-                muted.append((hooks, list(hooks.items())))
-                hooks.clear()
+                for key, hook in list(hooks.items()):
+                    muted.append((hooks, key, hook))
+                    hooks[key] = _stand_in_hook
     return muted
 
 
-def _restore_hooks(hooks: Dict[Any, Any], items: List[Tuple[Any, Any]]) -> None:
-    """Put ``items`` back first in ``hooks``, in their order, before any hook added meanwhile."""
-    added = list(hooks.items())
-    hooks.clear()
-    hooks.update(items)
-    hooks.update(added)
+def _restore_hooks(muted: List[Tuple[Dict[Any, Any], Any, Any]]) -> None:
+    """Put each muted hook back where its stand-in still is (not one removed meanwhile)."""
+    for hooks, key, hook in muted:
+        if hooks.get(key) is _stand_in_hook:
+            hooks[key] = hook
 
 
 class WeightSplit:
     """The plan of one stage's split backward for one micro-batch; see the module docstring."""
 
-    def __init__(self, outputs: Sequence[Tensor], leaves: Sequence[Tensor], *, checkpointed: bool = False) -> None:
+    def __init__(self, outputs: Sequence[Tensor], leaves: Sequence[Tensor], *, checkpointed: bool = False,
+                 owned: FrozenSet[int] = frozenset()) -> None:
+        """``owned``: ids of the stage's own parameters, which no other stage uses (see `_muted_parameter_hooks`)."""
+        self.owned = owned
         leaf_ids = {id(t) for t in leaves}
         self.leaf_ids = leaf_ids
         reach = _reach([o.grad_fn for o in outputs if o.grad_fn is not None], leaf_ids)
@@ -399,14 +410,9 @@ class WeightSplit:
         # The engine captures each branch's gradient where the branch starts, and calls the
         # tensor hooks there first: a parameter's own (``p.register_hook``: a bias's, whose
         # accumulator starts its branch) would run here and again when W starts the branch.
-        # Its hooks live in ``p._backward_hooks``, which the engine reads when it calls them:
-        # emptied during the capture, they run once. (Ending the call early instead, by a raise,
-        # would skip the call's engine callbacks, which free a checkpoint's recompute.)
-        muted: List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]] = []
-        for child, _ in side:  # inline: W runs this per frontier node and micro-batch
-            if type(child) is _ACCUMULATE_GRAD and child.variable._backward_hooks:
-                muted = _muted_parameter_hooks(side)
-                break
+        # The engine reads them from ``p._backward_hooks`` when it calls them: stand-ins there
+        # during the capture, they run once. (Ending the call early instead, by a raise, would
+        # skip the call's engine callbacks, which free a checkpoint's recompute.)
 
         def as_in_input(grads: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
             return kept
@@ -414,15 +420,20 @@ class WeightSplit:
         def record(grad_inputs: Tuple[Optional[Tensor], ...], grad_outputs: Tuple[Any, ...]) -> None:
             ran.append(grad_inputs)
 
-        handles = [node.register_prehook(as_in_input), node.register_hook(record)]
+        muted: List[Tuple[Dict[Any, Any], Any, Any]] = []
+        handles = []
         try:
+            for child, _ in side:  # inline: W runs this per frontier node and micro-batch
+                if type(child) is _ACCUMULATE_GRAD and child.variable._backward_hooks:
+                    muted = _muted_parameter_hooks(side, self.owned)
+                    break
+            handles = [node.register_prehook(as_in_input), node.register_hook(record)]
             engine.grad([GradientEdge(node, i) for i in fed_at], [GradientEdge(child, slot) for child, slot in side],
                         fed, retain_graph=True)
         finally:
             for handle in handles:
                 handle.remove()
-            for hooks, items in muted:
-                _restore_hooks(hooks, items)
+            _restore_hooks(muted)
         sent = ran[0]
         return tuple(_summed(sent, feeding) for feeding in outputs)
 

@@ -495,6 +495,8 @@ def _backward(stage: StageRunner, microbatch: int, first: bool, last: bool,
 def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) -> Callable[[StepContext, Tuple[Any, ...]], _Handoff]:
     """Gradients for the stage inputs (and popped skips) only; the graph is kept for ``W``."""
 
+    owned = frozenset(id(p) for p in stage.partition.parameters())  # no other stage has them (verify_unshared)
+
     @outside_autocast
     def run(ctx: StepContext, inputs: Tuple[Any, ...]) -> _Handoff:
         saved: _Saved = inputs[0].saved
@@ -506,7 +508,7 @@ def _input_grad(stage: StageRunner, microbatch: int, first: bool, last: bool) ->
             all_grads: List[Optional[Tensor]] = [None] * len(wanted)
         else:
             # A checkpointed micro-batch recomputes its forward once per backward call W makes.
-            saved.split = WeightSplit(outputs, wanted, checkpointed=microbatch < ctx.checkpoint_stop)
+            saved.split = WeightSplit(outputs, wanted, checkpointed=microbatch < ctx.checkpoint_stop, owned=owned)
             try:
                 all_grads = saved.split.input_grads(outputs, grad_outputs, wanted)
             except AttributeError as exc:
