@@ -149,6 +149,8 @@ def test_blockpartition_errors() -> None:
         blockpartition([torch.tensor(1.0), torch.tensor(-1.0)], 1)
     with pytest.raises(TypeError, match="cost 0 is not a real number"):
         blockpartition([torch.tensor([1.0, 2.0])], 1)  # one element per layer
+    with pytest.raises(TypeError, match="cost 1 is a meta tensor, which holds no value"):
+        blockpartition([1.0, torch.tensor(1.0, device="meta")], 1)
     assert blockpartition.solve(torch.tensor([2, 1, 1]), 2) == [[2], [1, 1]]
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from torchpipe import Pipe
 from torchpipe import BalanceError
 from torchpipe.balance import balance_by_time
+from torchpipe.retired import Pipe as RetiredPipe
 
 
 def model(layers=4):
@@ -245,8 +246,22 @@ def _with_own_buffer():
     return module
 
 
+class _CallsTwice(nn.Sequential):
+    def __call__(self, x):
+        return super().__call__(super().__call__(x))
+
+
+def _with_forward_on_the_instance():
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    module.forward = lambda x: 2 * nn.Sequential.forward(module, x)
+    return module
+
+
 @pytest.mark.parametrize("build, error, words", [
     (lambda: _Residual(nn.Linear(4, 4), nn.ReLU()), TypeError, "_Residual overrides nn.Sequential's forward"),
+    (lambda: _CallsTwice(nn.Linear(4, 4), nn.ReLU()), TypeError, r"_CallsTwice overrides nn.Sequential's forward \(or "
+                                                                 r"its call\)"),
+    (_with_forward_on_the_instance, TypeError, "Sequential overrides nn.Sequential's forward"),
     (_with_forward_hook, ValueError, r"module hooks of its own \(forward_hooks\)"),
     (_with_full_backward_hook, ValueError, r"module hooks of its own \(backward_hooks\)"),
     (_with_own_parameter, ValueError, r"parameters or buffers of its own, not under a child \(temperature\)"),
@@ -261,8 +276,31 @@ def test_a_sequential_that_does_more_than_call_its_children_is_refused(build, er
         Pipe(module, [1, 1])
     with pytest.raises(error, match=words):
         balance_by_time(2, module, torch.randn(4, 4))
+    with pytest.raises(error, match=words):
+        RetiredPipe(module)  # it kept the children only, too
     x = torch.randn(3, 4)
     torch.testing.assert_close(Pipe(nn.Sequential(*module), [1, 1])(x), nn.Sequential(*module)(x))  # its children run
+
+
+def test_a_slice_of_a_spreading_pipe_builds_a_spreading_pipe():
+    """Review (helper-142): the slice is a SpreadingSequential, whose forward is what a Pipe
+    with spread_tuples=True runs; it was refused as a Sequential with a forward of its own."""
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, 2 * x
+
+    class Join(nn.Module):
+        def forward(self, a, b):
+            return a + b
+
+    with Pipe(nn.Sequential(Pair(), Join(), nn.Linear(4, 4)), [1, 2], spread_tuples=True) as spreading:
+        part = spreading[:]
+        x = torch.randn(3, 4)
+        with Pipe(part, [2, 1], spread_tuples=True) as again:
+            torch.testing.assert_close(again(x), part(x))
+        with pytest.raises(TypeError, match="SpreadingSequential overrides nn.Sequential's forward"):
+            Pipe(part, [2, 1])  # would pass (a, b) to Join as one argument
 
 
 def test_the_same_layer_twice_is_refused():

@@ -21,11 +21,11 @@ class BalanceError(ValueError):
     """The balance does not describe a split of the module."""
 
 
-def verify_module(module: nn.Module) -> None:
+def verify_module(module: nn.Module, spread_tuples: bool = False) -> None:
     """Reject what a pipeline cannot run: non-Sequential modules, shared children or parameters."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be nn.Sequential to be partitioned, got {type(module).__name__}")
-    verify_only_children_run(module)
+    verify_only_children_run(module, spread_tuples)
     # named_children() drops repeats, so count the Sequential's own slots.
     verify_unshared(list(module._modules.items()))
 
@@ -33,16 +33,20 @@ def verify_module(module: nn.Module) -> None:
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
-def verify_only_children_run(module: nn.Sequential) -> None:
+def verify_only_children_run(module: nn.Sequential, spread_tuples: bool = False) -> None:
     """Reject a Sequential that does more than call its children in order.
 
     A pipeline calls the children, one partition after another, and never the Sequential
     itself: a ``forward`` of its own, its own module hooks, and parameters or buffers not under
     a child would silently drop out of the pipelined model (and out of its ``state_dict``).
+    A `SpreadingSequential` (a slice of a ``spread_tuples`` Pipe) runs as such a Pipe does.
     """
     name = type(module).__name__
-    if type(module).forward is not nn.Sequential.forward:
-        raise TypeError(f"{name} overrides nn.Sequential's forward, which a pipeline never calls: it runs the "
+    runs_as_pipeline = (nn.Sequential.forward, SpreadingSequential.forward) if spread_tuples else (nn.Sequential.forward,)
+    kind = type(module)
+    if (kind.forward not in runs_as_pipeline or "forward" in vars(module) or kind.__call__ is not nn.Module.__call__
+            or kind._call_impl is not nn.Module._call_impl):
+        raise TypeError(f"{name} overrides nn.Sequential's forward (or its call), which a pipeline never calls: it runs the "
                         "children one after another. Move that work into a layer of its own (a child), or pass a "
                         "plain nn.Sequential")
     hooks = [kind.strip("_") for kind in _MODULE_HOOKS if getattr(module, kind, None)]

@@ -413,7 +413,7 @@ class Pipe(nn.Module):
         if not isinstance(spread_tuples, bool):
             raise TypeError(f"spread_tuples must be a bool, got {spread_tuples!r}")
         _check_reproducible(reproducible)
-        verify_module(module)
+        verify_module(module, spread_tuples)
         _check_child_names(module)
         budget = ThreadBudget(intra_op_threads)
         if len(module) == 0:

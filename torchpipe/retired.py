@@ -19,6 +19,7 @@ from torch import nn
 
 from .checkpoint import is_checkpointing, is_recomputing
 from .devices import DeviceLike, as_device
+from .partition import verify_only_children_run
 from .pipe import Pipe as _Pipe
 from .state_keys import retired_pipe_state_dict
 
@@ -65,6 +66,7 @@ def retired_split(module: nn.Sequential) -> Tuple[nn.Sequential, List[int], List
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
+    verify_only_children_run(module, spread_tuples=True)  # only the children go on
     children: "OrderedDict[str, nn.Module]" = OrderedDict()
     balance: List[int] = []
     devices: List[torch.device] = []

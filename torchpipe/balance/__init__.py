@@ -96,7 +96,7 @@ def balance_by_size(partitions: int, module: nn.Sequential, input: Activation, *
 def _check_common(partitions: int, module: nn.Sequential, sample: Activation, batch_dim: BatchDim) -> int:
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be an nn.Sequential, got {type(module).__name__}")
-    verify_only_children_run(module)  # a Pipe would refuse it: no balance to find for it
+    verify_only_children_run(module, spread_tuples=True)  # a Pipe would refuse it: no balance to find for it
     partitions = check_partitions(partitions, len(module))
     batch_dim = check_batch_dim(batch_dim)
     tensors = tensors_of(sample, "the sample")

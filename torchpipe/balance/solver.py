@@ -116,6 +116,8 @@ def _exact_integers(costs: Sequence[float]) -> List[int]:
     fractions: List[Fraction] = []
     for index, cost in enumerate(costs):
         if getattr(cost, "ndim", None) == 0 and hasattr(cost, "item"):  # a 0-dim tensor or array, as torchgpipe takes
+            if getattr(cost, "is_meta", False):
+                raise TypeError(f"cost {index} is a meta tensor, which holds no value: {cost!r}")
             cost = cost.item()
         if isinstance(cost, bool) or not isinstance(cost, Real):
             raise TypeError(f"cost {index} is not a real number: {cost!r}")
