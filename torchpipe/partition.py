@@ -11,8 +11,8 @@ from torch import nn
 
 from .devices import as_device
 
-__all__ = ["verify_module", "verify_only_children_run", "verify_unshared", "verify_balance", "split_module", "infer_placement", "BalanceError",
-           "as_positive_int",
+__all__ = ["verify_module", "verify_only_children_run", "verify_unshared", "verify_balance", "split_module",
+           "infer_placement", "BalanceError", "as_positive_int",
            "SpreadingSequential", "PartitionSequential", "SpreadingPartition", "PartitionList", "layers_fixed_error",
            "fixed_partitions"]
 
@@ -41,15 +41,15 @@ def verify_only_children_run(module: nn.Sequential, spread_tuples: bool = False)
     a child would silently drop out of the pipelined model (and out of its ``state_dict``).
     A `SpreadingSequential` (a slice of a ``spread_tuples`` Pipe) runs as such a Pipe does.
     """
-    name = type(module).__name__
-    runs_as_pipeline = (nn.Sequential.forward, SpreadingSequential.forward) if spread_tuples else (nn.Sequential.forward,)
     kind = type(module)
+    name = kind.__name__
+    runs_as_pipeline = {nn.Sequential.forward, SpreadingSequential.forward} if spread_tuples else {nn.Sequential.forward}
     if (kind.forward not in runs_as_pipeline or "forward" in vars(module) or kind.__call__ is not nn.Module.__call__
             or kind._call_impl is not nn.Module._call_impl):
-        raise TypeError(f"{name} overrides nn.Sequential's forward (or its call), which a pipeline never calls: it runs the "
-                        "children one after another. Move that work into a layer of its own (a child), or pass a "
-                        "plain nn.Sequential")
-    hooks = [kind.strip("_") for kind in _MODULE_HOOKS if getattr(module, kind, None)]
+        raise TypeError(f"{name} overrides nn.Sequential's forward (or its call), which a pipeline never calls: it "
+                        "runs the children one after another. Move that work into a layer of its own (a child), or "
+                        "pass a plain nn.Sequential")
+    hooks = [attribute.strip("_") for attribute in _MODULE_HOOKS if getattr(module, attribute, None)]
     if hooks:
         raise ValueError(f"the {name} has module hooks of its own ({', '.join(hooks)}), which would never run: a "
                          "pipeline calls its children, not the Sequential. Register them on its first or last "
