@@ -282,6 +282,23 @@ def test_a_sequential_that_does_more_than_call_its_children_is_refused(build, er
     torch.testing.assert_close(Pipe(nn.Sequential(*module), [1, 1])(x), nn.Sequential(*module)(x))  # its children run
 
 
+def test_an_empty_slot_in_the_sequential_is_refused():
+    """An entry set to None (``seq._modules['1'] = None``) was skipped by the split: balance
+    [2, 1] then put layers 0 and 2 on the first partition and none on the second, and the Pipe
+    ran a model the plain Sequential cannot run at all (it calls the None)."""
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    module._modules["1"] = None
+    words = r"child '1' is None.*delete that slot, or put nn.Identity\(\) in it"
+    with pytest.raises(TypeError, match=words):
+        Pipe(module, [2, 1])
+    with pytest.raises(TypeError, match=words):
+        balance_by_time(2, module, torch.randn(4, 4))  # an AttributeError of its profiler before
+    with pytest.raises(TypeError, match=words):
+        RetiredPipe(module)
+    with pytest.raises(TypeError, match="not callable"):
+        module(torch.randn(3, 4))  # what the plain model does with it
+
+
 def test_a_slice_of_a_spreading_pipe_builds_a_spreading_pipe():
     """Review (helper-142): the slice is a SpreadingSequential, whose forward is what a Pipe
     with spread_tuples=True runs; it was refused as a Sequential with a forward of its own."""

@@ -34,7 +34,7 @@ _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", 
 
 
 def verify_only_children_run(module: nn.Sequential, spread_tuples: bool = False) -> None:
-    """Reject a Sequential that does more than call its children in order.
+    """Reject a Sequential that does more than call its children in order, or has an empty slot.
 
     A pipeline calls the children, one partition after another, and never the Sequential
     itself: a ``forward`` of its own, its own module hooks, and parameters or buffers not under
@@ -43,6 +43,11 @@ def verify_only_children_run(module: nn.Sequential, spread_tuples: bool = False)
     """
     kind = type(module)
     name = kind.__name__
+    empty = [slot for slot, child in module._modules.items() if child is None]
+    if empty:
+        raise TypeError(f"the {name}'s child {empty[0]!r} is None, which a Sequential cannot call ('NoneType' object "
+                        "is not callable) and a pipeline would silently skip, shifting the balance: delete that "
+                        "slot, or put nn.Identity() in it")
     runs_as_pipeline = {nn.Sequential.forward, SpreadingSequential.forward} if spread_tuples else {nn.Sequential.forward}
     if (kind.forward not in runs_as_pipeline or "forward" in vars(module) or kind.__call__ is not nn.Module.__call__
             or kind._call_impl is not nn.Module._call_impl):
