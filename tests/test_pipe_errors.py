@@ -234,6 +234,18 @@ def _with_full_backward_hook():
     return module
 
 
+def _with_state_dict_hook():
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    module.register_state_dict_post_hook(lambda *args: None)
+    return module
+
+
+def _with_load_state_dict_hook():
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    module.register_load_state_dict_post_hook(lambda *args: None)
+    return module
+
+
 def _with_own_parameter():
     module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     module.temperature = nn.Parameter(torch.ones(1))
@@ -264,6 +276,8 @@ def _with_forward_on_the_instance():
     (_with_forward_on_the_instance, TypeError, "Sequential overrides nn.Sequential's forward"),
     (_with_forward_hook, ValueError, r"module hooks of its own \(forward_hooks\)"),
     (_with_full_backward_hook, ValueError, r"module hooks of its own \(backward_hooks\)"),
+    (_with_state_dict_hook, ValueError, r"state-dict hooks of its own \(state_dict_hooks\).*on the Pipe instead"),
+    (_with_load_state_dict_hook, ValueError, r"state-dict hooks of its own \(load_state_dict_post_hooks\)"),
     (_with_own_parameter, ValueError, r"parameters or buffers of its own, not under a child \(temperature\)"),
     (_with_own_buffer, ValueError, r"parameters or buffers of its own, not under a child \(scale\)"),
 ])

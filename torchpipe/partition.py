@@ -31,14 +31,17 @@ def verify_module(module: nn.Module, spread_tuples: bool = False) -> None:
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_STATE_DICT_HOOKS = ("_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks")
 
 
 def verify_only_children_run(module: nn.Sequential, spread_tuples: bool = False) -> None:
     """Reject a Sequential that does more than call its children in order, or has an empty slot.
 
     A pipeline calls the children, one partition after another, and never the Sequential
-    itself: a ``forward`` of its own, its own module hooks, and parameters or buffers not under
-    a child would silently drop out of the pipelined model (and out of its ``state_dict``).
+    itself: a ``forward`` of its own, its own module or state-dict hooks, and parameters or
+    buffers not under a child would silently drop out of the pipelined model (and out of its
+    ``state_dict``).
     A `SpreadingSequential` (a slice of a ``spread_tuples`` Pipe) runs as such a Pipe does.
     """
     kind = type(module)
@@ -59,6 +62,11 @@ def verify_only_children_run(module: nn.Sequential, spread_tuples: bool = False)
         raise ValueError(f"the {name} has module hooks of its own ({', '.join(hooks)}), which would never run: a "
                          "pipeline calls its children, not the Sequential. Register them on its first or last "
                          "child instead")
+    state_hooks = [attribute.strip("_") for attribute in _STATE_DICT_HOOKS if getattr(module, attribute, None)]
+    if state_hooks:
+        raise ValueError(f"the {name} has state-dict hooks of its own ({', '.join(state_hooks)}), which would never "
+                         "run: a Pipe's state_dict is built from its partitions. Register them on the Pipe instead "
+                         "(its state_dict has the same keys)")
     own = [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
     if own:
         raise ValueError(f"the {name} holds parameters or buffers of its own, not under a child ({', '.join(own)}): "
