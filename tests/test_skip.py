@@ -657,3 +657,59 @@ def test_skippable_layers_of_torchgpipe_or_fairscale_are_refused_across_partitio
         Pipe(model, [1, 2], chunks=2)
     with Pipe(model, [3], chunks=2) as pipe:
         assert torch.equal(pipe(torch.ones(2, 1)), torch.full((2, 1), 3.0))
+
+
+@skippable(stash=["parts"])
+class _StashesAContainer(nn.Module):
+    """Stashes a dict holding a tuple: two tensors on the graph (one shares it with the
+    output), a mask that needs no gradient, and an int."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.side = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        yield stash("parts", {"pair": (self.side(x), h * 2), "mask": (x > 0).float(), "scale": 3})
+        return torch.tanh(h)
+
+
+@skippable(pop=["parts"])
+class _PopsAContainer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        parts = yield pop("parts")
+        (a, b), mask = parts["pair"], parts["mask"]
+        assert not mask.requires_grad and parts["scale"] == 3
+        return self.linear(x) + a * b * mask / parts["scale"]
+
+
+@pytest.mark.parametrize("path,options", [
+    ("forward", {}), ("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("zb-v", {}),
+    ("interleaved-1f1b", {"virtual_stages": 2}),
+])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_a_skip_that_is_a_container_of_tensors_gets_every_gradient(path, options, checkpoint):
+    """Review (helper-144): only a bare tensor was cut into a leaf, so the tensors of a stashed
+    tuple kept the stashing partition's graph: zero-bubble left the layer before the stash with
+    wrong gradients, and a tuple sharing graph with the stage's output made the other schedules
+    backpropagate through it twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _StashesAContainer(), nn.Linear(4, 4), _PopsAContainer())
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with Pipe(model, [1, 1, 1, 1], chunks=2, checkpoint=checkpoint) as pipe:
+        if path == "forward":
+            loss = nn.MSELoss()(pipe(x), y)
+            loss.backward()
+        else:
+            loss = pipe.step(x, y, nn.MSELoss(), schedule=path, **options)
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    for (name, parameter), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, want.grad, msg=name)

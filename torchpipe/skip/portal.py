@@ -12,6 +12,7 @@ a skip stashed and popped within the partition is recomputed like any other acti
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from ..checkpoint import is_checkpointing
 from ..copy import mark_ready, receive
-from ..microbatch import Batch
+from ..microbatch import Batch, map_nested, nested_tensors
 from .tracker import SkipKey, skip_name, use_skip_tracker
 
 __all__ = ["SkipStore", "PipelineSkipTracker", "StageSkips"]
@@ -34,7 +35,7 @@ class SkipStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tensors: Dict[Tuple[SkipKey, int], Tuple[Tensor, Any, int]] = {}
-        self._grads: Dict[Tuple[SkipKey, int], Tuple[Optional[Tensor], Any]] = {}
+        self._grads: Dict[Tuple[Tuple[SkipKey, int], int], Tuple[Optional[Tensor], Any]] = {}
 
     def put(self, key: SkipKey, microbatch: int, tensor: Tensor, event: Any, partition: int) -> Any:
         """Leave ``tensor`` for its pop. A partition that stashes a name again before it is
@@ -55,11 +56,11 @@ class SkipStore:
             except KeyError:
                 raise RuntimeError(f"pop of skip {skip_name(key)} for micro-batch {microbatch} without a stash") from None
 
-    def put_grad(self, key: SkipKey, microbatch: int, grad: Optional[Tensor], event: Any) -> None:
+    def put_grad(self, key: Tuple[SkipKey, int], microbatch: int, grad: Optional[Tensor], event: Any) -> None:
         with self._lock:
             self._grads[(key, microbatch)] = (grad, event)
 
-    def take_grad(self, key: SkipKey, microbatch: int) -> Tuple[Optional[Tensor], Any]:
+    def take_grad(self, key: Tuple[SkipKey, int], microbatch: int) -> Tuple[Optional[Tensor], Any]:
         with self._lock:
             return self._grads.pop((key, microbatch), (None, None))
 
@@ -74,10 +75,22 @@ class SkipStore:
         pointer = tensor.untyped_storage().data_ptr()
         with self._lock:
             for (key, index), (stashed, _, _) in self._tensors.items():
-                if index == microbatch and isinstance(stashed, Tensor) and stashed.numel() and \
-                        stashed.untyped_storage().data_ptr() == pointer:
+                if index == microbatch and any(item.numel() and item.untyped_storage().data_ptr() == pointer
+                                               for item in nested_tensors((stashed,))):
                     return key
         return None
+
+
+def _graph_tensors(value: Any) -> List[Tuple[int, Tensor]]:
+    """(position, tensor) of each tensor in a stashed ``value`` that requires grad: the value
+    itself, or the tensors inside its tuples, lists and dicts, numbered in the order
+    ``map_nested`` visits them (as the pop does)."""
+    return [(position, tensor) for position, tensor in enumerate(nested_tensors((value,))) if tensor.requires_grad]
+
+
+def _versions(value: Any) -> Tuple[int, ...]:
+    """The version counters of the tensors in ``value`` (a skip, or inside its containers)."""
+    return tuple(tensor._version for tensor in nested_tensors((value,)))
 
 
 class StageSkips:
@@ -86,8 +99,9 @@ class StageSkips:
     __slots__ = ("stashed", "popped")
 
     def __init__(self) -> None:
-        self.stashed: List[Tuple[SkipKey, Tensor]] = []
-        self.popped: List[Tuple[SkipKey, Tensor]] = []
+        # Keyed by (skip, position): a skip may hold several tensors in a tuple, list or dict.
+        self.stashed: List[Tuple[Tuple[SkipKey, int], Tensor]] = []
+        self.popped: List[Tuple[Tuple[SkipKey, int], Tensor]] = []
 
 
 class PipelineSkipTracker:
@@ -100,7 +114,7 @@ class PipelineSkipTracker:
         self.stage = stage
         self.record = record  # set under Pipe.step: cut popped tensors into leaves
         self.memo = memo  # set when the partition is checkpointed
-        self.memo_versions: List[int] = []
+        self.memo_versions: List[Tuple[int, ...]] = []
 
     def save(self, key: SkipKey, tensor: Tensor) -> None:
         stage = self.stage
@@ -108,8 +122,10 @@ class PipelineSkipTracker:
         replaced = self.store.put(key, self.microbatch, tensor, event, stage.index)
         if replaced is not None and self.record is not None:  # no gradient will come for it
             self._forget_local_stash(key, replaced)
-        if self.record is not None and isinstance(tensor, Tensor) and tensor.requires_grad:
-            self.record.stashed.append((key, tensor))
+        if self.record is not None:
+            # Each tensor that requires grad, also inside a tuple, list or dict the layer
+            # stashed, gets its gradient back under a key of its own: (name, position).
+            self.record.stashed.extend(((key, position), item) for position, item in _graph_tensors(tensor))
 
     def load(self, key: SkipKey) -> Tensor:
         stage = self.stage
@@ -117,39 +133,53 @@ class PipelineSkipTracker:
         if source == stage.index and self.record is not None:
             self._forget_local_stash(key, tensor)
         if source != stage.index:
-            # As the stash recorded it (save): only a tensor that requires grad gets one back. A
-            # mask or a constant stays what the plain model's pop gives (numpy() works on it).
-            wants_grad = isinstance(tensor, Tensor) and tensor.requires_grad
-            if isinstance(tensor, Tensor) and (event is not None or tensor.device != stage.device):
-                tensor = receive(Batch(tensor), event, stage.device, stage.stream, stage.copy_stream_for).tensor
-            if self.record is not None and wants_grad:
-                tensor = tensor.detach().requires_grad_(True)
-                self.record.popped.append((key, tensor))
+            tensor = self._received(key, tensor, event)
         if self.memo is not None and is_checkpointing():
             # A skip of this partition is recomputed with it: nothing to remember (a marker,
             # since another partition may stash None itself).
             remembered = tensor if source != stage.index else RECOMPUTED_HERE
             self.memo.append(remembered)
-            self.memo_versions.append(remembered._version if isinstance(remembered, Tensor) else 0)
+            self.memo_versions.append(_versions(remembered))
         return tensor
 
-    def _forget_local_stash(self, key: SkipKey, tensor: Any) -> None:
+    def _received(self, key: SkipKey, value: Any, event: Any) -> Any:
+        """A skip from another partition, on this one's device; under ``Pipe.step`` each tensor
+        that requires grad (as the stash recorded it, in ``save``), also inside a container,
+        becomes a leaf whose gradient goes back to the stasher. A mask or a constant stays what
+        the plain model's pop gives (``numpy()`` works on it)."""
+        stage = self.stage
+        positions = itertools.count()
+
+        def arrive(tensor: Tensor) -> Tensor:
+            position = next(positions)
+            wants_grad = tensor.requires_grad
+            if event is not None or tensor.device != stage.device:
+                tensor = receive(Batch(tensor), event, stage.device, stage.stream, stage.copy_stream_for).tensor
+            if self.record is not None and wants_grad:
+                tensor = tensor.detach().requires_grad_(True)
+                self.record.popped.append(((key, position), tensor))
+            return tensor
+
+        return map_nested(value, arrive)
+
+    def _forget_local_stash(self, key: SkipKey, value: Any) -> None:
         """A stash popped in its own partition gets its gradient inside the partition's graph,
         and one stashed over never gets one; no later partition sends one for either. Kept in
         ``record.stashed``, it would take the gradient sent for a later stash of the same name."""
         stashed = self.record.stashed  # type: ignore[union-attr]
-        for index in range(len(stashed) - 1, -1, -1):
-            if stashed[index][0] == key and stashed[index][1] is tensor:
-                del stashed[index]
-                return
+        for position, tensor in _graph_tensors(value):
+            for index in range(len(stashed) - 1, -1, -1):
+                if stashed[index][0] == (key, position) and stashed[index][1] is tensor:
+                    del stashed[index]
+                    break
 
     def check_popped_untouched(self) -> None:
         """RuntimeError if a checkpointed forward changed a popped tensor in place.
 
         Its recompute is served the same tensor, so it would start from the changed values.
         """
-        for index, (tensor, version) in enumerate(zip(self.memo or [], self.memo_versions)):
-            if isinstance(tensor, Tensor) and tensor._version != version:
+        for index, (tensor, versions) in enumerate(zip(self.memo or [], self.memo_versions)):
+            if _versions(tensor) != versions:
                 raise RuntimeError(
                     f"partition {self.stage.index} modified popped skip tensor {index} in place while "
                     "being checkpointed, so its recompute would start from the wrong values; pop it "
