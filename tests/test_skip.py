@@ -713,3 +713,6 @@ def test_a_skip_that_is_a_container_of_tensors_gets_every_gradient(path, options
     torch.testing.assert_close(loss.detach(), expected.detach())
     for (name, parameter), want in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(parameter.grad, want.grad, msg=name)
+    if path == "forward" and checkpoint == "never":  # profiling failed on a container with an AttributeError
+        assert balance_by_time(2, model, x, timeout=0.01) in ([1, 3], [2, 2], [3, 1])
+        assert balance_by_size(2, model, x) in ([1, 3], [2, 2], [3, 1])

@@ -14,7 +14,7 @@ LSTM's ``(out, (h_n, c_n))``) are handled as its own: cut, cloned, moved and cou
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -98,22 +98,22 @@ class ProfilingSkipTracker:
     """
 
     def __init__(self) -> None:
-        self.tensors: Dict[SkipKey, Optional[Tensor]] = {}
-        self.ready: Dict[SkipKey, Optional[Tensor]] = {}
+        self.tensors: Dict[SkipKey, Any] = {}  # a tensor, None, or a container of tensors
+        self.ready: Dict[SkipKey, Any] = {}
         self.stashed: List[Tensor] = []
 
     def prepare(self, layer: nn.Module) -> List[Tensor]:
         """Before a run of ``layer``: make its pops' copies now; returns them."""
         self.stashed = []
         self.ready = {key: self._copy(key) for key in _pops_of(layer) if key in self.tensors}
-        return [t for t in self.ready.values() if t is not None]
+        return list(nested_tensors(tuple(self.ready.values())))
 
     def save(self, key: SkipKey, tensor: Optional[Tensor]) -> None:
         # Detached: the graph would keep this layer's copy alive while the next one is profiled.
-        detached = None if tensor is None else tensor.detach()
+        # A skip may hold its tensors in a tuple, list or dict.
+        detached = map_nested(tensor, Tensor.detach)
         self.tensors[key] = detached
-        if detached is not None:
-            self.stashed.append(detached)
+        self.stashed.extend(nested_tensors((detached,)))
 
     def load(self, key: SkipKey) -> Optional[Tensor]:
         if key in self.ready:
@@ -125,7 +125,7 @@ class ProfilingSkipTracker:
             tensor = self.tensors[key]
         except KeyError:
             raise RuntimeError(f"profiling: pop of skip {skip_name(key)} before any layer stashed it") from None
-        return None if tensor is None else _fresh(tensor)
+        return map_nested(tensor, _fresh)
 
 
 def _pops_of(layer: nn.Module) -> List[SkipKey]:
