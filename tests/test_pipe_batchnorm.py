@@ -206,6 +206,52 @@ def test_a_failed_call_leaves_the_running_statistics_as_they_were(path):
         assert int(norm.num_batches_tracked) == 1 and not torch.equal(norm.running_mean, before[0])
 
 
+class _Mean(nn.Module):
+    """A 0-dim output per micro-batch: the run succeeds, joining the outputs fails."""
+
+    def forward(self, x):
+        return x.mean()
+
+
+def _fails_to_join():
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), _Mean())
+
+
+def _no_loss_graph():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 4))
+    return model.requires_grad_(False)  # a loss with no graph: refused once the plan ran
+
+
+@pytest.mark.parametrize("call", ["forward", "evaluate", "step"])
+def test_a_call_that_fails_after_its_run_leaves_the_running_statistics_as_they_were(call):
+    """Review (helper-144): the commits were undone only for a failure inside the run, so
+    ``pipe(x)`` failing to join its outputs, ``evaluate`` whose loss raised and a ``step``
+    refused once its plan ran kept the statistics of a call that raised."""
+    model = _fails_to_join() if call == "forward" else _no_loss_graph()
+
+    def raising_loss(output, target):
+        raise ValueError("a loss that raises")
+
+    x, y = torch.randn(8, 4) + 5, torch.randn(8, 4)
+    with Pipe(model, [2, 2], chunks=2, deferred_batch_norm=True) as pipe:
+        norm = pipe[1]
+        before = (norm.running_mean.clone(), norm.running_var.clone(), int(norm.num_batches_tracked))
+        if call == "forward":
+            with pytest.raises(TypeError, match="0-dim tensor per micro-batch"):
+                pipe(x)
+        elif call == "evaluate":
+            with pytest.raises(ValueError, match="a loss that raises"):
+                pipe.evaluate(x, y, raising_loss, reduction="mean")
+        else:
+            with pytest.raises(RuntimeError, match="no loss with a graph"):
+                pipe.step(x, y, nn.MSELoss())
+        assert torch.equal(norm.running_mean, before[0]) and torch.equal(norm.running_var, before[1])
+        assert int(norm.num_batches_tracked) == before[2] == 0
+        assert pipe.last_step.error is not None
+        pipe.evaluate(x, y, lambda output, target: output.sum(), reduction="sum")  # the next call commits as usual
+        assert int(norm.num_batches_tracked) == 1 and not torch.equal(norm.running_mean, before[0])
+
+
 def test_statistics_of_a_float16_model_are_rounded_to_the_buffer_once_as_torch_does():
     """Review (s33): the update ran as two in-place float16 ops (two roundings), and the
     statistics drifted up to 8 float16 steps from the plain model's in three steps."""

@@ -327,14 +327,17 @@ def _mark_failed(record: Optional[StepRecord], previous: Optional[StepRecord], e
 
 
 class _failures_marked_in:
-    """Mark ``record`` failed (`_mark_failed`) if the block, a call's work after its run, raises.
+    """Mark ``record`` failed (`_mark_failed`) if the block, a call's work after its run, raises,
+    and put back the running statistics the step committed in ``pipe`` (deferred batch norm),
+    as a failure inside the run does.
 
     (A class, not a generator: entered on every call.)"""
 
-    __slots__ = ("record",)
+    __slots__ = ("record", "pipe")
 
-    def __init__(self, record: Optional[StepRecord]) -> None:
+    def __init__(self, record: Optional[StepRecord], pipe: Optional["Pipe"] = None) -> None:
         self.record = record
+        self.pipe = pipe
 
     def __enter__(self) -> None:
         return None
@@ -342,6 +345,8 @@ class _failures_marked_in:
     def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> bool:
         if error is not None:
             _mark_failed(self.record, None, error)
+            if self.pipe is not None and self.pipe._deferred_batch_norm:
+                undo_commits(self.pipe)
         return False  # the error goes on up
 
 
@@ -820,7 +825,7 @@ class Pipe(nn.Module):
         outputs, record = self._forward_batches(batches)
         if len(outputs) == 1:  # nothing to join
             return outputs[0].value
-        with _failures_marked_in(record), leave_autocast(self._device_types):  # the join is no part of the forward
+        with _failures_marked_in(record, self), leave_autocast(self._device_types):  # the join is no part of the forward
             return gather(outputs, output_dim, sizes)
 
     def _followed_samples(self, batches: List[Batch]) -> Optional[List[int]]:
@@ -841,7 +846,7 @@ class Pipe(nn.Module):
         context = ForwardContext(batches, self._input_events(batches), stop)
         plan, program = self._forward_program(m)
         outputs = self._run(plan, program, context)  # in micro-batch order (lower_forward)
-        with _failures_marked_in(context.record):
+        with _failures_marked_in(context.record, self):
             return self._hand_back(outputs), context.record
 
     def evaluate(
@@ -882,7 +887,7 @@ class Pipe(nn.Module):
             scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim, loss_kwargs)
             sizes = self._followed_samples(batches)
             outputs, record = self._forward_batches(batches)
-        with _failures_marked_in(record):  # its plan ran: a failure now fails the step
+        with _failures_marked_in(record, self):  # its plan ran: a failure now fails the step
             each = self._evaluated_losses(outputs, targets, _loss_call(loss_fn, loss_kwargs))
             with leave_autocast(self._device_types):  # as after the recipe's autocast block
                 total = _weighted_total(each, scales)
@@ -1020,7 +1025,7 @@ class Pipe(nn.Module):
                               sync_ticket=ticket, stage_to_worker=plan.stage_to_worker)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
         # The recipe's backward and totals come after its autocast block.
-        with _failures_marked_in(context.record), leave_autocast(self._device_types):
+        with _failures_marked_in(context.record, self), leave_autocast(self._device_types):
             return self._finish_step(context, upstream, scales, output_dim, losses, return_outputs)
 
     def _finish_step(self, context: StepContext, upstream: Upstream, scales: List[float], output_dim: BatchDim,
