@@ -301,3 +301,49 @@ def test_a_converted_batch_norm_is_still_an_instance_of_its_kind(kind, shape):
     for converter in (DeferredBatchNorm1d, DeferredBatchNorm3d):
         again = converter.convert_deferred_batch_norm(nn.Sequential(kind(3)))[0]
         assert isinstance(again, kind) and type(again) is type(norm)
+
+
+def test_the_converted_layer_keeps_the_batch_norms_hooks_and_their_handles():
+    """Review (helper-144): conversion built a new layer and moved only parameters and buffers,
+    so a forward hook (activation logging) on a batch norm stopped being called."""
+    calls: List[str] = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    forward = model[1].register_forward_hook(lambda module, args, output: calls.append("forward"))
+    model[1].register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    model[1].register_full_backward_hook(lambda module, grad_input, grad_output: calls.append("backward"))
+    model[1].register_state_dict_post_hook(lambda module, state, prefix, local: calls.append("state_dict"))
+    converted = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=2)
+    assert isinstance(converted[1], DeferredBatchNorm)
+    converted(torch.randn(4, 4)).sum().backward()
+    converted.state_dict()
+    assert calls == ["pre", "forward", "backward", "state_dict"]
+    forward.remove()  # the user's handle still reaches the hook
+    calls.clear()
+    converted(torch.randn(4, 4))
+    assert calls == ["pre"]
+
+
+class _HalvedBatchNorm(nn.BatchNorm1d):
+    def forward(self, input):
+        return super().forward(input) * 0.5
+
+
+def _weight_normed_batch_norm():
+    with pytest.warns(FutureWarning):  # torch.nn.utils.weight_norm is deprecated, and still used
+        return torch.nn.utils.weight_norm(nn.BatchNorm1d(4), dim=None)
+
+
+@pytest.mark.parametrize("norm, words", [
+    (lambda: _HalvedBatchNorm(4), "_HalvedBatchNorm has a forward of its own"),
+    (lambda: nn.SyncBatchNorm(4), "SyncBatchNorm has a forward of its own.*span the processes"),
+    (_weight_normed_batch_norm, "its weight is computed from other parameters"),
+])
+def test_a_batch_norm_whose_forward_or_weight_conversion_would_drop_is_refused(norm, words):
+    """Review (helper-144): a subclass's own forward was replaced by the deferred one (other
+    outputs than the plain model's), and a weight_norm'd batch norm failed in torch's setattr
+    naming no layer."""
+    model = nn.Sequential(nn.Linear(4, 4), norm())
+    kind = type(model[1])
+    with pytest.raises(ValueError, match=f"cannot convert the {kind.__name__} '1': {words}"):
+        DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=2)
+    assert type(model[1]) is kind  # refused before anything was replaced

@@ -274,3 +274,45 @@ def test_statistics_of_a_float16_model_are_rounded_to_the_buffer_once_as_torch_d
             worst = max(worst, float(((got - want).abs() / step).max()))
         assert torch.equal(model[1].num_batches_tracked, reference[1].num_batches_tracked)
     assert worst <= 1.0, worst
+
+
+@pytest.mark.parametrize("path", ["forward", "step"])
+@pytest.mark.parametrize("outer_checkpoint", ["never", "always"])
+def test_a_deferred_norm_in_a_nested_pipe_commits_once_when_the_outer_pipe_recomputes(path, outer_checkpoint):
+    """Review (helper-144): the outer stage's recompute runs the inner Pipe again, whose workers
+    cannot see the recompute, so its deferred norms committed a second time (2 batches tracked
+    for one step); a plain norm there was already frozen by the outer recompute."""
+    torch.manual_seed(0)
+    inner_model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    reference = copy.deepcopy(inner_model[1])
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with Pipe(inner_model, [1, 2], chunks=2, deferred_batch_norm=True) as inner, \
+            Pipe(nn.Sequential(nn.Linear(4, 4), inner, nn.Linear(4, 4)), [2, 1], chunks=1,
+                 checkpoint=outer_checkpoint) as outer:
+        hidden = outer[0](x).detach()
+        if path == "step":
+            outer.step(x, y, nn.MSELoss())
+        else:
+            nn.MSELoss()(outer(x), y).backward()
+        reference(inner_model[0](hidden))  # the plain model's one update, on the whole batch
+        norm = inner_model[1]
+        assert int(norm.num_batches_tracked) == 1
+        torch.testing.assert_close(norm.running_mean, reference.running_mean)
+        torch.testing.assert_close(norm.running_var, reference.running_var)
+
+
+@pytest.mark.parametrize("inner_deferred", [False, True])
+def test_deferring_over_a_nested_pipe_that_holds_norms_is_refused(inner_deferred):
+    """Review (helper-144): the inner Pipe commits once per call, i.e. per outer micro-batch (2
+    updates where the plain model makes 1); with a plain norm inside, the conversion failed
+    with "layer '1' cannot be replaced", which the user never tried."""
+    inner_model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    with Pipe(inner_model, [1, 2], chunks=2, deferred_batch_norm=inner_deferred) as inner:
+        outer_model = nn.Sequential(nn.Linear(4, 4), inner, nn.Linear(4, 4), nn.BatchNorm1d(4))
+        with pytest.raises(ValueError, match=r"cannot defer the batch norms of the Pipe nested at '1' \(its layer "
+                                             r"'1'\).*this one without"):
+            Pipe(outer_model, [2, 2], chunks=2, deferred_batch_norm=True)
+        assert type(outer_model[3]) is nn.BatchNorm1d  # refused before anything was converted
+        with Pipe(outer_model, [2, 2], chunks=2) as outer:  # without deferral: per outer micro-batch
+            outer(torch.randn(8, 4))
+        assert int(inner_model[1].num_batches_tracked) == (2 if inner_deferred else 4)

@@ -268,6 +268,9 @@ class DeferredBatchNorm(_BatchNorm):
         deferred.num_batches_tracked = source.num_batches_tracked
         deferred.input_dims = _INPUT_DIMS[kind] if kind is not None else None
         deferred.train(source.training)
+        # The very hook dicts, not copies: the user's handles (``handle.remove()``) still work.
+        for hooks in _CARRIED_HOOKS:
+            setattr(deferred, hooks, getattr(source, hooks))
         return deferred
 
 
@@ -302,6 +305,13 @@ def converts(module: nn.Module) -> bool:
             and module.track_running_stats and module.running_mean is not None)
 
 
+# A batch norm's hooks, which its deferred replacement takes over (with the flags that go with them).
+_CARRIED_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+                  "_backward_hooks", "_is_full_backward_hook", "_state_dict_pre_hooks", "_state_dict_hooks",
+                  "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
 def unconvertible_norm(module: nn.Module) -> Optional[Tuple[str, _BatchNorm, str]]:
     """A batch norm in ``module`` that conversion would replace but cannot, with its qualified
     name and why; or None. Checked before anything is replaced."""
@@ -310,10 +320,22 @@ def unconvertible_norm(module: nn.Module) -> Optional[Tuple[str, _BatchNorm, str
             continue
         if isinstance(norm, LazyModuleMixin) and norm.has_uninitialized_params():
             return name, norm, "run one forward first to set num_features"
-        if converts(norm) and parametrize.is_parametrized(norm):
+        if not converts(norm):
+            continue
+        if parametrize.is_parametrized(norm):
             return name, norm, ("its parameters are parametrized (computed from others), and the deferred layer "
                                 "takes over the parameters themselves: register the parametrization on the converted "
                                 "layer (after building the Pipe), or build without deferred_batch_norm")
+        if type(norm).forward is not _BatchNorm.forward:
+            return name, norm, (f"{type(norm).__name__} has a forward of its own, which the deferred layer would "
+                                "replace (a SyncBatchNorm's statistics also span the processes, a deferred layer's "
+                                "the mini-batch of this process): build without deferred_batch_norm, or make its "
+                                "extra work a layer of its own")
+        if norm.affine and not isinstance(getattr(norm, "weight", None), nn.Parameter):
+            return name, norm, ("its weight is computed from other parameters (torch.nn.utils.weight_norm or "
+                                "spectral_norm), and the deferred layer takes over the parameters themselves: "
+                                "register it on the converted layer (after building the Pipe), or build without "
+                                "deferred_batch_norm")
     return None
 
 

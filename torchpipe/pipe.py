@@ -23,7 +23,8 @@ from .batchnorm import DeferredBatchNorm, converts, set_microbatches, unconverti
 from .call_chain import current as current_chain
 from .call_chain import holds_rng_section
 from .call_lock import CallLock
-from .checkpoint import draw_step_seed, generator_state, is_checkpointing, lock_for_good, settled_state
+from .checkpoint import (draw_step_seed, generator_state, is_checkpointing, is_recomputing, lock_for_good,
+                         settled_state)
 from .copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from .devices import DeviceLike, as_device, get_backend, usable_device
 from .lowering import ForwardContext, StageRunner, lower_forward, seed_rng
@@ -326,6 +327,22 @@ def _mark_failed(record: Optional[StepRecord], previous: Optional[StepRecord], e
         record.error = describe_error(error)
 
 
+def _refuse_nested_norms(module: nn.Module) -> None:
+    """ValueError for ``deferred_batch_norm=True`` over a ``Pipe`` nested in ``module`` that
+    holds batch norms: each call of the inner Pipe (one per outer micro-batch) commits its own
+    statistics, so they could not be deferred over the outer mini-batch; and its layers are
+    fixed, so a plain norm there could not be converted either."""
+    for name, inner in module.named_modules():
+        if isinstance(inner, Pipe):
+            norms = [n for n, m in inner.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+            if norms:
+                raise ValueError(
+                    f"deferred_batch_norm=True cannot defer the batch norms of the Pipe nested at {name!r} (its layer "
+                    f"{norms[0]!r}{' and more' if len(norms) > 1 else ''}): that Pipe is called once per micro-batch of this "
+                    "one and updates its statistics per call. Build the inner Pipe with deferred_batch_norm=True "
+                    "and this one without (statistics per outer micro-batch), or nest a plain nn.Sequential")
+
+
 class _failures_marked_in:
     """Mark ``record`` failed (`_mark_failed`) if the block, a call's work after its run, raises,
     and put back the running statistics the step committed in ``pipe`` (deferred batch norm),
@@ -439,6 +456,8 @@ class Pipe(nn.Module):
         verify_skippables(module)
         _check_skip_routes(module, balance_list)
 
+        if deferred_batch_norm:
+            _refuse_nested_norms(module)
         undo_conversion = _undo_for(module) if deferred_batch_norm else None
         try:
             if deferred_batch_norm:
@@ -846,6 +865,11 @@ class Pipe(nn.Module):
         context = ForwardContext(batches, self._input_events(batches), stop)
         plan, program = self._forward_program(m)
         outputs = self._run(plan, program, context)  # in micro-batch order (lower_forward)
+        if self._deferred_batch_norm and is_recomputing():
+            # Another pipeline's checkpointed stage holds this Pipe and recomputes it: its first
+            # forward committed the statistics already (this Pipe's workers cannot see the
+            # caller's recompute, so its norms committed again).
+            undo_commits(self)
         with _failures_marked_in(context.record, self):
             return self._hand_back(outputs), context.record
 
