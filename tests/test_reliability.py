@@ -719,6 +719,36 @@ def test_close_from_another_thread_during_a_call_never_strands_the_caller(no_thr
     assert outcome == ["RuntimeError: this Pipe is closed"]
 
 
+def test_a_close_that_gave_up_waiting_for_a_call_does_not_strand_it(monkeypatch):
+    """Review (helper-143): close() on another thread waits STOP_TIMEOUT_S for a call in progress,
+    then stops the workers anyway; the call's later tasks, queued behind the stop markers,
+    never ran, and the caller waited for them forever."""
+    import torchpipe.pipe
+    import torchpipe.runtime
+
+    monkeypatch.setattr(torchpipe.pipe, "STOP_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(torchpipe.runtime, "ABANDON_AFTER_S", 0.5)
+    release = threading.Event()
+
+    class Blocked(nn.Module):
+        def forward(self, x):
+            release.wait(10)
+            return x
+
+    pipe = Pipe(nn.Sequential(Blocked(), nn.Linear(4, 4)), [1, 1], chunks=2)
+    outcome = []
+    caller = threading.Thread(target=lambda: outcome.append(_outcome(lambda: pipe(torch.randn(4, 4)))), daemon=True)
+    caller.start()
+    time.sleep(0.1)
+    with pytest.warns(RuntimeWarning, match=r"worker threads \['torchpipe-stage-0'\] did not stop"):
+        pipe.close()  # gives up on the call after 0.2 s: the second stage's worker stops
+    release.set()
+    caller.join(20)
+    assert not caller.is_alive(), "the caller waits forever for tasks of a stopped worker"
+    assert len(outcome) == 1 and outcome[0].startswith("RuntimeError: worker threads ['torchpipe-stage-1'] stopped "
+                                                         "while this call ran")
+
+
 def test_close_waits_for_a_call_in_progress(no_thread_leak):
     model, probes = make_probed(2)
     probes[1].sleep = 0.1

@@ -1317,7 +1317,9 @@ class Pipe(nn.Module):
     def close(self) -> None:
         """Stop and join the worker threads (idempotent). The Pipe cannot run afterwards.
 
-        A call in progress on another thread finishes first. From inside one of the Pipe's own
+        A call in progress on another thread finishes first; one still running after
+        ``STOP_TIMEOUT_S`` (a stage stuck in user code) is given up: the workers stop, and that
+        call raises RuntimeError once it wakes. From inside one of the Pipe's own
         stages on a worker, close() raises RuntimeError: the stage's own step could never
         finish. Called on the thread that is running a call of this Pipe (a signal handler, say
         a SIGTERM handler that shuts down, or a stage of a call that runs on the caller's

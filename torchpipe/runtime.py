@@ -53,6 +53,11 @@ the call instead of hanging it. The same bound holds for the wait after a step w
 queued (an interrupt, or a queue put that raised on a worker thread).
 """
 
+WORKERS_CHECK_S = 1.0
+"""How often a caller waiting for its step checks that the workers still run: one stopped
+meanwhile (a ``close()`` on another thread that gave up waiting for this call) would never
+run the tasks queued after its stop marker, and the wait would never end."""
+
 LEFT_BEHIND_WAIT_S = 1.0
 """How long a call waits for the workers of a step an interrupted call left behind.
 
@@ -619,6 +624,11 @@ class Runtime:
 
         return compute
 
+    def _stopped_with_work_left(self, program: Program, step: _Step) -> List[str]:
+        """The workers whose threads ended before their last job of ``step`` did."""
+        return [worker.name for worker, jobs in zip(self.workers, program.worker_jobs)
+                if jobs and step.ends[jobs[-1].index] < 0 and not worker.is_alive()]
+
     def _record(self, program: Program, step: _Step, wall_start: float, wall_end: float,
                 error: Optional[BaseException]) -> StepRecord:
         """The record of ``step``: copies, since a job an interrupt left running may still write."""
@@ -868,8 +878,14 @@ class Runtime:
         while True:
             try:
                 if interrupt is None:
-                    if step.finished.wait():
+                    if step.finished.wait(WORKERS_CHECK_S):
                         break
+                    stopped = self._stopped_with_work_left(program, step)
+                    if stopped:
+                        interrupt = RuntimeError(
+                            f"worker threads {stopped} stopped while this call ran (the pipeline was closed on "
+                            "another thread): the call is given up, its tasks there would never run")
+                        continue  # the top of the loop aborts the step, as for an interrupt
                 else:
                     step.abort(interrupt)
                     abandoned = not step.finished.wait(ABANDON_AFTER_S)

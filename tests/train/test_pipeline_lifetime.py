@@ -181,3 +181,55 @@ def test_a_close_that_gave_up_waiting_and_the_call_it_left_release_each_batch_on
             thread.join(timeout=30)
         assert not errors, errors[0]
         assert collection.in_flight() == 0, collection.in_flight()
+
+
+def test_a_close_that_gave_up_waiting_makes_the_call_raise_instead_of_hanging(monkeypatch) -> None:
+    """Review (helper-143): close() on another thread gives up on a progress() call blocked in
+    its data iterator after STOP_TIMEOUT_S and stops the workers; when the data came, the call
+    queued its next clock on the stopped workers and never returned."""
+    import time
+
+    import torch
+
+    import torchpipe.train.staged
+
+    monkeypatch.setattr(torchpipe.train.staged, "STOP_TIMEOUT_S", 0.2)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y.pow(2).sum(), y.detach()
+
+    release = threading.Event()
+
+    def stream():
+        for index in range(6):
+            if index == 3:
+                release.wait(10)  # a streaming source waiting for records
+            yield torch.randn(2, 4)
+
+    model = Model()
+    pipe = TrainPipelineBase(model, torch.optim.SGD(model.parameters(), lr=0.1), device_threads=1)
+    outcome: list = []
+
+    def train() -> None:
+        batches = stream()
+        try:
+            for _ in range(5):
+                pipe.progress(batches)
+            outcome.append("returned")
+        except Exception as exc:  # noqa: B902 - the outcome is the test's
+            outcome.append(f"{type(exc).__name__}: {exc}")
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    time.sleep(0.3)
+    pipe.close()
+    release.set()
+    trainer.join(10)
+    assert not trainer.is_alive(), "progress() waits forever on workers that close() stopped"
+    assert len(outcome) == 1 and outcome[0].startswith("RuntimeError: this pipeline was closed on another thread")

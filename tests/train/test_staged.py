@@ -574,7 +574,7 @@ def test_a_clock_whose_abort_two_interrupts_cut_short_is_ended_before_the_failur
         armed = False
 
         def wait(self, timeout=None):
-            if timeout is None and CallerInterrupted.armed:
+            if CallerInterrupted.armed:  # the caller's first wait for the clock
                 CallerInterrupted.armed = False
                 raise KeyboardInterrupt("first Ctrl-C")
             return super().wait(timeout)

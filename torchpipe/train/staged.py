@@ -691,6 +691,9 @@ class StagedPipeline(OwnsThreads):
         self._call_owner = call_chain.new_owner()  # one token for every clock of this call
         try:
             for clock in self._schedule.progress_clocks(pull):
+                if self._closed:  # by close() on another thread, which gave up waiting for this call
+                    raise RuntimeError("this pipeline was closed on another thread while this call ran (close() "
+                                       "waits for a call in progress only so long): its in-flight batches are dropped")
                 outputs = self._run_clock(clock)
                 if clock.finished is not None:
                     return outputs[self.depth - 1]
@@ -756,8 +759,10 @@ class StagedPipeline(OwnsThreads):
     def close(self) -> None:
         """Stop the worker threads (idempotent). In-flight batches are dropped; flush first.
 
-        A ``progress()`` call on another thread finishes first, as long as its stages return
-        (a stuck one is given up on, as ``Pipe.close`` does). Called on the thread that is
+        A ``progress()`` call on another thread finishes first, as long as it ends within
+        ``STOP_TIMEOUT_S``; past that (a stuck stage, a data iterator that blocks) it is given
+        up on, as ``Pipe.close`` does: the workers stop, and the call raises RuntimeError
+        before its next clock (its in-flight batches are dropped). Called on the thread that is
         inside ``progress()`` (a callback, the data iterator, a signal handler), close() cannot
         wait for that call: the pipeline closes as soon as the call returns or fails.
         """
