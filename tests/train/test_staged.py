@@ -110,15 +110,17 @@ class Rearmed:
         raise StopIteration
 
 
-def test_an_iterator_that_ended_is_not_asked_again() -> None:
-    """TorchRec's rule: an exhausted dataloader is not called again (a stream that blocks after
-    its end would stall every drain clock; one that yields more would slip batches into it)."""
+def test_an_iterator_that_ended_is_not_asked_again_until_its_end_was_delivered() -> None:
+    """TorchRec's rule: an exhausted dataloader is not called again while the batches in flight
+    drain (a stream that blocks after its end would stall every drain clock; one that yields
+    more would slip batches into it), nor after a flush, until the pipeline's StopIteration
+    for it; the call after that asks it again (review, helper-143: a DataLoader with
+    persistent_workers returns the same iterator every epoch, which then trained nothing)."""
     rec = Recorder()
     with make(rec) as pipe:
         it = Rearmed([0, 1, 2], [100, 101])
-        assert [o[0] for o in drain(pipe, it)] == [0, 1, 2]
-        with pytest.raises(StopIteration):
-            pipe.progress(it)
+        assert [pipe.progress(it)[0] for _ in range(3)] == [0, 1, 2]
+        assert it.calls_after_stop == 0  # not asked in the three drain calls
         assert pipe.flush() == []
         with pytest.raises(StopIteration):  # flush's own empty iterator did not replace it
             pipe.progress(it)
@@ -128,6 +130,23 @@ def test_an_iterator_that_ended_is_not_asked_again() -> None:
         # TorchRec's rule: `it` is asked again once another iterator was passed (here it yields more)
         assert [o[0] for o in drain(pipe, it)] == [8, 9, 10, 100, 101]  # other's batches in flight first
         assert it.calls_after_stop == 3
+
+
+def test_a_dataloader_with_persistent_workers_trains_every_epoch() -> None:
+    """Review (helper-143): ``iter(loader)`` returns the same iterator object every epoch when
+    ``persistent_workers=True`` (reset by the loader); remembered as exhausted, it trained
+    nothing from the second epoch on."""
+    import torch.utils.data
+
+    loader = torch.utils.data.DataLoader(list(range(6)), batch_size=2, num_workers=1, persistent_workers=True)
+    rec = Recorder()
+    with make(rec) as pipe:
+        epochs = []
+        for _ in range(3):
+            it = iter(loader)
+            epochs.append([int(o[0][0]) for o in drain(pipe, it)])
+        assert iter(loader) is it  # the premise: one iterator object for every epoch
+    assert epochs == [[0, 2, 4]] * 3
 
 
 def test_host_threads_beyond_the_host_stages_are_not_started() -> None:

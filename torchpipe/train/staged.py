@@ -641,8 +641,11 @@ class StagedPipeline(OwnsThreads):
 
         Fills the pipeline on the first call. Raises StopIteration only when the iterator
         is exhausted *and* every in-flight batch was returned. An iterator that raised
-        StopIteration is not asked for a batch again until another iterator is passed
-        (TorchRec's rule); ``close()`` lets go of it.
+        StopIteration is not asked for a batch again (the batches in flight drain) until
+        this pipeline has raised StopIteration for it or another iterator is passed
+        (TorchRec's rule); so the call after that StopIteration asks it again, which a
+        DataLoader with ``persistent_workers=True`` needs: it returns that very iterator,
+        reset, for each epoch. ``close()`` lets go of it.
         """
         if not callable(getattr(type(dataloader_iter), "__next__", None)):
             raise TypeError(f"progress() takes an iterator of batches (iter(dataloader)), got "
@@ -697,6 +700,11 @@ class StagedPipeline(OwnsThreads):
                 outputs = self._run_clock(clock)
                 if clock.finished is not None:
                     return outputs[self.depth - 1]
+            if dataloader_iter is self._exhausted:
+                # Its end is delivered, nothing is in flight: the next call asks it again. A
+                # DataLoader with persistent_workers hands back this very iterator, reset, for
+                # its next epoch; a spent iterator just raises StopIteration again.
+                self._exhausted = None
             raise StopIteration
         except BaseException as exc:  # noqa: B902 - re-raised; only an open clock is undone
             opened = self._schedule.open
