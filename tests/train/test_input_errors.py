@@ -78,6 +78,17 @@ def test_keep_records_is_checked_before_the_workers_start(kind: str, value, erro
 
 
 @pytest.mark.parametrize("kind", ["staged", "emb_cache"])
+def test_counts_of_numpy_and_tensor_integer_types_are_accepted(kind: str) -> None:
+    """Review (helper-143): keep_records=np.int64(2) passed the check, then failed in deque()
+    with "an integer is required" after the threads had started."""
+    import numpy
+    import torch
+
+    for value in (numpy.int64(2), torch.tensor(2)):
+        construct(kind, keep_records=value, host_threads=numpy.int64(3), device_threads=numpy.int64(1))
+
+
+@pytest.mark.parametrize("kind", ["staged", "emb_cache"])
 @pytest.mark.parametrize("value", ["no", 1, None])
 def test_overlap_must_be_a_bool(kind: str, value) -> None:
     refused(kind, TypeError, f"overlap must be a bool, got {value!r}", overlap=value)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
+from ..checks import check_bool
 from ..copy import caller_waits_for_streams, mark_ready, streams_wait_for_caller
 from ..devices import get_backend, usable_device
 from ..grad_sync import (PeerStepFailed, grad_buckets, start_first_rank_broadcast, take_first_ranks_values,
@@ -308,14 +309,17 @@ class TrainPipelineBase(_ReadyPipeline):
     overlaps forward/backward/optimizer of batch ``b`` (compute worker)."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                 device: Union[str, torch.device] = "cpu", *, device_threads: Optional[int] = None) -> None:
+                 device: Union[str, torch.device] = "cpu", *, device_threads: Optional[int] = None,
+                 overlap: bool = True) -> None:
+        check_bool("overlap", overlap)  # before anything is set up
         super().__init__(model, optimizer, device)
         # The stages reach this object weakly: a pipeline dropped without close() is freed (its
         # threads stopped, its in-flight batch let go) at once, not when the cycle collector runs.
         self.pipeline = StagedPipeline(
             [PipelineStage("h2d", _weakly(self._h2d_batch), "copy"),
              PipelineStage("train", _weakly(self._train), "device")],
-            device=self.device, host_threads=0, device_threads=device_threads, admit=self._check_movable)
+            device=self.device, host_threads=0, device_threads=device_threads, overlap=overlap,
+            admit=self._check_movable)
 
 
 class TrainPipelineSparseDist(_ReadyPipeline):
@@ -330,9 +334,10 @@ class TrainPipelineSparseDist(_ReadyPipeline):
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  device: Union[str, torch.device] = "cpu", *,
                  input_dist: Optional[Callable[[Any], Any]] = None, host_threads: int = 1,
-                 device_threads: Optional[int] = None) -> None:
+                 device_threads: Optional[int] = None, overlap: bool = True) -> None:
         if input_dist is not None and not callable(input_dist):
             raise TypeError(f"input_dist must be callable or None, got {input_dist!r}")
+        check_bool("overlap", overlap)
         super().__init__(model, optimizer, device)
         self._input_dist = input_dist
         # Weakly, as in TrainPipelineBase: no cycle through the stages.
@@ -340,7 +345,7 @@ class TrainPipelineSparseDist(_ReadyPipeline):
             [PipelineStage("h2d", _weakly(self._h2d_batch), "copy"),
              PipelineStage("input_dist", _weakly(self._dist), "host"),
              PipelineStage("train", _weakly(self._train), "device")],
-            device=self.device, host_threads=host_threads, device_threads=device_threads,
+            device=self.device, host_threads=host_threads, device_threads=device_threads, overlap=overlap,
             admit=self._check_movable)
 
     def _dist(self, item: _Item) -> _Item:

@@ -352,7 +352,7 @@ class StagedPipeline(OwnsThreads):
         self.clock_seconds = 0.0
         self.clocks_run = 0
         self._last_recorded: Optional[StepRecord] = None  # counted in the timings already
-        self.records: Deque[StepRecord] = deque(maxlen=keep_records)
+        self.records: Deque[StepRecord] = deque(maxlen=check_nonnegative_int("keep_records", keep_records))
 
     # -- configuration -------------------------------------------------------------
     def _assign(self, stages: Sequence[PipelineStage], host_threads: int) -> List[int]:
