@@ -203,3 +203,56 @@ def test_a_forward_or_evaluate_failing_after_its_run_marks_the_step_failed():
         assert pipe.last_step.error == "ArithmeticError: loss fails on the caller"
         pipe.evaluate(torch.randn(8, 8), torch.randn(8, 8), nn.MSELoss())
         assert pipe.last_step.error is None and pipe.last_report().schedule == "gpipe"
+
+
+class _DrawsThenSleeps(nn.Module):
+    """Dropout (a draw: under checkpointing the forward holds the CPU generator's lock), then a
+    wait that releases the GIL, the way a device kernel runs."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.dropout = nn.Dropout(0.1)
+        self.seconds = seconds
+
+    def forward(self, x):
+        x = self.dropout(x)
+        time.sleep(self.seconds)
+        return x
+
+
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_waits_for_a_generators_lock_count_as_idle_not_as_work(call):
+    """Review (helper-145): CPU partitions share one generator, so their checkpointed forwards
+    that draw run one at a time; the wait was timed as part of the job, so the record showed
+    busy workers, a small bubble and forwards twice their length, and the report blamed the
+    actions. Both stages' first forwards after 0F0 want the lock at once: one of them waits."""
+    model = nn.Sequential(nn.Linear(8, 8), _DrawsThenSleeps(0.05), nn.Linear(8, 8), _DrawsThenSleeps(0.05))
+    with Pipe(model, [2, 2], chunks=3, checkpoint="always") as pipe:
+        x, y = torch.randn(6, 8), torch.randn(6, 8)
+        if call == "forward":
+            pipe(x).sum().backward()
+        else:
+            pipe.step(x, y, nn.MSELoss(), schedule="1f1b")
+        record, result = pipe.last_step, pipe.last_report()
+    assert record.lock_waits, "no wait for the generator's lock was recorded"
+    seconds = record.job_seconds()
+    waited = [0.0] * len(seconds)
+    for index, start, end in record.lock_waits:
+        assert record.starts[index] <= start <= end <= record.ends[index]  # inside the job that waited
+        waited[index] += end - start
+    for index, (start, end) in enumerate(zip(record.starts, record.ends)):
+        assert seconds[index] == pytest.approx(end - start - waited[index], abs=1e-12)
+    busy = [0.0] * 2
+    for worker, duration in zip(record.workers, seconds):
+        busy[worker] += duration
+    assert record.busy() == pytest.approx(busy)
+    assert record.bubble_ratio == pytest.approx(1 - sum(busy) / (2 * record.makespan))
+    assert result.lock_wait_seconds == pytest.approx(sum(waited)) and "waiting for random generators' locks" in str(result)
+    events = record.chrome_trace()["traceEvents"]
+    waits = [e for e in events if e.get("cat") == "wait"]
+    assert len(waits) == len(record.lock_waits)
+    for wait in waits:  # nested in the event of its job, on that job's track
+        job = next(e for e in events if e.get("ph") == "X" and e["name"] == wait["args"]["job"])
+        assert job["tid"] == wait["tid"] and job["ts"] <= wait["ts"] + 1e-6
+        assert wait["ts"] + wait["dur"] <= job["ts"] + job["dur"] + 1e-6
+    json.dumps(record.chrome_trace())

@@ -17,13 +17,14 @@ import collections
 import functools
 import itertools
 import threading
+import time
 from types import MappingProxyType
-from typing import Callable, FrozenSet, List, Mapping, Optional, Tuple
+from typing import Callable, Deque, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 import torch
 
 __all__ = ["Cancel", "Chain", "RNGWaitAborted", "current", "adopt", "new_owner", "enter_rng_section",
-           "leave_rng_section", "holds_rng_section"]
+           "leave_rng_section", "holds_rng_section", "lock_waits_of"]
 
 # How often a wait for a generator's lock looks whether its step was aborted. The wait itself
 # ends as soon as the lock is free; this only bounds how late an abort is seen.
@@ -110,6 +111,29 @@ def holds_rng_section(generator: torch.Generator) -> bool:
 _LOCK_TYPE = type(threading.Lock())
 _TAKE_WAITING = _LOCK_TYPE.acquire  # called on the lock: a plain blocking acquire, which Ctrl-C interrupts
 _TAKE_POLLING = functools.partial(_LOCK_TYPE.acquire, timeout=_CANCEL_POLL_S)
+_TAKE_FREE = functools.partial(_LOCK_TYPE.acquire, blocking=False)  # only if no one holds it: no wait
+
+# The waits for a generator's lock, per thread (its ident): (start, end) ``perf_counter``
+# readings, the latest few. A step's record reads its threads' waits (`lock_waits_of`), so
+# that waiting shows as idle time rather than as work of the job that waited.
+_lock_waits: Dict[int, Deque[Tuple[float, float]]] = {}
+_LOCK_WAITS_KEPT = 256
+
+
+def _note_lock_wait(start: float) -> None:
+    waits = _lock_waits.get(threading.get_ident())
+    if waits is None:
+        waits = _lock_waits.setdefault(threading.get_ident(), collections.deque(maxlen=_LOCK_WAITS_KEPT))
+    waits.append((start, time.perf_counter()))
+
+
+def lock_waits_of(thread_ident: Optional[int], since: float, until: float) -> List[Tuple[float, float]]:
+    """The waits for a random generator's lock that thread ``thread_ident`` began and ended
+    between ``since`` and ``until`` (``perf_counter`` readings), oldest first."""
+    waits = _lock_waits.get(thread_ident) if thread_ident is not None else None
+    if not waits:
+        return []
+    return [(start, end) for start, end in list(waits) if start >= since and end <= until]
 
 
 class HeldLock:
@@ -137,14 +161,21 @@ class HeldLock:
         worker's wait must end with its step (another pipeline's stage stuck inside its section
         would otherwise hold this worker, and this pipeline, for as long as it is stuck)."""
         taken = self.taken
-        if not cancels:  # the caller's own thread: a plain wait, which Ctrl-C interrupts
-            taken.extend(filter(_TAKE_WAITING, (lock,)))
+        taken.extend(filter(_TAKE_FREE, (lock,)))
+        if taken:  # the common case: nobody held it
             return
-        while not taken:
-            taken.extend(filter(_TAKE_POLLING, (lock,)))
-            if not taken and any(cancel.cancelled for cancel in cancels):
-                raise RNGWaitAborted("this stage's step was aborted while it waited for a random generator's lock, "
-                                     "which another stage (of another pipeline, or a thread of yours) holds")
+        start = time.perf_counter()
+        try:
+            if not cancels:  # the caller's own thread: a plain wait, which Ctrl-C interrupts
+                taken.extend(filter(_TAKE_WAITING, (lock,)))
+                return
+            while not taken:
+                taken.extend(filter(_TAKE_POLLING, (lock,)))
+                if not taken and any(cancel.cancelled for cancel in cancels):
+                    raise RNGWaitAborted("this stage's step was aborted while it waited for a random generator's "
+                                         "lock, which another stage (of another pipeline, or a thread of yours) holds")
+        finally:
+            _note_lock_wait(start)
 
 
 RNGSection = Tuple[HeldLock, Chain, HeldSection]

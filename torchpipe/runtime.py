@@ -220,6 +220,11 @@ class StepRecord:
     """
     failed_job: Optional[int] = None
     """Index (into ``labels``) of the job that raised, when a job did."""
+    lock_waits: List[Tuple[int, float, float]] = field(default_factory=list)
+    """(job index, start, end) of each wait, inside a job, for a random generator's lock: a
+    forward that draws (dropout) under checkpointing, or with ``reproducible=True``, holds the
+    generator's lock, so partitions sharing a generator (CPU ones) run such forwards one at a
+    time. Counted as idle time, not work (`busy`, `job_seconds`)."""
 
     @property
     def makespan(self) -> float:
@@ -229,11 +234,19 @@ class StepRecord:
             return 0.0
         return max(self.ends[i] for i in ran) - min(self.starts[i] for i in ran)
 
+    def job_seconds(self) -> List[float]:
+        """Each job's duration without its waits for a generator's lock (-1.0: it did not run)."""
+        seconds = [e - s if s >= 0 else -1.0 for s, e in zip(self.starts, self.ends)]
+        for index, start, end in self.lock_waits:
+            seconds[index] -= end - start
+        return seconds
+
     def busy(self) -> List[float]:
+        """Seconds each worker spent in jobs, waits for a generator's lock left out."""
         busy = [0.0] * len(self.worker_names)
-        for w, s, e in zip(self.workers, self.starts, self.ends):
-            if s >= 0:
-                busy[w] += e - s
+        for w, seconds in zip(self.workers, self.job_seconds()):
+            if seconds >= 0:
+                busy[w] += seconds
         return busy
 
     @property
@@ -286,6 +299,10 @@ class StepRecord:
             if index == self.failed_job:
                 event.setdefault("args", {})["error"] = self.error
             events.append(event)
+        for index, start, end in self.lock_waits:  # nested in their job's event
+            events.append({"ph": "X", "name": "wait: random generator's lock", "cat": "wait", "pid": 0,
+                           "tid": self.workers[index], "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6,
+                           "args": {"job": self.labels[index]}})
         trace: Dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
         if self.error is not None:
             trace["otherData"] = {"error": self.error}
@@ -296,6 +313,23 @@ class StepRecord:
         check_file_path(path, "save_chrome_trace")
         with open(path, "w") as f:
             json.dump(self.chrome_trace(), f)
+
+
+def _jobs_lock_waits(program: Program, starts: List[float], ends: List[float], threads: List[Optional[int]],
+                     wall_start: float, wall_end: float) -> List[Tuple[int, float, float]]:
+    """(job index, start, end) of each wait for a random generator's lock inside a job of the step."""
+    found: List[Tuple[int, float, float]] = []
+    for ident in set(threads):
+        waits = call_chain.lock_waits_of(ident, wall_start, wall_end)
+        if not waits:
+            continue
+        jobs = [job.index for w, on_worker in enumerate(program.worker_jobs) if threads[w] == ident
+                for job in on_worker if starts[job.index] >= 0]
+        for start, end in waits:
+            index = next((i for i in jobs if starts[i] <= start and end <= ends[i]), None)
+            if index is not None:
+                found.append((index, start, end))
+    return sorted(found, key=lambda wait: wait[1])
 
 
 def describe_error(error: BaseException) -> str:
@@ -634,11 +668,13 @@ class Runtime:
         """The record of ``step``: copies, since a job an interrupt left running may still write."""
         failed_job = step.failed_job if error is not None and error is step.error else None
         return self._timings_record(program, list(step.starts), list(step.ends), failed_job, wall_start, wall_end,
-                                    error)
+                                    error, [worker.thread.ident for worker in self.workers])
 
     def _timings_record(self, program: Program, starts: List[float], ends: List[float], failed_job: Optional[int],
-                        wall_start: float, wall_end: float, error: Optional[BaseException]) -> StepRecord:
-        """A step's record from its jobs' times (kept as given) and how the call ended."""
+                        wall_start: float, wall_end: float, error: Optional[BaseException],
+                        threads: List[Optional[int]]) -> StepRecord:
+        """A step's record from its jobs' times (kept as given) and how the call ended;
+        ``threads``: the ident of the thread that ran each worker's jobs."""
         return StepRecord(
             labels=list(program.labels),
             workers=list(program.job_workers),
@@ -650,6 +686,7 @@ class Runtime:
             keys=list(program.keys),
             error=None if error is None else describe_error(error),
             failed_job=failed_job,
+            lock_waits=_jobs_lock_waits(program, starts, ends, threads, wall_start, wall_end),
         )
 
     def stop(self, finalizer: Any) -> None:
@@ -835,7 +872,8 @@ class Runtime:
                 torch.clear_autocast_cache()
         except BaseException as exc:  # noqa: B902 - an interrupt: the call raises it (the state is restored)
             error = error or exc
-        self.last_step = self._timings_record(program, starts, ends, failed, wall_start, wall_end, error)
+        self.last_step = self._timings_record(program, starts, ends, failed, wall_start, wall_end, error,
+                                              [threading.get_ident()] * len(self.workers))
         if error is not None:
             values.clear()  # the traceback holds this frame: the step's activations must not stay with it
             context = None

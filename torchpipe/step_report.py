@@ -34,7 +34,12 @@ class StepReport:
     planned_bubble_ratio: float
     """The bubble of that simulation: what the schedule itself leaves idle."""
     median_seconds: Dict[str, float]
-    """Median measured duration per action kind (F, B, I, W)."""
+    """Median measured duration per action kind (F, B, I, W), waits for a generator's lock left out."""
+    lock_wait_seconds: float = 0.0
+    """Time the actions spent waiting for a random generator's lock (`StepRecord.lock_waits`):
+    forwards that draw, on partitions sharing a generator, run one at a time under
+    checkpointing or ``reproducible=True``. Left out of the durations the plan is fed, so it
+    shows in the gap between the measured and the planned makespan."""
 
     @property
     def runtime_efficiency(self) -> float:
@@ -43,10 +48,12 @@ class StepReport:
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{kind} {seconds * 1e3:.3f} ms" for kind, seconds in self.median_seconds.items())
+        waits = (f"; {self.lock_wait_seconds * 1e3:.3f} ms waiting for random generators' locks"
+                 if self.lock_wait_seconds > 0 else "")
         return (
             f"{self.schedule}: makespan {self.makespan * 1e3:.3f} ms, its plan with these durations "
             f"{self.planned_makespan * 1e3:.3f} ms ({self.runtime_efficiency:.1%}); bubble "
-            f"{self.bubble_ratio:.3f} measured, {self.planned_bubble_ratio:.3f} planned; median {kinds}"
+            f"{self.bubble_ratio:.3f} measured, {self.planned_bubble_ratio:.3f} planned; median {kinds}{waits}"
         )
 
 
@@ -57,13 +64,13 @@ def report(plan: Plan, record: StepRecord) -> StepReport:
                          "(pipe.last_step) holds the actions that ran before it stopped")
     durations: Dict[Action, float] = {}
     per_kind: Dict[str, list] = {}
-    for key, start, end in zip(record.keys, record.starts, record.ends):
+    for key, start, seconds in zip(record.keys, record.starts, record.job_seconds()):
         if not isinstance(key, Action):
             raise ValueError(f"the step record is not of a plan (job key {key!r})")
         if start < 0:
             raise ValueError(f"the step did not complete (action {key} never ran): nothing to report")
-        durations[key] = end - start
-        per_kind.setdefault(key.kind, []).append(end - start)
+        durations[key] = seconds
+        per_kind.setdefault(key.kind, []).append(seconds)
     planned_actions = {action for actions in plan.worker_actions for action in actions}
     if planned_actions != set(durations):
         raise ValueError(f"the step record does not match the {plan.name!r} plan it is compared with")
@@ -75,4 +82,5 @@ def report(plan: Plan, record: StepRecord) -> StepReport:
         planned_makespan=simulated.makespan,
         planned_bubble_ratio=simulated.bubble_ratio,
         median_seconds={kind: statistics.median(per_kind[kind]) for kind in KINDS if kind in per_kind},
+        lock_wait_seconds=sum(end - start for _, start, end in record.lock_waits),
     )
