@@ -119,6 +119,10 @@ def test_a_step_of_one_micro_batch_runs_inline_when_its_plan_is_one_chain(schedu
         assert torch.equal(loss, expected.detach())
         assert_same_gradients(pipe, reference)
         assert pipe.last_report().schedule == schedule
+        # Review (helper-145): the trace named the worker threads, which ran nothing.
+        tracks = [e["args"]["name"] for e in pipe.last_step.chrome_trace()["traceEvents"] if e["ph"] == "M"]
+        caller = threading.current_thread().name
+        assert all(name.startswith(f"{caller} (the caller's thread, for torchpipe-stage-") for name in tracks) is on_caller
 
 
 def test_a_failure_in_one_micro_batch_keeps_its_type_and_the_pipe_works_after():

@@ -672,13 +672,14 @@ class Runtime:
 
     def _timings_record(self, program: Program, starts: List[float], ends: List[float], failed_job: Optional[int],
                         wall_start: float, wall_end: float, error: Optional[BaseException],
-                        threads: List[Optional[int]]) -> StepRecord:
+                        threads: List[Optional[int]], names: Optional[List[str]] = None) -> StepRecord:
         """A step's record from its jobs' times (kept as given) and how the call ended;
-        ``threads``: the ident of the thread that ran each worker's jobs."""
+        ``threads``: the ident of the thread that ran each worker's jobs, ``names``: its name
+        (the worker's own by default)."""
         return StepRecord(
             labels=list(program.labels),
             workers=list(program.job_workers),
-            worker_names=[w.name for w in self.workers],
+            worker_names=names if names is not None else [w.name for w in self.workers],
             starts=starts,
             ends=ends,
             wall_start=wall_start,
@@ -872,8 +873,10 @@ class Runtime:
                 torch.clear_autocast_cache()
         except BaseException as exc:  # noqa: B902 - an interrupt: the call raises it (the state is restored)
             error = error or exc
+        caller = threading.current_thread().name  # the jobs ran here, not on the workers
         self.last_step = self._timings_record(program, starts, ends, failed, wall_start, wall_end, error,
-                                              [threading.get_ident()] * len(self.workers))
+                                              [threading.get_ident()] * len(self.workers),
+                                              [f"{caller} (the caller's thread, for {w.name})" for w in self.workers])
         if error is not None:
             values.clear()  # the traceback holds this frame: the step's activations must not stay with it
             context = None
