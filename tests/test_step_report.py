@@ -256,3 +256,14 @@ def test_waits_for_a_generators_lock_count_as_idle_not_as_work(call):
         assert job["tid"] == wait["tid"] and job["ts"] <= wait["ts"] + 1e-6
         assert wait["ts"] + wait["dur"] <= job["ts"] + job["dur"] + 1e-6
     json.dumps(record.chrome_trace())
+
+
+def test_report_refuses_arguments_of_the_wrong_types_by_name():
+    """Review (helper-145): ``report('1f1b', None)`` failed with an AttributeError of None."""
+    with make_pipe() as pipe:
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8), nn.MSELoss())
+        record = pipe.last_step
+    with pytest.raises(TypeError, match="report takes the step's Plan first, got str: '1f1b'"):
+        report("1f1b", record)
+    with pytest.raises(TypeError, match=r"report takes the step's StepRecord \(pipe.last_step\) second, got NoneType"):
+        report(build("1f1b", 4, 4), None)

@@ -59,6 +59,11 @@ class StepReport:
 
 def report(plan: Plan, record: StepRecord) -> StepReport:
     """Measure ``record`` (a step of ``plan``) against ``plan``; ValueError if it did not complete."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"report takes the step's Plan first, got {type(plan).__name__}: {plan!r:.80}")
+    if not isinstance(record, StepRecord):
+        raise TypeError(f"report takes the step's StepRecord (pipe.last_step) second, got "
+                        f"{type(record).__name__}: {record!r:.80}")
     if record.error is not None:
         raise ValueError(f"the step failed ({record.error}): nothing to report against its plan; its record "
                          "(pipe.last_step) holds the actions that ran before it stopped")

@@ -225,6 +225,30 @@ def test_chrome_trace_refuses_a_bad_unit(scale: object, error: type) -> None:
             build("1f1b", 2, 2).chrome_trace(us_per_unit=scale)  # type: ignore[arg-type]
 
 
+def test_a_cost_beyond_a_floats_range_is_the_value_error_of_any_bad_cost() -> None:
+    """Review (helper-145): an int too large for a float raised OverflowError, not the
+    documented ValueError (and its 400 digits filled the message)."""
+    plan = build("1f1b", 2, 2)
+    for call in (lambda: plan.simulate({"F": 10 ** 400}), lambda: plan.simulate(comm=10 ** 400),
+                 lambda: plan.chrome_trace(us_per_unit=10 ** 400)):
+        with pytest.raises(ValueError, match=r"must be a finite number >=? 0, got 1000000000.*\(401 characters\)$"):
+            call()
+
+
+def test_per_stage_costs_may_be_numpy_arrays_or_tensors() -> None:
+    """Review (helper-145): two costs in an array or a tensor were refused as not "a sequence
+    of 2 numbers", where balance_by_cost takes them."""
+    import numpy
+    import torch
+
+    plan = build("1f1b", 2, 4)
+    expected = plan.simulate({"F": [1.0, 2.0], "B": 3.0})
+    for form in (numpy.array, torch.tensor):
+        assert plan.simulate({"F": form([1.0, 2.0]), "B": form(3.0)}) == expected
+    with pytest.raises(ValueError, match=r"costs\['F'\] has 3 entries for 2 stages"):
+        plan.simulate({"F": numpy.array([1.0, 2.0, 3.0])})
+
+
 def test_costs_that_overflow_when_added_are_refused() -> None:
     with pytest.raises(ValueError, match="past the largest float"):
         build("1f1b", 2, 2).simulate({"F": 1e308, "B": 1e308})
@@ -482,6 +506,19 @@ def test_save_png_function_and_method_agree(fake_mpl: _FakeMatplotlib, tmp_path:
     plan.save_png(str(tmp_path / "b.png"), {"F": 2}, comm=1.0)
     assert _drawn_bars(fake_mpl) == by_function
     assert (tmp_path / "a.png").exists() and (tmp_path / "b.png").exists()
+
+
+def test_save_png_writes_a_png_under_the_name_given_and_refuses_a_non_path_first(
+        fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:
+    """Review (helper-145): an int path failed with an AttributeError after the whole chart was
+    drawn, and matplotlib picked the format from the suffix (``x.jpg`` gave a JPEG, a name
+    without a suffix got ``.png`` added)."""
+    with pytest.raises(TypeError, match="save_png takes a file path"):
+        build("1f1b", 2, 2).save_png(3)  # type: ignore[arg-type]
+    assert fake_mpl.calls("matplotlib.figure", "Figure") == []
+    build("1f1b", 2, 2).save_png(str(tmp_path / "schedule.jpg"))
+    saves = [call for call in fake_mpl.log if call.name == "savefig"]
+    assert len(saves) == 1 and saves[0].kwargs == {"format": "png"}
 
 
 def test_save_png_rejects_bad_costs_before_drawing(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:

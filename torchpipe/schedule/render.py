@@ -10,7 +10,8 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from .simulate import Costs, Simulation, _cost_value, simulate
+from ..checks import check_file_path
+from .simulate import Costs, Simulation, _cost_value, shown, simulate
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -140,7 +141,7 @@ def chrome_trace(plan: "Plan", costs: Costs = None, *, comm: float = 0.0, us_per
     except ValueError:
         scale = 0.0  # said below with the right bound: 0 is refused too
     if scale == 0.0:
-        raise ValueError(f"us_per_unit must be a finite number > 0, got {us_per_unit!r}")
+        raise ValueError(f"us_per_unit must be a finite number > 0, got {shown(us_per_unit)}")
     sim = simulate(plan, costs, comm=comm)
     events = [
         {
@@ -165,8 +166,10 @@ def save_png(plan: "Plan", path: str, costs: Costs = None, *, comm: float = 0.0)
     """Write a Gantt chart of the simulated plan; raises ImportError without matplotlib.
 
     Drawn on a bare ``Figure`` with the Agg canvas, not through ``pyplot``: the caller's
-    backend (a notebook's inline one) and open figures stay as they were.
+    backend (a notebook's inline one) and open figures stay as they were. The file is a PNG
+    under the name given, whatever its suffix (matplotlib would pick the format from it).
     """
+    check_file_path(path, "save_png")  # before anything is drawn
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -191,4 +194,4 @@ def save_png(plan: "Plan", path: str, costs: Costs = None, *, comm: float = 0.0)
     ax.set_xlabel("time")
     ax.set_title(f"{plan.name}: bubble {sim.bubble_ratio:.1%}")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")

@@ -54,18 +54,30 @@ class Simulation:
         raise KeyError(f"action {action} is not in the simulated plan")
 
 
+def shown(value: object) -> str:
+    """``repr(value)`` for a message, cut short when long (an int of 400 digits)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
 def _cost_value(where: str, value: object) -> float:
     """One cost as a float; a clear error for anything that is not a finite number >= 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where} must be a real number, got {value!r}")
-    result = float(value)
+    try:
+        result = float(value)
+    except OverflowError:  # an int beyond a float's range: no finite cost
+        result = math.inf
     if not (math.isfinite(result) and result >= 0.0):  # also rejects NaN and inf
-        raise ValueError(f"{where} must be a finite number >= 0, got {value!r}")
+        raise ValueError(f"{where} must be a finite number >= 0, got {shown(value)}")
     return result
 
 
 def _per_stage(kind: str, value: object, num_stages: int) -> tuple[float, ...]:
-    """A kind's cost as one value per stage: a scalar for all, or a sequence of ``num_stages``."""
+    """A kind's cost as one value per stage: a scalar for all, or a sequence of ``num_stages``
+    (a NumPy array or a tensor too, as ``balance_by_cost`` takes them)."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple, numbers.Real)):
+        value = value.tolist()  # a 0-dim one gives its number
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return (_cost_value(f"costs[{kind!r}]", value),) * num_stages
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
