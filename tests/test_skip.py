@@ -622,12 +622,13 @@ def test_a_layer_that_stashes_a_name_again_hands_on_its_last_stash(checkpoint, p
 def test_two_partitions_that_stash_one_name_for_one_micro_batch_are_still_refused():
     from torchpipe.skip.portal import SkipStore
     store, key = SkipStore(), (None, "skip")
-    assert store.put(key, 0, torch.zeros(1), None, partition=0) is None
-    first = torch.ones(1)
-    store.put(key, 1, first, None, partition=0)
-    assert store.put(key, 1, torch.ones(1), None, partition=0) is first  # the same partition again: replaced
+    assert store.put(key, 0, torch.zeros(1), None, partition=0, graph=[]) is None
+    first = [(0, torch.ones(1, requires_grad=True))]
+    store.put(key, 1, first[0][1], None, partition=0, graph=first)
+    # The same partition again: replaced, and the replaced stash's graph tensors come back.
+    assert store.put(key, 1, torch.ones(1), None, partition=0, graph=[]) is first
     with pytest.raises(RuntimeError, match="stashed twice for micro-batch 0, by partitions 0 and 2"):
-        store.put(key, 0, torch.zeros(1), None, partition=2)
+        store.put(key, 0, torch.zeros(1), None, partition=2, graph=[])
 
 
 @pytest.mark.parametrize("library", ["torchgpipe.skip", "fairscale.nn.pipe.skip"])
@@ -716,3 +717,86 @@ def test_a_skip_that_is_a_container_of_tensors_gets_every_gradient(path, options
     if path == "forward" and checkpoint == "never":  # profiling failed on a container with an AttributeError
         assert balance_by_time(2, model, x, timeout=0.01) in ([1, 3], [2, 2], [3, 1])
         assert balance_by_size(2, model, x) in ([1, 3], [2, 2], [3, 1])
+
+
+@skippable(stash=["parts"])
+class _StashesThenChanges(nn.Module):
+    """Stashes a dict of two tensors, then changes it: drops one, or adds one that requires grad."""
+
+    def __init__(self, change):
+        super().__init__()
+        self.change = change
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        parts = {"a": self.a(x), "b": self.b(x)}
+        yield stash("parts", parts)
+        if self.change == "drop":
+            del parts["a"]
+        else:
+            parts["c"] = self.a(x) * 2
+        return x
+
+
+@skippable(pop=["parts"])
+class _UsesWhatIsLeft(nn.Module):
+    def forward(self, x):
+        parts = yield pop("parts")
+        return x + sum(parts.values())
+
+
+@skippable(stash=["parts"])
+class _StashesAList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        yield stash("parts", [self.linear(x), x * 3])
+        return x
+
+
+@skippable(pop=["parts"])
+class _ConsumesTheList(nn.Module):
+    def forward(self, x):
+        parts = yield pop("parts")
+        first = parts.pop(0)  # takes items out of the list it was given
+        return x * first + parts.pop(0)
+
+
+@pytest.mark.parametrize("path", ["forward", "gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_container_changed_after_its_stash_or_at_its_pop_matches_the_plain_model(path, checkpoint):
+    """Review (helper-146): the pop numbered the container's tensors as it found them, so a
+    tensor the stashing layer removed after the stash shifted every gradient to the wrong
+    tensor (b's gradient reached a); and a pop layer that took items out of the list it got
+    left its checkpoint's recompute an empty list."""
+    for model in (nn.Sequential(nn.Linear(4, 4), _StashesThenChanges("drop"), nn.Linear(4, 4), _UsesWhatIsLeft()),
+                  nn.Sequential(nn.Linear(4, 4), _StashesAList(), nn.Linear(4, 4), _ConsumesTheList())):
+        torch.manual_seed(0)
+        reference = copy.deepcopy(model)
+        x, y = torch.randn(8, 4), torch.randn(8, 4)
+        with Pipe(model, [1, 1, 1, 1], chunks=2, checkpoint=checkpoint) as pipe:
+            if path == "forward":
+                loss = nn.MSELoss()(pipe(x), y)
+                loss.backward()
+            else:
+                loss = pipe.step(x, y, nn.MSELoss(), schedule=path)
+        expected = nn.MSELoss()(reference(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss.detach(), expected.detach())
+        for (name, parameter), want in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(parameter.grad, want.grad, msg=name)
+
+
+def test_a_tensor_added_to_a_container_after_its_stash_is_refused_under_pipe_step():
+    """It could not get its gradient: the stashing partition's backward knows the tensors the
+    skip held at its stash. (pipe(x) keeps the graph across partitions, so it works there.)"""
+    model = nn.Sequential(nn.Linear(4, 4), _StashesThenChanges("add"), nn.Linear(4, 4), _UsesWhatIsLeft())
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with Pipe(model, [1, 1, 1, 1], chunks=2) as pipe:
+        with pytest.raises(RuntimeError, match="skip 'parts': its dict holds a tensor that requires grad which it did "
+                                               "not hold when stashed"):
+            pipe.step(x, y, nn.MSELoss())
+        nn.MSELoss()(pipe(x), y).backward()
