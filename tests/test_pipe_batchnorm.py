@@ -316,3 +316,46 @@ def test_deferring_over_a_nested_pipe_that_holds_norms_is_refused(inner_deferred
         with Pipe(outer_model, [2, 2], chunks=2) as outer:  # without deferral: per outer micro-batch
             outer(torch.randn(8, 4))
         assert int(inner_model[1].num_batches_tracked) == (2 if inner_deferred else 4)
+
+
+def test_a_failure_after_the_run_undoes_its_own_commit_never_a_later_calls():
+    """Review (helper-146): the undo after the run ran outside the step lock and restored the
+    layer's latest snapshot, which by then was another thread's call's: that call's update
+    was lost. A call's commits are now marked while no other step runs, and undone only where
+    no later call committed on top of them (then both stay)."""
+    inside_loss, release = threading.Event(), threading.Event()
+
+    def blocking_loss(output, target):
+        inside_loss.set()
+        release.wait(10)
+        raise ValueError("a loss that raises")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with Pipe(model, [2, 1], chunks=2, deferred_batch_norm=True) as pipe:
+        norm = pipe[1]
+        errors = []
+
+        def call_a():
+            try:
+                pipe.evaluate(x, y, blocking_loss, reduction="mean")
+            except ValueError as exc:
+                errors.append(exc)
+
+        a = threading.Thread(target=call_a)
+        a.start()
+        assert inside_loss.wait(10)  # A's run committed; its loss runs outside the step lock
+        pipe(x + 1)  # B commits on top of A's commit
+        after_b = norm.running_mean.clone()
+        release.set()
+        a.join(10)
+        assert len(errors) == 1
+        assert int(norm.num_batches_tracked) == 2 and torch.equal(norm.running_mean, after_b)  # B's update stays
+
+        # With no call in between, the failed call's commit is undone, as before.
+        before = norm.running_mean.clone()
+        release.set()
+        inside_loss.clear()
+        with pytest.raises(ValueError, match="a loss that raises"):
+            pipe.evaluate(x, y, blocking_loss, reduction="mean")
+        assert int(norm.num_batches_tracked) == 2 and torch.equal(norm.running_mean, before)

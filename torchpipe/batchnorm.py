@@ -35,8 +35,8 @@ from torchpipe.checkpoint import is_recomputing
 from torchpipe.checks import check_positive_int
 
 __all__ = ["DeferredBatchNorm", "DeferredBatchNorm1d", "DeferredBatchNorm2d", "DeferredBatchNorm3d",
-           "set_microbatches", "undo_commits", "statistics_updating_norms", "running_statistics_frozen", "converts",
-           "unconvertible_norm"]
+           "set_microbatches", "undo_commits", "commit_marks", "undo_marked_commits", "statistics_updating_norms",
+           "running_statistics_frozen", "converts", "unconvertible_norm"]
 
 TModule = TypeVar("TModule", bound=nn.Module)
 
@@ -98,6 +98,7 @@ class DeferredBatchNorm(_BatchNorm):
         self.input_dims: Optional[Tuple[int, ...]] = None
         self._reset_pending()
         self._before_commit: Optional[Tuple[Tensor, Tensor, Tensor]] = None  # see undo_commits
+        self._commits = 0  # commits so far (and undos): see commit_marks
 
     # -- per-step API -------------------------------------------------------------------
 
@@ -193,6 +194,7 @@ class DeferredBatchNorm(_BatchNorm):
             # What undo_commits puts back if the step this commit belongs to fails.
             self._before_commit = (self.running_mean.clone(), self.running_var.clone(),
                                    self.num_batches_tracked.clone())
+            self._commits = getattr(self, "_commits", 0) + 1  # (a layer unpickled from before it counted)
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
@@ -368,6 +370,32 @@ def undo_commits(module: nn.Module) -> None:
                 layer.running_var.copy_(var)
                 layer.num_batches_tracked.copy_(tracked)
                 layer._before_commit = None
+                layer._commits = getattr(layer, "_commits", 0) + 1
+
+
+CommitMarks = List[Tuple["DeferredBatchNorm", int, Tuple[Tensor, Tensor, Tensor]]]
+
+
+def commit_marks(module: nn.Module) -> CommitMarks:
+    """The commits the step that just ran made in ``module``: each layer, its commit count and
+    the statistics the commit replaced. Taken while no other step can run, so that a failure
+    after the run (`undo_marked_commits`) undoes this step's commits and no later call's."""
+    return [(layer, getattr(layer, "_commits", 0), layer._before_commit) for layer in module.modules()
+            if isinstance(layer, DeferredBatchNorm) and getattr(layer, "_before_commit", None) is not None]
+
+
+def undo_marked_commits(marks: CommitMarks) -> None:
+    """Put back the statistics ``marks`` says its step committed, in each layer no commit has
+    changed since (another call's commit builds on this one's: both stay)."""
+    with torch.no_grad():
+        for layer, count, (mean, var, tracked) in marks:
+            if getattr(layer, "_commits", 0) == count:
+                layer.running_mean.copy_(mean)
+                layer.running_var.copy_(var)
+                layer.num_batches_tracked.copy_(tracked)
+                layer._commits = count + 1
+                if layer._before_commit is not None and layer._before_commit[0] is mean:
+                    layer._before_commit = None
 
 
 def _check_microbatches(microbatches: int) -> int:

@@ -117,7 +117,8 @@ class PartitionLayout:
 class ForwardContext:
     """Per-step data of a forward pass: the micro-batches and how to treat them."""
 
-    __slots__ = ("batches", "input_events", "checkpoint_stop", "rng_sections", "rng_seed", "skips", "record")
+    __slots__ = ("batches", "input_events", "checkpoint_stop", "rng_sections", "rng_seed", "skips", "record",
+                 "commit_marks")
 
     def __init__(self, batches: List[Batch], input_events: List[Any], checkpoint_stop: int) -> None:
         self.batches = batches
@@ -128,6 +129,7 @@ class ForwardContext:
         self.rng_seed: Optional[int] = None  # a reproducible Pipe's step seed (see seed_rng)
         self.skips = SkipStore()
         self.record: Any = None  # the runtime's record of this step, once it ran (a StepRecord)
+        self.commit_marks: Any = None  # deferred batch norm's commits of the step, once it ran
 
 
 def seed_rng(ctx: Any, step_seed: int) -> None:

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .batchnorm import DeferredBatchNorm, converts, set_microbatches, unconvertible_norm, undo_commits
+from .batchnorm import (DeferredBatchNorm, commit_marks, converts, set_microbatches, unconvertible_norm,
+                        undo_commits, undo_marked_commits)
 from .call_chain import current as current_chain
 from .call_chain import holds_rng_section
 from .call_lock import CallLock
@@ -350,11 +351,12 @@ class _failures_marked_in:
 
     (A class, not a generator: entered on every call.)"""
 
-    __slots__ = ("record", "pipe")
+    __slots__ = ("record", "pipe", "context")
 
-    def __init__(self, record: Optional[StepRecord], pipe: Optional["Pipe"] = None) -> None:
+    def __init__(self, record: Optional[StepRecord], pipe: Optional["Pipe"] = None, context: Any = None) -> None:
         self.record = record
         self.pipe = pipe
+        self.context = context
 
     def __enter__(self) -> None:
         return None
@@ -362,8 +364,8 @@ class _failures_marked_in:
     def __exit__(self, kind: Any, error: Optional[BaseException], traceback: Any) -> bool:
         if error is not None:
             _mark_failed(self.record, None, error)
-            if self.pipe is not None and self.pipe._deferred_batch_norm:
-                undo_commits(self.pipe)
+            if self.pipe is not None:
+                self.pipe._undo_commits_of(self.context)
         return False  # the error goes on up
 
 
@@ -841,10 +843,10 @@ class Pipe(nn.Module):
         input_dim, output_dim, _ = self._batch_dims
         batches = scatter(input, self.chunks, input_dim)
         sizes = self._followed_samples(batches)
-        outputs, record = self._forward_batches(batches)
+        outputs, context = self._forward_batches(batches)
         if len(outputs) == 1:  # nothing to join
             return outputs[0].value
-        with _failures_marked_in(record, self), leave_autocast(self._device_types):  # the join is no part of the forward
+        with _failures_marked_in(context.record, self, context), leave_autocast(self._device_types):  # the join is no part of the forward
             return gather(outputs, output_dim, sizes)
 
     def _followed_samples(self, batches: List[Batch]) -> Optional[List[int]]:
@@ -854,9 +856,10 @@ class Pipe(nn.Module):
             return None
         return [samples(batch, self._batch_dims[0]) for batch in batches]
 
-    def _forward_batches(self, batches: List[Batch]) -> Tuple[List[Batch], Optional[StepRecord]]:
+    def _forward_batches(self, batches: List[Batch]) -> Tuple[List[Batch], ForwardContext]:
         """Each micro-batch's output, in micro-batch order, ready on the caller's stream; and
-        the step's record (for a check after the run to mark the step failed)."""
+        the step's context, with its record (for a check after the run to mark the step failed
+        and undo its commits)."""
         m = len(batches)
         if self.training and records_graphs():
             stop = {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
@@ -869,9 +872,9 @@ class Pipe(nn.Module):
             # Another pipeline's checkpointed stage holds this Pipe and recomputes it: its first
             # forward committed the statistics already (this Pipe's workers cannot see the
             # caller's recompute, so its norms committed again).
-            undo_commits(self)
-        with _failures_marked_in(context.record, self):
-            return self._hand_back(outputs), context.record
+            self._undo_commits_of(context)
+        with _failures_marked_in(context.record, self, context):
+            return self._hand_back(outputs), context
 
     def evaluate(
         self,
@@ -910,8 +913,8 @@ class Pipe(nn.Module):
             targets = split_targets(target, batch_size(input, input_dim), len(batches), self.chunks, target_dim)
             scales = microbatch_weights(loss_fn, reduction, batches, targets, input_dim, loss_kwargs)
             sizes = self._followed_samples(batches)
-            outputs, record = self._forward_batches(batches)
-        with _failures_marked_in(record, self):  # its plan ran: a failure now fails the step
+            outputs, context = self._forward_batches(batches)
+        with _failures_marked_in(context.record, self, context):  # its plan ran: a failure now fails the step
             each = self._evaluated_losses(outputs, targets, _loss_call(loss_fn, loss_kwargs))
             with leave_autocast(self._device_types):  # as after the recipe's autocast block
                 total = _weighted_total(each, scales)
@@ -1049,7 +1052,7 @@ class Pipe(nn.Module):
                               sync_ticket=ticket, stage_to_worker=plan.stage_to_worker)
         self._run(plan, program, context, step_leaves=self._step_leaves(input, target, loss_fn, loss_kwargs))
         # The recipe's backward and totals come after its autocast block.
-        with _failures_marked_in(context.record, self), leave_autocast(self._device_types):
+        with _failures_marked_in(context.record, self, context), leave_autocast(self._device_types):
             return self._finish_step(context, upstream, scales, output_dim, losses, return_outputs)
 
     def _finish_step(self, context: StepContext, upstream: Upstream, scales: List[float], output_dim: BatchDim,
@@ -1194,6 +1197,8 @@ class Pipe(nn.Module):
                 _warn_unseeded_draws(shared)
             if grad_round is not None:  # under the lock: the next step must not add to .grad meanwhile
                 grad_round.finish(failed=not any(context.loss_has_graph))  # step() raises for that case
+            if self._deferred_batch_norm:  # under the lock: what a failure after the run undoes
+                context.commit_marks = commit_marks(self)
             return results
         except BaseException as exc:
             _mark_failed(self._runtime.last_step, previous, exc)  # a check after the run: the step failed
@@ -1214,6 +1219,14 @@ class Pipe(nn.Module):
                 # last_memory is.
                 object.__setattr__(self, "_last_run", (plan, record))
                 context.record = record  # the call's own record, for a check after the run to mark
+
+    def _undo_commits_of(self, context: Any) -> None:
+        """Undo the deferred batch norm commits of the call of ``context`` once its run is over
+        (a failure after it, or a recompute's second commit): under the step lock, and only
+        in layers no later call committed to since (`commit_marks`)."""
+        marks = getattr(context, "commit_marks", None)
+        if marks:
+            self._step_lock.call(undo_marked_commits, marks)
 
     def _adopt_layer_changes(self) -> None:
         """Take in what changed inside the layers since the last step (a batch norm added, say).

@@ -97,6 +97,7 @@ class StepContext:
         sync_ticket: Any = None,
         stage_to_worker: Optional[Sequence[int]] = None,
     ) -> None:
+        self.commit_marks: Any = None  # deferred batch norm's commits of the step, once it ran (Pipe._run)
         self.batches = batches
         self.targets = targets
         self.input_events = input_events
