@@ -323,6 +323,21 @@ def test_the_converted_layer_keeps_the_batch_norms_hooks_and_their_handles():
     assert calls == ["pre"]
 
 
+def test_a_load_state_dict_pre_hook_of_the_batch_norm_is_called_with_the_converted_layer():
+    """Review (helper-146): the public load_state_dict pre-hook holds its module weakly; carried
+    over as it was, it called the hook with the replaced batch norm, and once that was gone
+    load_state_dict raised "You are trying to call the hook of a dead Module!"."""
+    import gc
+
+    seen: List[str] = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[1].register_load_state_dict_pre_hook(lambda module, *args: seen.append(type(module).__name__))
+    converted = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=2)
+    gc.collect()  # the replaced batch norm is gone
+    converted.load_state_dict(converted.state_dict())
+    assert seen == ["DeferredBatchNorm1d"]
+
+
 class _HalvedBatchNorm(nn.BatchNorm1d):
     def forward(self, input):
         return super().forward(input) * 0.5

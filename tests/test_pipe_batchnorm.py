@@ -318,6 +318,16 @@ def test_deferring_over_a_nested_pipe_that_holds_norms_is_refused(inner_deferred
         assert int(inner_model[1].num_batches_tracked) == (2 if inner_deferred else 4)
 
 
+def test_deferring_over_a_nested_pipe_whose_norms_keep_no_statistics_is_allowed():
+    """Review (helper-146): a batch norm without running statistics commits nothing."""
+    inner_model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.Linear(4, 4))
+    with Pipe(inner_model, [1, 2], chunks=2) as inner, \
+            Pipe(nn.Sequential(nn.Linear(4, 4), inner, nn.BatchNorm1d(4)), [2, 1], chunks=2,
+                 deferred_batch_norm=True) as outer:
+        assert outer(torch.randn(8, 4)).shape == (8, 4)
+        assert type(outer[2]) is not nn.BatchNorm1d and inner_model[1].running_mean is None
+
+
 def test_a_failure_after_the_run_undoes_its_own_commit_never_a_later_calls():
     """Review (helper-146): the undo after the run ran outside the step lock and restored the
     layer's latest snapshot, which by then was another thread's call's: that call's update

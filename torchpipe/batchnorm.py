@@ -20,6 +20,7 @@ the accumulators need no lock.
 from __future__ import annotations
 
 import inspect
+import weakref
 from numbers import Real
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar, cast
@@ -273,6 +274,11 @@ class DeferredBatchNorm(_BatchNorm):
         # The very hook dicts, not copies: the user's handles (``handle.remove()``) still work.
         for hooks in _CARRIED_HOOKS:
             setattr(deferred, hooks, getattr(source, hooks))
+        for hook in deferred._load_state_dict_pre_hooks.values():
+            # A public load_state_dict pre-hook holds its module (weakly), to call it with:
+            # from now on the deferred layer (the source is gone once replaced).
+            if getattr(hook, "with_module", False) and hook.module() is source:
+                hook.module = weakref.ref(deferred)
         return deferred
 
 

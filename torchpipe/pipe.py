@@ -335,7 +335,7 @@ def _refuse_nested_norms(module: nn.Module) -> None:
     fixed, so a plain norm there could not be converted either."""
     for name, inner in module.named_modules():
         if isinstance(inner, Pipe):
-            norms = [n for n, m in inner.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+            norms = [n for n, m in inner.named_modules() if isinstance(m, DeferredBatchNorm) or converts(m)]
             if norms:
                 raise ValueError(
                     f"deferred_batch_norm=True cannot defer the batch norms of the Pipe nested at {name!r} (its layer "
@@ -1332,7 +1332,8 @@ class Pipe(nn.Module):
 
         A call in progress on another thread finishes first; one still running after
         ``STOP_TIMEOUT_S`` (a stage stuck in user code) is given up: the workers stop, and that
-        call raises RuntimeError once it wakes. From inside one of the Pipe's own
+        call raises RuntimeError once it wakes (one micro-batch on CPU stages, which runs on
+        its caller's thread and needs no worker, finishes instead). From inside one of the Pipe's own
         stages on a worker, close() raises RuntimeError: the stage's own step could never
         finish. Called on the thread that is running a call of this Pipe (a signal handler, say
         a SIGTERM handler that shuts down, or a stage of a call that runs on the caller's

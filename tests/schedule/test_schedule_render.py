@@ -1,6 +1,7 @@
 """Simulation costs and the views (table, chrome trace, png) drawn from the plan."""
 from __future__ import annotations
 
+import io
 import math
 import random
 import sys
@@ -309,6 +310,9 @@ class _FakeFigure(_Recorder):
         self._log.append(_Call(self._owner, "savefig", (path, *args), kwargs))
         if self.fail_savefig:
             raise OSError(f"cannot write {path}")
+        if hasattr(path, "write"):  # a file object, as matplotlib's savefig takes
+            path.write(b"fake png")
+            return
         with open(path, "wb") as f:
             f.write(b"fake png")
 
@@ -519,6 +523,10 @@ def test_save_png_writes_a_png_under_the_name_given_and_refuses_a_non_path_first
     build("1f1b", 2, 2).save_png(str(tmp_path / "schedule.jpg"))
     saves = [call for call in fake_mpl.log if call.name == "savefig"]
     assert len(saves) == 1 and saves[0].kwargs == {"format": "png"}
+    buffer = io.BytesIO()  # a file object is written as such (helper-146)
+    build("1f1b", 2, 2).save_png(buffer)
+    saves = [call for call in fake_mpl.log if call.name == "savefig"]
+    assert saves[-1].args[0] is buffer and saves[-1].kwargs == {"format": "png"}
 
 
 def test_save_png_rejects_bad_costs_before_drawing(fake_mpl: _FakeMatplotlib, tmp_path: Path) -> None:

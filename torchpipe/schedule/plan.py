@@ -318,7 +318,7 @@ class Plan:
 
         return chrome_trace(self, costs, comm=comm, us_per_unit=us_per_unit)
 
-    def save_png(self, path: str, costs: "Costs" = None, *, comm: float = 0.0) -> None:
+    def save_png(self, path: Any, costs: "Costs" = None, *, comm: float = 0.0) -> None:
         """Gantt chart of the simulated plan; needs matplotlib (ImportError otherwise)."""
         from .render import save_png
 

@@ -162,14 +162,16 @@ def chrome_trace(plan: "Plan", costs: Costs = None, *, comm: float = 0.0, us_per
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"plan": plan.name}}
 
 
-def save_png(plan: "Plan", path: str, costs: Costs = None, *, comm: float = 0.0) -> None:
+def save_png(plan: "Plan", path: Any, costs: Costs = None, *, comm: float = 0.0) -> None:
     """Write a Gantt chart of the simulated plan; raises ImportError without matplotlib.
 
     Drawn on a bare ``Figure`` with the Agg canvas, not through ``pyplot``: the caller's
-    backend (a notebook's inline one) and open figures stay as they were. The file is a PNG
-    under the name given, whatever its suffix (matplotlib would pick the format from it).
+    backend (a notebook's inline one) and open figures stay as they were. ``path``: a file
+    name, written as PNG whatever its suffix (matplotlib would pick the format from it), or a
+    binary file object.
     """
-    check_file_path(path, "save_png")  # before anything is drawn
+    if not callable(getattr(path, "write", None)):  # a file object (io.BytesIO) is written as such
+        check_file_path(path, "save_png")  # before anything is drawn
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
