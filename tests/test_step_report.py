@@ -267,3 +267,27 @@ def test_report_refuses_arguments_of_the_wrong_types_by_name():
         report("1f1b", record)
     with pytest.raises(TypeError, match=r"report takes the step's StepRecord \(pipe.last_step\) second, got NoneType"):
         report(build("1f1b", 4, 4), None)
+
+
+def test_every_wait_for_a_generators_lock_of_a_long_step_is_recorded(monkeypatch):
+    """Review (helper-146): the waits were kept in a ring of 256 per thread, so a step of many
+    micro-batches lost the oldest: 868 waits happened, 512 were recorded, and the rest counted
+    as work. Each step now keeps its own."""
+    import torchpipe.call_chain as call_chain
+
+    noted = []
+    take = call_chain.HeldLock.take
+
+    def counting_take(self, lock, cancels, waits=None):
+        before = len(waits) if waits is not None else 0
+        take(self, lock, cancels, waits)
+        if waits is not None and len(waits) > before:
+            noted.append(waits[-1])
+
+    monkeypatch.setattr(call_chain.HeldLock, "take", counting_take)
+    model = nn.Sequential(nn.Linear(8, 8), _DrawsThenSleeps(0.0005), nn.Linear(8, 8), _DrawsThenSleeps(0.0005))
+    with Pipe(model, [2, 2], chunks=400, checkpoint="always") as pipe:
+        pipe.step(torch.randn(800, 8), torch.randn(800, 8), nn.MSELoss(), schedule="1f1b")
+        record = pipe.last_step
+    assert len(noted) > 2 * 256  # the premise: more waits than two rings of 256 (one per thread) kept
+    assert sorted((start, end) for _, start, end in record.lock_waits) == sorted((s, e) for _, s, e in noted)

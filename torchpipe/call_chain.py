@@ -19,12 +19,12 @@ import itertools
 import threading
 import time
 from types import MappingProxyType
-from typing import Callable, Deque, Dict, FrozenSet, List, Mapping, Optional, Tuple
+from typing import Callable, FrozenSet, List, Mapping, Optional, Tuple
 
 import torch
 
 __all__ = ["Cancel", "Chain", "RNGWaitAborted", "current", "adopt", "new_owner", "enter_rng_section",
-           "leave_rng_section", "holds_rng_section", "lock_waits_of"]
+           "leave_rng_section", "holds_rng_section", "LockWaits"]
 
 # How often a wait for a generator's lock looks whether its step was aborted. The wait itself
 # ends as soon as the lock is free; this only bounds how late an abort is seen.
@@ -60,21 +60,29 @@ class HeldSection:
         self.held = True
 
 
+LockWaits = List[Tuple[int, float, float]]
+"""Waits for a random generator's lock: (thread ident, start, end) ``perf_counter`` readings."""
+
+
 class Chain:
     """The steps a piece of work serves, and the RNG sections it runs inside."""
 
-    __slots__ = ("owners", "rng_locks", "cancels")
+    __slots__ = ("owners", "rng_locks", "cancels", "waits")
 
     def __init__(self, owners: FrozenSet[int] = frozenset(),
-                 rng_locks: Mapping[int, HeldSection] = MappingProxyType({}), cancels: Tuple[Cancel, ...] = ()) -> None:
+                 rng_locks: Mapping[int, HeldSection] = MappingProxyType({}), cancels: Tuple[Cancel, ...] = (),
+                 waits: Optional[LockWaits] = None) -> None:
         self.owners = owners
         self.rng_locks = rng_locks
         self.cancels = cancels  # one per step served: any set aborts this work's lock waits
+        self.waits = waits  # the innermost step's record of waits for a generator's lock, if kept
 
-    def serving(self, owner: int, cancel: Optional[Cancel] = None) -> "Chain":
+    def serving(self, owner: int, cancel: Optional[Cancel] = None, waits: Optional[LockWaits] = None) -> "Chain":
         """This chain, one level down: work done for step ``owner`` (aborted when ``cancel``
-        is set) on behalf of this chain's caller."""
-        return Chain(self.owners | {owner}, self.rng_locks, self.cancels if cancel is None else self.cancels + (cancel,))
+        is set) on behalf of this chain's caller, its waits for a generator's lock noted in
+        ``waits`` (else where this chain notes them)."""
+        return Chain(self.owners | {owner}, self.rng_locks, self.cancels if cancel is None else self.cancels + (cancel,),
+                     self.waits if waits is None else waits)
 
 
 ROOT = Chain()
@@ -113,29 +121,6 @@ _TAKE_WAITING = _LOCK_TYPE.acquire  # called on the lock: a plain blocking acqui
 _TAKE_POLLING = functools.partial(_LOCK_TYPE.acquire, timeout=_CANCEL_POLL_S)
 _TAKE_FREE = functools.partial(_LOCK_TYPE.acquire, blocking=False)  # only if no one holds it: no wait
 
-# The waits for a generator's lock, per thread (its ident): (start, end) ``perf_counter``
-# readings, the latest few. A step's record reads its threads' waits (`lock_waits_of`), so
-# that waiting shows as idle time rather than as work of the job that waited.
-_lock_waits: Dict[int, Deque[Tuple[float, float]]] = {}
-_LOCK_WAITS_KEPT = 256
-
-
-def _note_lock_wait(start: float) -> None:
-    waits = _lock_waits.get(threading.get_ident())
-    if waits is None:
-        waits = _lock_waits.setdefault(threading.get_ident(), collections.deque(maxlen=_LOCK_WAITS_KEPT))
-    waits.append((start, time.perf_counter()))
-
-
-def lock_waits_of(thread_ident: Optional[int], since: float, until: float) -> List[Tuple[float, float]]:
-    """The waits for a random generator's lock that thread ``thread_ident`` began and ended
-    between ``since`` and ``until`` (``perf_counter`` readings), oldest first."""
-    waits = _lock_waits.get(thread_ident) if thread_ident is not None else None
-    if not waits:
-        return []
-    return [(start, end) for start, end in list(waits) if start >= since and end <= until]
-
-
 class HeldLock:
     """A lock this thread takes, and the one call that gives it back: safe against Ctrl-C.
 
@@ -156,7 +141,7 @@ class HeldLock:
         self.taken: List[threading.Lock] = []
         self.give_back = functools.partial(collections.deque, map(_LOCK_TYPE.release, iter(self.taken)), 0)
 
-    def take(self, lock: threading.Lock, cancels: Tuple[Cancel, ...]) -> None:
+    def take(self, lock: threading.Lock, cancels: Tuple[Cancel, ...], waits: Optional[LockWaits] = None) -> None:
         """``lock.acquire()``, given up with `RNGWaitAborted` once a step of ``cancels`` aborts: a
         worker's wait must end with its step (another pipeline's stage stuck inside its section
         would otherwise hold this worker, and this pipeline, for as long as it is stuck)."""
@@ -175,7 +160,8 @@ class HeldLock:
                     raise RNGWaitAborted("this stage's step was aborted while it waited for a random generator's "
                                          "lock, which another stage (of another pipeline, or a thread of yours) holds")
         finally:
-            _note_lock_wait(start)
+            if waits is not None:  # (thread, start, end): the step's record counts it as idle
+                waits.append((threading.get_ident(), start, time.perf_counter()))
 
 
 RNGSection = Tuple[HeldLock, Chain, HeldSection]
@@ -195,14 +181,15 @@ def enter_rng_section(generator: torch.Generator, lock: threading.Lock) -> RNGSe
     held = HeldLock()
     try:
         if outer is not None:
-            held.take(outer.sub_lock, chain.cancels)
+            held.take(outer.sub_lock, chain.cancels, chain.waits)
             if not outer.held:  # the section ended (work that outlived it): the generator's own lock
                 held.give_back()
                 held = HeldLock()
         if not held.taken:
-            held.take(lock, chain.cancels)
+            held.take(lock, chain.cancels, chain.waits)
         section = HeldSection()
-        _current.chain = Chain(chain.owners, MappingProxyType({**chain.rng_locks, id(generator): section}), chain.cancels)
+        _current.chain = Chain(chain.owners, MappingProxyType({**chain.rng_locks, id(generator): section}), chain.cancels,
+                               chain.waits)
         return held, chain, section
     except BaseException:  # noqa: B902 - Ctrl-C too: give back what was taken, then raise
         _current.chain = chain

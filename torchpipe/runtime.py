@@ -22,6 +22,7 @@ installed, and the next call ends it, or refuses while that job runs on.
 from __future__ import annotations
 
 import _thread
+import bisect
 import contextlib
 import json
 import threading
@@ -316,19 +317,24 @@ class StepRecord:
 
 
 def _jobs_lock_waits(program: Program, starts: List[float], ends: List[float], threads: List[Optional[int]],
-                     wall_start: float, wall_end: float) -> List[Tuple[int, float, float]]:
-    """(job index, start, end) of each wait for a random generator's lock inside a job of the step."""
+                     waits: call_chain.LockWaits) -> List[Tuple[int, float, float]]:
+    """(job index, start, end) of each of the step's ``waits`` for a random generator's lock
+    that lies inside a job (a host task's, or one of a job a failure left running, does not)."""
+    waits = list(waits)  # a copy: a job an interrupt left running may still add
+    if not waits:
+        return []
+    by_thread: Dict[Optional[int], List[Tuple[float, int]]] = {}  # each thread's jobs by start
+    for w, on_worker in enumerate(program.worker_jobs):
+        by_thread.setdefault(threads[w], []).extend((starts[job.index], job.index) for job in on_worker
+                                                    if starts[job.index] >= 0)
+    for jobs in by_thread.values():
+        jobs.sort()
     found: List[Tuple[int, float, float]] = []
-    for ident in set(threads):
-        waits = call_chain.lock_waits_of(ident, wall_start, wall_end)
-        if not waits:
-            continue
-        jobs = [job.index for w, on_worker in enumerate(program.worker_jobs) if threads[w] == ident
-                for job in on_worker if starts[job.index] >= 0]
-        for start, end in waits:
-            index = next((i for i in jobs if starts[i] <= start and end <= ends[i]), None)
-            if index is not None:
-                found.append((index, start, end))
+    for ident, start, end in waits:
+        jobs = by_thread.get(ident, [])
+        at = bisect.bisect_right(jobs, (start, len(starts))) - 1  # the last job that started by then
+        if at >= 0 and end <= ends[jobs[at][1]]:
+            found.append((jobs[at][1], start, end))
     return sorted(found, key=lambda wait: wait[1])
 
 
@@ -668,14 +674,15 @@ class Runtime:
         """The record of ``step``: copies, since a job an interrupt left running may still write."""
         failed_job = step.failed_job if error is not None and error is step.error else None
         return self._timings_record(program, list(step.starts), list(step.ends), failed_job, wall_start, wall_end,
-                                    error, [worker.thread.ident for worker in self.workers])
+                                    error, [worker.thread.ident for worker in self.workers], step.state.lock_waits)
 
     def _timings_record(self, program: Program, starts: List[float], ends: List[float], failed_job: Optional[int],
                         wall_start: float, wall_end: float, error: Optional[BaseException],
-                        threads: List[Optional[int]], names: Optional[List[str]] = None) -> StepRecord:
+                        threads: List[Optional[int]], waits: call_chain.LockWaits,
+                        names: Optional[List[str]] = None) -> StepRecord:
         """A step's record from its jobs' times (kept as given) and how the call ended;
-        ``threads``: the ident of the thread that ran each worker's jobs, ``names``: its name
-        (the worker's own by default)."""
+        ``threads``: the ident of the thread that ran each worker's jobs, ``waits`` the step's
+        waits for a generator's lock, ``names``: the threads' names (the workers' by default)."""
         return StepRecord(
             labels=list(program.labels),
             workers=list(program.job_workers),
@@ -687,7 +694,7 @@ class Runtime:
             keys=list(program.keys),
             error=None if error is None else describe_error(error),
             failed_job=failed_job,
-            lock_waits=_jobs_lock_waits(program, starts, ends, threads, wall_start, wall_end),
+            lock_waits=_jobs_lock_waits(program, starts, ends, threads, waits),
         )
 
     def stop(self, finalizer: Any) -> None:
@@ -807,7 +814,8 @@ class Runtime:
         starts, ends = [-1.0] * n, [-1.0] * n
         cancel = call_chain.Cancel()
         caller_chain = call_chain.current()
-        chain = caller_chain.serving(owner, cancel)
+        waits: call_chain.LockWaits = []
+        chain = caller_chain.serving(owner, cancel, waits)
         grad_enabled = torch.is_grad_enabled()
         profiling = bool(torch.autograd.profiler._is_profiler_enabled)
         failed: Optional[int] = None
@@ -875,7 +883,7 @@ class Runtime:
             error = error or exc
         caller = threading.current_thread().name  # the jobs ran here, not on the workers
         self.last_step = self._timings_record(program, starts, ends, failed, wall_start, wall_end, error,
-                                              [threading.get_ident()] * len(self.workers),
+                                              [threading.get_ident()] * len(self.workers), waits,
                                               [f"{caller} (the caller's thread, for {w.name})" for w in self.workers])
         if error is not None:
             values.clear()  # the traceback holds this frame: the step's activations must not stay with it

@@ -18,7 +18,7 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 
 import torch
 
-from .call_chain import Cancel, Chain
+from .call_chain import Cancel, Chain, LockWaits
 from .call_chain import current as current_chain
 
 __all__ = ["ThreadState", "CHECKPOINT_HOOK_MARK", "autocast_active", "current_saved_tensors_hooks", "in_torch_checkpoint", "leave_autocast",
@@ -303,14 +303,17 @@ class ThreadState:
     """
 
     __slots__ = ("grad_enabled", "inference", "autocast", "saved_hooks", "modes", "profiling", "plain", "chain",
-                 "owner", "cancel")
+                 "owner", "cancel", "lock_waits")
 
     def __init__(self, device_types: Sequence[str], owner: Optional[int] = None) -> None:
         # Whom the jobs work for: the caller's chain, one level down for step ``owner``, whose
         # abort sets ``cancel`` (the jobs' waits for a generator's lock then give up).
         self.owner = owner
         self.cancel = Cancel()
-        self.chain: Chain = current_chain() if owner is None else current_chain().serving(owner, self.cancel)
+        # A step's jobs note their waits for a generator's lock here, for the step's record.
+        self.lock_waits: LockWaits = []
+        self.chain: Chain = (current_chain() if owner is None
+                             else current_chain().serving(owner, self.cancel, self.lock_waits))
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast: List[Tuple[str, torch.dtype, bool]] = []
