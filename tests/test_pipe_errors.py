@@ -452,3 +452,41 @@ def test_a_meta_target_is_refused_before_anything_runs():
             assert pipe.last_step is record and pipe.last_memory is memory, name
     with pytest.raises(ValueError, match="number of chunks must be a positive integer, got tensor"):
         Pipe(nn.Sequential(nn.Linear(4, 4)), [1], chunks=torch.tensor(2, device="meta"))
+
+
+class _ReturnsADict(nn.Module):
+    def forward(self, x):
+        return {"h": x}
+
+
+class _FreezesItsInput(nn.Module):
+    def forward(self, x):
+        x.requires_grad_(False)
+        return x * 2
+
+
+@pytest.mark.parametrize("call", ["forward", "step"])
+def test_a_partition_that_returns_a_dict_is_named(call):
+    """Review (helper-147): the TypeError said "got dict" without the partition."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), _ReturnsADict(), nn.Linear(4, 4))
+    with Pipe(model, [1, 2, 1], chunks=2) as pipe:
+        with pytest.raises(TypeError, match="got dict") as caught:
+            if call == "forward":
+                pipe(torch.randn(4, 4))
+            else:
+                pipe.step(torch.randn(4, 4), torch.zeros(4, 4), nn.MSELoss())
+    assert any("returned by partition 1 (its last layer: _ReturnsADict)" in note for note in caught.value.__notes__)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_requires_grad_false_on_a_stage_input_is_refused_under_step_as_the_plain_model_refuses_it(checkpoint):
+    """Review (helper-147): the input of a later stage is a leaf under Pipe.step, so the flag
+    could be turned off there, and the earlier partitions silently got no gradient."""
+    model = nn.Sequential(nn.Linear(4, 4), _FreezesItsInput(), nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match="leaf variables"):
+        model(torch.randn(6, 4))
+    with Pipe(model, [1, 2], chunks=2, checkpoint=checkpoint) as pipe:
+        with pytest.raises(RuntimeError, match=r"partition 1: a layer called requires_grad_\(False\) on the partition's "
+                                               "input"):
+            pipe.step(torch.randn(6, 4), torch.zeros(6, 4), nn.MSELoss())
+    assert model[0].weight.grad is None  # refused before any backward

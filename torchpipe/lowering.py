@@ -29,7 +29,8 @@ from .batchnorm import running_statistics_frozen, statistics_updating_norms
 from .checkpoint import ForwardTensors, StageRNG, checkpoint, task_seed, tensor_slots
 from .copy import mark_ready, receive
 from .devices import Backend, get_backend
-from .microbatch import Batch, nested_tensors
+from .microbatch import NOT_A_BATCH, Batch, nested_tensors
+from .notes import add_note
 from .module_reads import modules_in_order, optional_attribute, parameters_in_order
 from .runtime import Program
 from .skip import Skippable, use_skip_tracker
@@ -289,6 +290,16 @@ def _builds_a_graph(partition: nn.Module, batch: Batch) -> bool:
     return any(p.requires_grad for p in parameters_in_order(partition))
 
 
+def name_the_partition(error: TypeError, stage: StageRunner) -> None:
+    """Say which partition returned what a pipeline cannot pass on (a dict, say): the
+    ``Batch`` error names only the type."""
+    if str(error).startswith(NOT_A_BATCH):
+        last = list(stage.partition.children())[-1:]
+        layer = f" (its last layer: {type(last[0]).__name__})" if last else ""
+        add_note(error, f"[torchpipe] returned by partition {stage.index}{layer}: return a tensor or a tuple "
+                        "from a partition's last layer (a dict may pass between layers inside one partition)")
+
+
 def run_partition(stage: StageRunner, ctx: Any, microbatch: int, batch: Batch, record: Optional[StageSkips]) -> Batch:
     """Run ``stage``'s partition on one micro-batch: checkpointed or not, RNG-safe, with skips.
 
@@ -353,7 +364,11 @@ def _forward_job(stage: StageRunner, microbatch: int) -> Callable[[ForwardContex
             ctx.batches[microbatch] = None  # type: ignore[call-overload]  # the pipeline owns it now
         if needs_receive(stage, batch, event):
             batch = receive(batch, event, stage.device, stream, stage.copy_stream_for)
-        output = run_partition(stage, ctx, microbatch, batch, None)
+        try:
+            output = run_partition(stage, ctx, microbatch, batch, None)
+        except TypeError as exc:
+            name_the_partition(exc, stage)
+            raise
         return output, (None if on_cpu else mark_ready(backend, stream))
 
     return run

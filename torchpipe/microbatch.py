@@ -20,10 +20,13 @@ from torch import Tensor
 __all__ = [
     "Batch", "BatchDim", "scatter", "gather", "rebuild", "why_not_gatherable", "TensorOrTensors", "batch_size",
     "samples", "check_batch_dim", "common_batch_dim", "check_joins", "nested_tensors",
-    "nested_tensor_paths", "items_of", "map_nested",
+    "nested_tensor_paths", "items_of", "map_nested", "NOT_A_BATCH",
 ]
 
 TensorOrTensors = Union[Tensor, Tuple[Any, ...]]
+
+
+NOT_A_BATCH = "a pipeline partition takes and returns a Tensor or a tuple (of tensors and other values)"
 
 
 class Batch:
@@ -38,10 +41,7 @@ class Batch:
         elif isinstance(values, tuple):
             self.values = values
         else:
-            raise TypeError(
-                "a pipeline partition takes and returns a Tensor or a tuple (of tensors and other "
-                f"values), got {type(values).__name__}"
-            )
+            raise TypeError(f"{NOT_A_BATCH}, got {type(values).__name__}")
 
     @property
     def value(self) -> TensorOrTensors:

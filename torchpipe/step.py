@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from . import engine
 from .checkpoint import explain_hooks_refusal, task_seed
 from .copy import mark_ready, receive
-from .lowering import StageRunner, leaf_changed_in_place, needs_receive, run_partition
+from .lowering import StageRunner, leaf_changed_in_place, name_the_partition, needs_receive, run_partition
 from .notes import add_note
 from .microbatch import (Batch, BatchDim, check_joins, items_of, map_nested, nested_tensor_paths, rebuild,
                          why_not_gatherable)
@@ -327,6 +327,9 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             try:
                 output = run_partition(stage, ctx, microbatch, batch, skips)
+            except TypeError as exc:
+                name_the_partition(exc, stage)
+                raise
             except RuntimeError as exc:
                 changed = leaf_changed_in_place(index, exc, skips)
                 if changed is not None:
@@ -337,6 +340,13 @@ def _forward(stage: StageRunner, microbatch: int, last: bool, sends_copies: bool
                     "In the layer, take the inner gradient with torch.autograd.grad(..., create_graph=True), or "
                     "train this model with pipe(x) and backward() under checkpoint='never'")
                 raise
+            if leaves and not all(leaf.requires_grad for leaf in leaves):
+                # The plain model (and pipe(x)) refuses this on a non-leaf: here the input is a
+                # leaf cut for the step, so it would silently cut the earlier stages' gradients.
+                raise RuntimeError(
+                    f"partition {index}: a layer called requires_grad_(False) on the partition's input, which the plain "
+                    "model refuses (you can only change requires_grad flags of leaf variables): under Pipe.step the "
+                    "earlier partitions would get no gradient. Use x.detach() for a part that must not train them")
             if last:
                 target = ctx.targets[microbatch]
                 if isinstance(target, Tensor) and target.device != device:
