@@ -660,6 +660,27 @@ def test_skippable_layers_of_torchgpipe_or_fairscale_are_refused_across_partitio
         assert torch.equal(pipe(torch.ones(2, 1)), torch.full((2, 1), 3.0))
 
 
+def _trains_as_the_plain_model(model, path, checkpoint, options=None):
+    """One step of ``model`` as 4 partitions, 2 micro-batches, through ``pipe(x)`` (path
+    "forward") or ``Pipe.step`` with schedule ``path``: loss and every gradient as the plain
+    model's. Returns the input."""
+    torch.manual_seed(0)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with Pipe(model, [1, 1, 1, 1], chunks=2, checkpoint=checkpoint) as pipe:
+        if path == "forward":
+            loss = nn.MSELoss()(pipe(x), y)
+            loss.backward()
+        else:
+            loss = pipe.step(x, y, nn.MSELoss(), schedule=path, **(options or {}))
+    expected = nn.MSELoss()(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    for (name, parameter), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, want.grad, msg=name)
+    return x
+
+
 @skippable(stash=["parts"])
 class _StashesAContainer(nn.Module):
     """Stashes a dict holding a tuple: two tensors on the graph (one shares it with the
@@ -699,21 +720,8 @@ def test_a_skip_that_is_a_container_of_tensors_gets_every_gradient(path, options
     tuple kept the stashing partition's graph: zero-bubble left the layer before the stash with
     wrong gradients, and a tuple sharing graph with the stage's output made the other schedules
     backpropagate through it twice."""
-    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), _StashesAContainer(), nn.Linear(4, 4), _PopsAContainer())
-    reference = copy.deepcopy(model)
-    x, y = torch.randn(8, 4), torch.randn(8, 4)
-    with Pipe(model, [1, 1, 1, 1], chunks=2, checkpoint=checkpoint) as pipe:
-        if path == "forward":
-            loss = nn.MSELoss()(pipe(x), y)
-            loss.backward()
-        else:
-            loss = pipe.step(x, y, nn.MSELoss(), schedule=path, **options)
-    expected = nn.MSELoss()(reference(x), y)
-    expected.backward()
-    torch.testing.assert_close(loss.detach(), expected.detach())
-    for (name, parameter), want in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(parameter.grad, want.grad, msg=name)
+    x = _trains_as_the_plain_model(model, path, checkpoint, options)
     if path == "forward" and checkpoint == "never":  # profiling failed on a container with an AttributeError
         assert balance_by_time(2, model, x, timeout=0.01) in ([1, 3], [2, 2], [3, 1])
         assert balance_by_size(2, model, x) in ([1, 3], [2, 2], [3, 1])
@@ -774,20 +782,7 @@ def test_a_container_changed_after_its_stash_or_at_its_pop_matches_the_plain_mod
     left its checkpoint's recompute an empty list."""
     for model in (nn.Sequential(nn.Linear(4, 4), _StashesThenChanges("drop"), nn.Linear(4, 4), _UsesWhatIsLeft()),
                   nn.Sequential(nn.Linear(4, 4), _StashesAList(), nn.Linear(4, 4), _ConsumesTheList())):
-        torch.manual_seed(0)
-        reference = copy.deepcopy(model)
-        x, y = torch.randn(8, 4), torch.randn(8, 4)
-        with Pipe(model, [1, 1, 1, 1], chunks=2, checkpoint=checkpoint) as pipe:
-            if path == "forward":
-                loss = nn.MSELoss()(pipe(x), y)
-                loss.backward()
-            else:
-                loss = pipe.step(x, y, nn.MSELoss(), schedule=path)
-        expected = nn.MSELoss()(reference(x), y)
-        expected.backward()
-        torch.testing.assert_close(loss.detach(), expected.detach())
-        for (name, parameter), want in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(parameter.grad, want.grad, msg=name)
+        _trains_as_the_plain_model(model, path, checkpoint)
 
 
 def test_a_tensor_added_to_a_container_after_its_stash_is_refused_under_pipe_step():
