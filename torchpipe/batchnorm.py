@@ -366,17 +366,10 @@ def undo_commits(module: nn.Module) -> None:
     A partition commits its batch norms' statistics once it has run the last micro-batch's
     forward, while later partitions may still fail; which layers got that far depends on
     the schedule and the threads' timing. Undone, a failed step leaves every running
-    statistic as it was before the step, whatever the timing.
+    statistic as it was before the step, whatever the timing. Called while the step still
+    holds the Pipe, so every commit found is the step's own.
     """
-    with torch.no_grad():
-        for layer in module.modules():
-            if isinstance(layer, DeferredBatchNorm) and getattr(layer, "_before_commit", None) is not None:
-                mean, var, tracked = layer._before_commit
-                layer.running_mean.copy_(mean)
-                layer.running_var.copy_(var)
-                layer.num_batches_tracked.copy_(tracked)
-                layer._before_commit = None
-                layer._commits = getattr(layer, "_commits", 0) + 1
+    undo_marked_commits(commit_marks(module))
 
 
 CommitMarks = List[Tuple["DeferredBatchNorm", int, Tuple[Tensor, Tensor, Tensor]]]
@@ -401,7 +394,7 @@ def undo_marked_commits(marks: CommitMarks) -> None:
                 layer.num_batches_tracked.copy_(tracked)
                 layer._commits = count + 1
                 if layer._before_commit is not None and layer._before_commit[0] is mean:
-                    layer._before_commit = None
+                    layer._before_commit = None  # undone: nothing left to undo
 
 
 def _check_microbatches(microbatches: int) -> int:
